@@ -1,0 +1,85 @@
+"""Runs real ``mpirun`` jobs from tests: one lock (no two MPI jobs at once on a small
+machine), a hard timeout on every run (a hang fails the test, it never blocks CI),
+and per-rank results collected from files the workers write.
+
+Workers write ``np.savez`` / JSON results into ``$TFSPARSE_TEST_OUT`` with
+:func:`save_result`; the test reads them with the returned list.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tfsparse.run import build_command
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
+
+
+class MPIJobError(AssertionError):
+    pass
+
+
+def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dict | None = None,
+           expect_fail: bool = False):
+    """Runs ``python script args`` on ``nproc`` ranks; returns (per-rank results, output text)."""
+    script = Path(script)
+    if not script.is_absolute():
+        script = REPO / "tests" / "workers" / script
+    with tempfile.TemporaryDirectory(prefix="tfsparse-mpi-") as out:
+        cmd, full_env = build_command(nproc, [sys.executable, str(script), *map(str, args)])
+        full_env.update(env or {})
+        full_env["TFSPARSE_TEST_OUT"] = out
+        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        full_env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
+        full_env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        with open(LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            try:
+                text, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                text, _ = proc.communicate()
+                raise MPIJobError(f"mpirun -np {nproc} {script.name} {args} timed out after {timeout}s "
+                                  f"(a hang):\n{_tail(text)}") from None
+        if expect_fail:
+            if proc.returncode == 0:
+                raise MPIJobError(f"expected {script.name} to fail, it succeeded:\n{_tail(text)}")
+        elif proc.returncode != 0:
+            raise MPIJobError(f"mpirun -np {nproc} {script.name} {args} failed ({proc.returncode}):\n{_tail(text)}")
+        return [load_result(out, r) for r in range(nproc)], text
+
+
+def _tail(text: str, n: int = 6000) -> str:
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+def save_result(rank: int, **values) -> None:
+    """Called by workers: stores arrays (npz) and plain values (json) for the test."""
+    out = Path(os.environ["TFSPARSE_TEST_OUT"])
+    arrays = {k: np.asarray(v) for k, v in values.items() if isinstance(v, np.ndarray)}
+    plain = {k: v for k, v in values.items() if not isinstance(v, np.ndarray)}
+    np.savez(out / f"rank{rank}.npz", **arrays)
+    (out / f"rank{rank}.json").write_text(json.dumps(plain))
+
+
+def load_result(out, rank: int):
+    out = Path(out)
+    res = {}
+    if (out / f"rank{rank}.json").exists():
+        res.update(json.loads((out / f"rank{rank}.json").read_text()))
+    if (out / f"rank{rank}.npz").exists():
+        with np.load(out / f"rank{rank}.npz") as z:
+            res.update({k: z[k] for k in z.files})
+    return res

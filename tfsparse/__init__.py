@@ -1,0 +1,36 @@
+"""tfsparse: communication-efficient data-parallel training for TensorFlow 2 / Keras 3.
+
+>>> import tfsparse
+>>> tfsparse.init()
+>>> strategy = tfsparse.SparseStrategy(algorithm="topk", density=0.01)
+
+TensorFlow is only imported when a TF-facing name (SparseStrategy, keras) is used;
+``tfsparse.collectives`` works on numpy alone.
+"""
+from importlib import import_module
+
+from .runtime import init, is_initialized, local_rank, rank, size
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "SparseStrategy": ("tfsparse.strategies", "SparseStrategy"),
+    "GradientExchange": ("tfsparse.exchange", "GradientExchange"),
+    "keras": ("tfsparse.keras", None),
+    "strategies": ("tfsparse.strategies", None),
+    "collectives": ("tfsparse.collectives", None),
+    "data": ("tfsparse.data", None),
+    "ops": ("tfsparse.ops", None),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = import_module(module)
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module 'tfsparse' has no attribute {name!r}")
+
+
+__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "SparseStrategy", "GradientExchange",
+           "keras", "collectives", "data", "__version__"]

@@ -1,0 +1,30 @@
+"""Name -> Aggregator class registry (no if/elif factories: modules register themselves)."""
+from __future__ import annotations
+
+_REGISTRY: dict = {}
+
+
+def register(name: str):
+    def deco(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"aggregator {name!r} is registered twice")
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def available_aggregators() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def get_aggregator(name: str, **options):
+    """Instantiates the aggregator registered as ``name`` with ``options``."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"algorithm={name!r} is not supported; accepted: "
+                         f"{', '.join(repr(a) for a in available_aggregators())}")
+    try:
+        return _REGISTRY[name](**options)
+    except TypeError as e:
+        raise ValueError(f"invalid options for algorithm={name!r}: {e}") from None

@@ -1,0 +1,100 @@
+"""MPI transport over mpi4py (the default engine)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .communicator import Communicator, Request, split_counts
+
+
+def _mpi():
+    from mpi4py import MPI  # imported lazily: importing tfsparse must not start MPI
+
+    return MPI
+
+
+class MPICommunicator(Communicator):
+    """Communicator on an ``mpi4py`` communicator (``MPI.COMM_WORLD`` by default).
+
+    Uses the buffer (upper-case) mpi4py API throughout.  ``allreduce`` is a
+    ``Reduce_scatter`` followed by ``Allgatherv``: each element is reduced once,
+    by one owner, so the result is bit-identical on every rank regardless of the
+    algorithm Open MPI selects.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm=None):
+        MPI = _mpi()
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        super().__init__(self.comm.Get_rank(), self.comm.Get_size())
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+    def _allreduce(self, x, op):
+        flat = x.reshape(-1)
+        counts = split_counts(flat.size, self.size)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        mine = np.empty(int(counts[self.rank]), dtype=flat.dtype)
+        self.comm.Reduce_scatter(flat, mine, recvcounts=counts.tolist(), op=self._ops[op])
+        out = np.empty_like(flat)
+        self.comm.Allgatherv(mine, [out, (counts.tolist(), displs.tolist())])
+        return out.reshape(x.shape)
+
+    def _allgather(self, x):
+        counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([x.size], dtype=np.int64), counts)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        out = np.empty(int(counts.sum()), dtype=x.dtype)
+        self.comm.Allgatherv(x, [out, (counts.tolist(), displs.tolist())])
+        return [out[int(d):int(d + c)] for d, c in zip(displs, counts)]
+
+    def _bcast(self, x, root, shape, dtype):
+        buf = x if x is not None else np.empty(shape, dtype=dtype)
+        buf = np.ascontiguousarray(buf)
+        self.comm.Bcast(buf, root=root)
+        return buf
+
+    def _alltoall(self, blocks):
+        send_counts = np.array([b.size for b in blocks], dtype=np.int64)
+        recv_counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Alltoall(send_counts, recv_counts)
+        sdispl = np.concatenate(([0], np.cumsum(send_counts)[:-1]))
+        rdispl = np.concatenate(([0], np.cumsum(recv_counts)[:-1]))
+        dtype = blocks[0].dtype
+        sendbuf = np.concatenate(blocks) if blocks else np.empty(0, dtype)
+        recvbuf = np.empty(int(recv_counts.sum()), dtype=dtype)
+        self.comm.Alltoallv([sendbuf, (send_counts.tolist(), sdispl.tolist())],
+                            [recvbuf, (recv_counts.tolist(), rdispl.tolist())])
+        return [recvbuf[int(d):int(d + c)] for d, c in zip(rdispl, recv_counts)]
+
+    def _barrier(self):
+        self.comm.Barrier()
+
+    def _send(self, x, dest, tag):
+        self.comm.Send(x, dest=dest, tag=tag)
+
+    def _isend(self, x, dest, tag):
+        req = self.comm.Isend(x, dest=dest, tag=tag)
+        return Request(lambda: _wait(req, x))  # x stays referenced until the send completes
+
+    def _recv(self, source, tag, dtype):
+        MPI = _mpi()
+        status = MPI.Status()
+        self.comm.Probe(source=source, tag=tag, status=status)
+        n = status.Get_count(MPI.BYTE) // dtype.itemsize
+        buf = np.empty(n, dtype=dtype)
+        self.comm.Recv(buf, source=source, tag=tag)
+        return buf
+
+    def _irecv(self, source, count, tag, dtype):
+        buf = np.empty(count, dtype=dtype)
+        req = self.comm.Irecv(buf, source=source, tag=tag)
+
+        def wait():
+            req.Wait()
+            return buf
+
+        return Request(wait)
+
+
+def _wait(req, _buffer):
+    req.Wait()

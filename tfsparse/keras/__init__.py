@@ -1,0 +1,5 @@
+"""Keras integration: :class:`DistributedOptimizer` and :mod:`tfsparse.keras.callbacks`."""
+from . import callbacks
+from .optimizer import DistributedOptimizer
+
+__all__ = ["DistributedOptimizer", "callbacks"]

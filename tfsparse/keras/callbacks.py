@@ -1,0 +1,151 @@
+"""Keras callbacks for multi-process training.
+
+* :class:`BroadcastInitialState` — start every rank from rank 0's weights and optimizer state.
+* :class:`CommunicationStats` — ``comm_bytes`` and ``density`` in each epoch's logs.
+* :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
+  route; under SparseStrategy metrics are already averaged every step).
+* :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
+* :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import keras
+
+from .. import runtime
+
+
+def find_exchange(model):
+    """The GradientExchange that trains ``model`` (its optimizer's, else its strategy's), or None."""
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and hasattr(opt, "exchange"):
+        return opt.exchange
+    strategy = getattr(model, "distribute_strategy", None)
+    return getattr(strategy, "exchange", None)
+
+
+def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
+    """Overwrites ``variables`` on every rank with ``root_rank``'s values (one broadcast per dtype)."""
+    comm = communicator or runtime.communicator()
+    variables = list(variables)
+    if comm.size == 1 or not variables:
+        return
+    by_dtype: dict = {}
+    for v in variables:
+        by_dtype.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)), []).append(v)
+    for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].str):
+        flat = np.concatenate([np.asarray(keras.ops.convert_to_numpy(v), dtype=dtype).reshape(-1) for v in vs])
+        flat = comm.bcast(flat, root=root_rank)
+        off = 0
+        for v in vs:
+            n = int(np.prod(v.shape, dtype=np.int64))
+            v.assign(flat[off:off + n].reshape(v.shape))
+            off += n
+
+
+class BroadcastInitialState(keras.callbacks.Callback):
+    """Broadcasts model weights and optimizer state from ``root_rank`` at the start of training.
+
+    Runs once (the first ``fit``), before the first update, like Horovod's
+    ``BroadcastGlobalVariablesCallback``.  Under SparseStrategy it is a no-op safety
+    net: the strategy already broadcasts every variable at creation.
+    """
+
+    def __init__(self, root_rank: int = 0):
+        super().__init__()
+        self.root_rank = root_rank
+        self.done = False
+
+    def on_train_begin(self, logs=None):
+        if self.done:
+            return
+        comm = runtime.communicator()
+        if not 0 <= self.root_rank < comm.size:
+            raise ValueError(f"root_rank={self.root_rank} must be in [0, {comm.size})")
+        variables = list(self.model.variables)
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None:
+            variables += list(opt.variables)
+        broadcast_variables(variables, self.root_rank, comm)
+        self.done = True
+
+
+class CommunicationStats(keras.callbacks.Callback):
+    """Adds ``comm_bytes`` (mean bytes this rank sent per step for the gradient exchange)
+    and ``density`` (achieved fraction of gradient elements sent) to each epoch's logs.
+
+    Put it before History/TensorBoard users in the callback list so they see the keys.
+    """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        ex = find_exchange(self.model)
+        if ex is not None:
+            ex.stats.reset()
+
+    def on_epoch_end(self, epoch, logs=None):
+        ex = find_exchange(self.model)
+        if ex is None or logs is None:
+            return
+        logs["comm_bytes"] = float(ex.stats.bytes_per_step)
+        logs["density"] = float(ex.stats.density)
+
+
+class MetricAverage(keras.callbacks.Callback):
+    """Averages the numeric epoch logs (and evaluate's logs) across ranks."""
+
+    def _average(self, logs):
+        if not logs:
+            return
+        comm = runtime.communicator()
+        keys = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
+        vals = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        vals = comm.allreduce(vals) / comm.size
+        for k, v in zip(keys, vals):
+            logs[k] = float(v)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average(logs)
+
+    def on_test_end(self, logs=None):
+        self._average(logs)
+
+
+class StepCountCheck(keras.callbacks.Callback):
+    """Compares the number of steps per epoch across ranks before training; raises on
+    every rank if they differ (instead of hanging in a collective)."""
+
+    def on_train_begin(self, logs=None):
+        from ..strategies.sparse_strategy import check_step_counts
+
+        steps = self.params.get("steps")
+        check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
+
+
+class _RankZeroOnly(keras.callbacks.Callback):
+    def __init__(self, callback, rank: int):
+        super().__init__()
+        self.callback = callback
+        self._active = rank == 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and not object.__getattribute__(self, "_active"):
+            return lambda *a, **k: None
+        if name.startswith("on_"):
+            return getattr(object.__getattribute__(self, "callback"), name)
+        return object.__getattribute__(self, name)
+
+
+def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
+    """Wraps ``callback`` so it only acts on rank 0 (Keras callbacks have no notion of chief).
+
+    >>> callbacks=[tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.ModelCheckpoint("ckpt.keras"))]
+    """
+    return _RankZeroOnly(callback, runtime.rank())

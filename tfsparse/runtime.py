@@ -1,0 +1,91 @@
+"""Process-world setup: ``tfsparse.init()``, ``rank()``, ``size()``, ``local_rank()``."""
+from __future__ import annotations
+
+import os
+
+from .collectives.communicator import Communicator
+
+_BACKENDS = ("auto", "mpi", "horovod")
+_state: dict = {"comm": None, "local_rank": 0, "backend": None}
+
+
+def init(backend: str | None = None, *, quiet_workers: bool = True) -> Communicator:
+    """Joins the job's process world; idempotent (later calls return the same communicator).
+
+    Args:
+      backend: ``"mpi"`` (mpi4py, the default engine), ``"horovod"`` (Horovod's
+        TF collectives; point-to-point still over mpi4py on the same world) or
+        ``"auto"``: Horovod when ``horovod.tensorflow`` imports and was built with
+        MPI or Gloo, else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).
+      quiet_workers: silence Keras' interactive output (progress bars) on ranks
+        other than 0, so only rank 0 prints.
+    """
+    if _state["comm"] is not None:
+        if backend not in (None, "auto", _state["backend"]):
+            raise ValueError(f"tfsparse is already initialised with backend={_state['backend']!r}; "
+                             f"init(backend={backend!r}) cannot switch it within one process")
+        return _state["comm"]
+    if backend is None:
+        backend = os.environ.get("TFSPARSE_BACKEND", "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; accepted: {', '.join(_BACKENDS)}")
+    from .collectives.horovod import HorovodCommunicator, horovod_available
+
+    if backend == "auto":
+        backend = "horovod" if horovod_available() else "mpi"
+    if backend == "horovod":
+        if not horovod_available():
+            raise ValueError("backend='horovod' but horovod.tensorflow does not import or has neither "
+                             "MPI nor Gloo; install it with `bash tools/install.sh --horovod` or use backend='mpi'")
+        comm = HorovodCommunicator()
+        import horovod.tensorflow as hvd
+
+        local = hvd.local_rank()
+    else:
+        from .collectives.mpi import MPICommunicator
+
+        comm = MPICommunicator()
+        local = _mpi_local_rank()
+    _state.update(comm=comm, local_rank=local, backend=backend)
+    if quiet_workers and comm.rank != 0:
+        import keras
+
+        keras.config.disable_interactive_logging()
+    return comm
+
+
+def _mpi_local_rank() -> int:
+    from mpi4py import MPI
+
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def communicator() -> Communicator:
+    """The world communicator (initialising it with defaults if needed)."""
+    return _state["comm"] if _state["comm"] is not None else init()
+
+
+def backend() -> str:
+    communicator()
+    return _state["backend"]
+
+
+def rank() -> int:
+    return communicator().rank
+
+
+def size() -> int:
+    return communicator().size
+
+
+def local_rank() -> int:
+    communicator()
+    return _state["local_rank"]
+
+
+def is_initialized() -> bool:
+    return _state["comm"] is not None

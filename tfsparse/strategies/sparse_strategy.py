@@ -1,0 +1,238 @@
+"""SparseStrategy: a ``tf.distribute.Strategy`` with one replica per process whose
+gradient all-reduce is a sparse allreduce.
+
+Keras 3 reduces gradients through ``tf.distribute.get_replica_context().all_reduce``,
+which reaches ``StrategyExtended._batch_reduce_to`` with all of a step's gradients in
+one call.  :class:`SparseExtended` overrides
+
+* ``_num_replicas_in_sync`` — the world size, so Keras scales the loss by 1/P and
+  the SUM of the exchange is the mean gradient;
+* ``_batch_reduce_to`` — the :class:`~tfsparse.exchange.GradientExchange`;
+* ``_create_variable`` — every variable created in the scope starts from rank 0's
+  value (a broadcast: variable creation in the scope is a collective);
+* ``_experimental_distribute_dataset`` — returns the dataset unchanged (each rank
+  feeds its own shard) and records its length for the step-count agreement;
+* ``_call_for_each_replica`` — after every train/test step, averages the metric
+  states across ranks, so every rank logs the same loss and metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from .. import runtime
+from ..exchange import GradientExchange, check_float_variables, validate_config
+from ._tf_private import OneDeviceExtended, OneDeviceStrategy
+
+_SYNCED_STEPS = ("train_step", "test_step")
+
+
+class StepCountMismatch(RuntimeError):
+    """Ranks were given different numbers of batches (they would hang in a collective)."""
+
+
+class SparseExtended(OneDeviceExtended):
+    def __init__(self, container, device, exchange: GradientExchange):
+        super().__init__(container, device)
+        self.exchange = exchange
+        self._metric_vars: list = []
+        self._passthrough = threading.local()
+        self._pending_steps = None
+        self.residual = None
+
+    # -- world ------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return self.exchange.comm.size
+
+    def _in_multi_worker_mode(self):
+        return False
+
+    # -- variables --------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        comm = self.exchange.comm
+        if comm.size > 1:
+            kwargs = _broadcast_initial_value(comm, kwargs)
+        var = super()._create_variable(next_creator, **kwargs)
+        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+            self._metric_vars.append(var)
+        return var
+
+    # -- data -------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset, options):
+        card = int(dataset.cardinality().numpy()) if tf.executing_eagerly() else -2
+        self._pending_steps = card if card >= 0 else None
+        return dataset
+
+    # -- gradient exchange ------------------------------------------------
+    @contextlib.contextmanager
+    def passthrough(self):
+        """Inside, ``all_reduce`` returns its inputs: gradients were already exchanged
+        (by a ``tfsparse.keras.DistributedOptimizer``)."""
+        depth = getattr(self._passthrough, "depth", 0)
+        self._passthrough.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._passthrough.depth = depth
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [v for v, _ in value_destination_pairs]
+        if getattr(self._passthrough, "depth", 0):
+            return values
+        check_float_variables(values)
+        residual = None
+        if self.exchange.uses_memory:
+            residual = self._residual_for(values)
+        reduced = self.exchange(values, residual)
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            p = float(self.exchange.comm.size)
+            reduced = [r / tf.cast(p, r.dtype) for r in reduced]
+        return reduced
+
+    def _residual_for(self, values):
+        n = sum(int(v.shape.num_elements()) for v in values)
+        if self.residual is None:
+            with tf.init_scope():
+                self.residual = tf.Variable(tf.zeros([n], tf.float32), trainable=False,
+                                            name="tfsparse_residual")
+        elif int(self.residual.shape[0]) != n:
+            raise ValueError(f"SparseStrategy keeps one residual for one model's gradients "
+                             f"({int(self.residual.shape[0])} elements) but got gradients of {n} elements; "
+                             f"use one SparseStrategy per model, or tfsparse.keras.DistributedOptimizer")
+        return self.residual
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # strategy.reduce(...) of a non-gradient value: dense, deterministic allreduce.
+        value = tf.convert_to_tensor(value)
+        if self.exchange.comm.size == 1:
+            return value
+        comm = self.exchange.comm
+
+        def _np(x):
+            out = comm.allreduce(np.asarray(x, dtype=np.float64))
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                out = out / comm.size
+            return out
+
+        out = tf.numpy_function(_np, [tf.cast(value, tf.float64)], tf.float64, stateful=True)
+        out.set_shape(value.shape)
+        return tf.cast(out, value.dtype)
+
+    # -- per-step metric agreement ----------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        outputs = super()._call_for_each_replica(fn, args, kwargs)
+        if getattr(fn, "__name__", "") in _SYNCED_STEPS and self.exchange.comm.size > 1:
+            outputs = self._sync_step(outputs)
+        return outputs
+
+    def _sync_step(self, outputs):
+        flat = tf.nest.flatten(outputs)
+        out_pos = [i for i, o in enumerate(flat)
+                   if isinstance(o, tf.Tensor) and o.dtype.is_floating and o.shape.rank == 0]
+        mvars = list(self._metric_vars)
+        pieces = [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in mvars]
+        pieces += [tf.reshape(tf.cast(flat[i], tf.float64), [-1]) for i in out_pos]
+        if not pieces:
+            return outputs
+        sizes = [int(p.shape.num_elements()) for p in pieces]
+        with tf.control_dependencies([flat[i] for i in out_pos]):
+            packed = tf.concat(pieces, axis=0)
+        synced = tf.numpy_function(self._sync_np, [packed], tf.float64, stateful=True,
+                                   name="tfsparse_metric_sync")
+        synced.set_shape(packed.shape)
+        parts = tf.split(synced, sizes)
+        assigns = [v.assign(tf.reshape(tf.cast(p, v.dtype), v.shape)) for v, p in zip(mvars, parts)]
+        with tf.control_dependencies(assigns):
+            for j, i in enumerate(out_pos):
+                flat[i] = tf.identity(tf.cast(tf.reshape(parts[len(mvars) + j], []), flat[i].dtype))
+        return tf.nest.pack_sequence_as(outputs, flat)
+
+    def _sync_np(self, packed):
+        comm = self.exchange.comm
+        steps, self._pending_steps = self._pending_steps, None
+        if steps is not None:
+            check_step_counts(comm, steps)
+        return comm.allreduce(packed) / comm.size
+
+
+def check_step_counts(comm, steps: int) -> None:
+    """All ranks compare their number of batches; raises on every rank if they differ."""
+    got = comm.allgather(np.array([steps], dtype=np.int64))
+    counts = [int(g[0]) for g in got]
+    if len(set(counts)) > 1:
+        raise StepCountMismatch(
+            f"ranks were given different numbers of batches per epoch: {counts} (rank: batches). "
+            f"Every collective step needs all ranks, so this would hang. Give every rank the same number "
+            f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
+            f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
+
+
+def _broadcast_initial_value(comm, kwargs):
+    init = kwargs.get("initial_value")
+    if init is None:
+        return kwargs
+    with tf.init_scope():
+        value = init() if callable(init) else init
+        value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+        if not tf.executing_eagerly():
+            return kwargs
+        arr = value.numpy()
+    arr = comm.bcast(arr if comm.rank == 0 else np.empty_like(arr), root=0)
+    kwargs = dict(kwargs)
+    kwargs["initial_value"] = tf.constant(arr, dtype=value.dtype)
+    return kwargs
+
+
+class SparseStrategy(OneDeviceStrategy):
+    """Data-parallel strategy with sparse gradient exchange, one process per replica.
+
+    >>> strategy = tfsparse.SparseStrategy(algorithm="topk", density=0.01)
+    >>> with strategy.scope():
+    ...     model = build_model(); model.compile(optimizer="sgd", loss=...)
+    >>> model.fit(x_shard, y_shard, epochs=5)
+
+    Args:
+      algorithm: aggregator name; ``tfsparse.collectives.available_aggregators()``.
+      density: fraction of gradient elements each rank sends per step, in (0, 1].
+      device: the device of this process' replica (default: ``/gpu:<local_rank>``
+        when GPUs are visible, else ``/cpu:0``).
+      communicator: a Communicator (default: ``tfsparse.init()``'s world).
+      **options: algorithm options (see each aggregator).
+
+    Use as ``with strategy.scope():`` or directly ``with strategy:``.
+    """
+
+    def __init__(self, algorithm: str = "topk", density: float = 0.01, *, device: str | None = None,
+                 communicator=None, **options):
+        validate_config(algorithm, density)
+        comm = communicator if communicator is not None else runtime.init()
+        exchange = GradientExchange(algorithm, density, communicator=comm, **options)
+        if device is None:
+            gpus = tf.config.list_logical_devices("GPU")
+            device = f"/gpu:{runtime.local_rank() % len(gpus)}" if gpus else "/cpu:0"
+        super(OneDeviceStrategy, self).__init__(SparseExtended(self, device, exchange))
+        self._scope_stack: list = []
+
+    @property
+    def exchange(self) -> GradientExchange:
+        return self.extended.exchange
+
+    @property
+    def algorithm(self) -> str:
+        return self.exchange.algorithm
+
+    @property
+    def density(self) -> float:
+        return self.exchange.density
+
+    def __enter__(self):
+        scope = self.scope()
+        self._scope_stack.append(scope)
+        return scope.__enter__()
+
+    def __exit__(self, *exc):
+        return self._scope_stack.pop().__exit__(*exc)
