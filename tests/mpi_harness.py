@@ -38,7 +38,7 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
         cmd, full_env = build_command(nproc, [sys.executable, str(script), *map(str, args)])
         full_env.update(env or {})
         full_env["TFSPARSE_TEST_OUT"] = out
-        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         full_env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
         full_env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")

@@ -152,6 +152,9 @@ class GradientExchange:
         """
         import tensorflow as tf
 
+        from .strategies._tf_private import reject_xla
+
+        reject_xla("the gradient exchange")
         grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         if not grads:
             return []

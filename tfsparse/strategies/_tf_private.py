@@ -28,3 +28,18 @@ from tensorflow.python.distribute import one_device_strategy as _one_device  # n
 
 OneDeviceStrategy = _one_device.OneDeviceStrategy
 OneDeviceExtended = _one_device.OneDeviceExtended
+
+from tensorflow.python.ops import control_flow_util as _control_flow_util  # noqa: E402
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function that XLA will compile (``jit_compile=True``)."""
+    return bool(_control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def reject_xla(what: str) -> None:
+    if in_xla_context():
+        raise ValueError(
+            f"jit_compile=True is not supported with tfsparse: {what} runs MPI from Python "
+            f"(tf.numpy_function), which XLA cannot compile. Use model.compile(..., jit_compile=False) "
+            f"(the default under a distribution strategy and on CPU).")

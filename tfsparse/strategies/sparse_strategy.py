@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from .. import runtime
 from ..exchange import GradientExchange, check_float_variables, validate_config
-from ._tf_private import OneDeviceExtended, OneDeviceStrategy
+from ._tf_private import OneDeviceExtended, OneDeviceStrategy, reject_xla
 
 _SYNCED_STEPS = ("train_step", "test_step")
 
@@ -130,6 +130,7 @@ class SparseExtended(OneDeviceExtended):
         return outputs
 
     def _sync_step(self, outputs):
+        reject_xla("the per-step metric averaging")
         flat = tf.nest.flatten(outputs)
         out_pos = [i for i, o in enumerate(flat)
                    if isinstance(o, tf.Tensor) and o.dtype.is_floating and o.shape.rank == 0]

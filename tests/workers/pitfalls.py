@@ -1,0 +1,58 @@
+"""Worker for failure modes that must not hang: argv[1] selects the case."""
+import sys
+
+import numpy as np
+import keras
+
+import tfsparse
+from mpi_harness import save_result
+
+case = sys.argv[1]
+tfsparse.init(backend="mpi")
+rank = tfsparse.rank()
+
+
+def small_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+
+
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+rng = np.random.default_rng(rank)
+
+if case == "uneven_steps":
+    # rank 0 has 64 rows, the others 96: different numbers of batches per epoch
+    n = 64 if rank == 0 else 96
+    x, y = rng.random((n, 8), dtype=np.float32), rng.integers(0, 4, n)
+    with tfsparse.SparseStrategy("topk", 0.5):
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), loss)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+elif case == "uneven_steps_optimizer":
+    n = 64 if rank == 0 else 96
+    x, y = rng.random((n, 8), dtype=np.float32), rng.integers(0, 4, n)
+    model = small_model()
+    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.5), loss)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+              callbacks=[tfsparse.keras.callbacks.StepCountCheck()])
+elif case == "progress_and_predict":
+    # default verbosity: only rank 0 prints; predict on rank 0 alone must not block
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    with tfsparse.SparseStrategy("topk", 0.5):
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=1)
+    if rank == 0:
+        pred = model.predict(x[:5], verbose=0)
+        assert pred.shape == (5, 4)
+    ev = model.evaluate(x, y, verbose=0, return_dict=True)
+    save_result(rank, eval=ev)
+elif case == "optimizer_outside_scope":
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    with tfsparse.SparseStrategy("topk", 0.5):
+        model = small_model()
+        model.compile(opt, loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    save_result(rank, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+else:
+    raise SystemExit(f"unknown case {case}")
