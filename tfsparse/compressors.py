@@ -57,3 +57,179 @@ class Identity(Compressor):
 
     def compress(self, acc, k):
         return np.arange(acc.size, dtype=np.int64), acc.copy()
+
+
+# -- threshold compressors (approximate top-k) ------------------------------------------
+
+def _check_fraction(name: str, value) -> float:
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{name}={value!r} must be a number in (0, 1]")
+    return float(value)
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True) -> np.ndarray:
+    """Indices (ascending, int64) of the entries of ``acc`` whose magnitude passes ``threshold``.
+
+    ``strict``: ``|acc| > threshold`` (dragonn-wang2022 Alg. 3, "mask <- |G| > t"), else
+    ``|acc| >= threshold``.  A non-positive threshold selects the non-zero entries only
+    (sending zeros is never useful); a NaN threshold selects nothing but NaN entries.  NaN
+    entries always pass, as in :func:`topk_indices`.
+    """
+    mag = np.abs(acc)
+    threshold = float(threshold)
+    if np.isnan(threshold):
+        threshold = np.inf
+    if threshold <= 0.0:
+        return np.flatnonzero(~(mag <= 0.0)).astype(np.int64, copy=False)
+    mask = ~(mag <= threshold) if strict else ~(mag < threshold)
+    return np.flatnonzero(mask).astype(np.int64, copy=False)
+
+
+class DGCSampledThreshold(Compressor):
+    """Deep Gradient Compression's sampled threshold (approximate top-k), as described in
+    dragonn-wang2022 §2.3 and App. B (Alg. 3 "Existing approximate TopK GS").
+
+    "It first estimates the kth largest absolute value from a subset where each gradient in
+    this set is uniformly sampled from the gradient tensor.  Next, DGC uses this approximate
+    value as a threshold.  Only gradients with absolute values greater than this threshold
+    [are] selected" (§2.3).  Concretely, with ``n`` elements and a budget ``k``:
+
+    1. draw ``s = max(ceil(sample_ratio * n), min(n, min_samples))`` positions uniformly
+       (with replacement) and take ``|acc|`` there;
+    2. ``t`` = the ``ceil(k * s / n)``-th largest sampled magnitude (the sample's estimate of
+       the k-th largest magnitude of the whole tensor);
+    3. select ``mask = |acc| > t`` (Alg. 3 line 1) and send those entries.
+
+    The number of entries sent is therefore only approximately ``k``.  The seeds do not fix
+    the sample size; ``sample_ratio=0.01`` is the 1% that DGC samples, and ``min_samples``
+    keeps the estimate meaningful on small tensors (when ``s >= n`` every element is used and
+    the threshold is exact).
+
+    Args:
+      sample_ratio: fraction of the elements sampled, in (0, 1].
+      min_samples: lower bound on the sample size (capped at ``n``).
+      seed: seed of this compressor's random generator (None: fresh OS entropy).
+    """
+
+    name = "dgc"
+
+    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None):
+        self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
+        self.min_samples = _check_positive_int("min_samples", min_samples)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+            raise ValueError(f"seed={seed!r} must be None or a non-negative integer")
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self.last_threshold = None
+
+    def threshold(self, acc: np.ndarray, k: int) -> float:
+        """The sampled estimate of the k-th largest ``|acc|``."""
+        n = acc.size
+        if k <= 0 or n == 0:
+            return float("inf")
+        s = int(max(np.ceil(self.sample_ratio * n), min(n, self.min_samples)))
+        if s >= n:
+            sample = np.abs(acc)
+        else:
+            sample = np.abs(acc[self._rng.integers(0, n, size=s)])
+        ks = int(min(s, max(1, np.ceil(k * s / n))))
+        return float(np.partition(sample, s - ks)[s - ks])
+
+    def compress(self, acc, k):
+        k = int(k)
+        if k <= 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        t = self.threshold(acc, k)
+        self.last_threshold = t
+        idx = threshold_select(acc, t, strict=True)
+        return idx, acc[idx]
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(sample_ratio={self.sample_ratio}, min_samples={self.min_samples}, "
+                f"seed={self.seed})")
+
+
+class GaussianKThreshold(Compressor):
+    """Gaussian-k threshold (Gaussiank, as described in oktopk-li2022 §2 and §5.4).
+
+    "Gaussiank approximates the gradient values distribution to a Gaussian distribution with
+    the same mean and standard deviation, and then estimates a threshold using the
+    percent-point function and selects the values above the threshold" (§2).  With density
+    ``rho = k / n``, mean ``mu`` and standard deviation ``sigma`` of ``acc``, the threshold on
+    ``|acc|`` is the two-sided Gaussian quantile
+
+        ``t = |mu| + sigma * ppf(1 - rho / 2)``
+
+    (``ppf`` the standard normal percent-point function), i.e. the magnitude exceeded by a
+    fraction ``rho`` of a N(mu, sigma^2) sample.  Because the Gaussian tail usually predicts
+    too large a threshold (too few values), "we gradually scale the predicted threshold of
+    Gaussiank until the number of selected values is more than 3k/4" (§5.4): while at most
+    ``3k/4`` entries pass, ``t *= scale`` (at most ``max_adjust`` times).  Entries with
+    ``|acc| > t`` are sent.  Overestimates of k are not corrected (§5.2).
+
+    Args:
+      scale: factor in (0, 1) applied to the threshold per adjustment step.
+      max_adjust: most adjustment steps (0 disables the adjustment).
+    """
+
+    name = "gaussiank"
+
+    def __init__(self, scale: float = 0.9, max_adjust: int = 50):
+        import numbers
+
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0.0 < float(scale) < 1.0:
+            raise ValueError(f"scale={scale!r} must be a number in (0, 1)")
+        self.scale = float(scale)
+        self.max_adjust = _check_positive_int("max_adjust", max_adjust, minimum=0)
+        self.last_threshold = None
+        self.last_adjustments = 0
+
+    @staticmethod
+    def gaussian_threshold(acc: np.ndarray, k: int) -> float:
+        """``|mu| + sigma * ppf(1 - k/(2n))`` of ``acc`` (before adjustment)."""
+        from statistics import NormalDist
+
+        n = acc.size
+        rho = min(1.0, max(k, 0) / n) if n else 1.0
+        if rho >= 1.0:
+            return 0.0
+        a64 = acc.astype(np.float64, copy=False)
+        mu = float(np.mean(a64))
+        sigma = float(np.std(a64))
+        return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - rho / 2.0)
+
+    def compress(self, acc, k):
+        k = int(k)
+        n = acc.size
+        if k <= 0 or n == 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        t = self.gaussian_threshold(acc, k)
+        mag = np.abs(acc)
+        need = 3 * k / 4
+        adjustments = 0
+        if np.isfinite(t) and t > 0:
+            count = int(np.count_nonzero(mag > t))
+            if count <= need and np.count_nonzero(mag > 0) <= need:
+                t = 0.0  # fewer non-zeros than 3k/4: send every non-zero entry
+            else:
+                while count <= need and adjustments < self.max_adjust:
+                    t *= self.scale
+                    adjustments += 1
+                    count = int(np.count_nonzero(mag > t))
+        self.last_threshold = float(t)
+        self.last_adjustments = adjustments
+        idx = threshold_select(acc, t, strict=True)
+        return idx, acc[idx]
+
+    def __repr__(self):
+        return f"{type(self).__name__}(scale={self.scale}, max_adjust={self.max_adjust})"

@@ -5,6 +5,7 @@
 * :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
+* :class:`ModelCheckpoint` — rank 0 writes; the file holds every rank's residual.
 * :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
 """
 from __future__ import annotations
@@ -141,6 +142,63 @@ class _RankZeroOnly(keras.callbacks.Callback):
         if name.startswith("on_"):
             return getattr(object.__getattribute__(self, "callback"), name)
         return object.__getattribute__(self, name)
+
+
+class ModelCheckpoint(keras.callbacks.Callback):
+    """``keras.callbacks.ModelCheckpoint`` for multi-process training: rank 0 writes, and the
+    file holds **every rank's** residual (error feedback is per rank).
+
+    Must be passed on every rank (it gathers the residuals collectively before each save
+    point); takes the same arguments as ``keras.callbacks.ModelCheckpoint``.  On load,
+    each rank restores its own residual (with a different world size, each rank gets the
+    mean of the saved residuals, preserving the total pending update).
+    """
+
+    def __init__(self, filepath, save_freq="epoch", **kwargs):
+        super().__init__()
+        self.save_freq = save_freq
+        self.inner = keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs)
+        self._rank0 = runtime.rank() == 0
+        self._batches = 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.inner.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.inner.set_params(params)
+
+    def _gather(self):
+        opt = getattr(self.model, "optimizer", None)
+        if hasattr(opt, "gather_residuals"):
+            opt.gather_residuals()
+
+    def on_train_begin(self, logs=None):
+        if self._rank0:
+            self.inner.on_train_begin(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if isinstance(self.save_freq, int):
+            self._batches += 1
+            if self._batches % self.save_freq == 0:
+                self._gather()
+        if self._rank0:
+            self.inner.on_train_batch_end(batch, logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._rank0:
+            self.inner.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._gather()
+        if self._rank0:
+            self.inner.on_epoch_end(epoch, logs)
+
+    def on_train_end(self, logs=None):
+        if self._rank0:
+            self.inner.on_train_end(logs)
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:

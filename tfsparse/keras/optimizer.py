@@ -15,11 +15,13 @@ the strategy's own all-reduce is bypassed.
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from ..exchange import GradientExchange, check_float_variables, validate_config
 
+_ALL_RESIDUALS = "tfsparse_residuals_all_ranks"
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
@@ -55,6 +57,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.exchange = GradientExchange(algorithm, density, communicator=communicator,
                                          **self.algorithm_options)
         self.residual = None
+        self._gathered_residuals = None
 
     @property
     def algorithm(self) -> str:
@@ -125,6 +128,36 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- checkpoints: every rank's residual -------------------------------
+    def gather_residuals(self):
+        """Collective (all ranks): gathers every rank's residual to this object, so that a
+        checkpoint written by rank 0 holds all of them.  Called by
+        ``tfsparse.keras.callbacks.ModelCheckpoint`` before it saves."""
+        if self.residual is None:
+            return None
+        comm = self.exchange.comm
+        parts = comm.allgather(np.asarray(self.residual.numpy(), dtype=np.float32))
+        self._gathered_residuals = np.stack(parts)
+        return self._gathered_residuals
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self._gathered_residuals is not None:
+            store[_ALL_RESIDUALS] = self._gathered_residuals
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        plain = {k: store[k] for k in keys if k != _ALL_RESIDUALS}
+        super().load_own_variables(plain)
+        if _ALL_RESIDUALS in keys and self.residual is not None:
+            every = np.asarray(store[_ALL_RESIDUALS], dtype=np.float32)
+            comm = self.exchange.comm
+            if every.shape[0] == comm.size:
+                self.residual.assign(every[comm.rank])
+            else:
+                # a different world size: keep the total pending update, spread evenly
+                self.residual.assign(every.sum(axis=0) / comm.size)
 
     def get_config(self):
         return {

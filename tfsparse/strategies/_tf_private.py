@@ -43,3 +43,29 @@ def reject_xla(what: str) -> None:
             f"jit_compile=True is not supported with tfsparse: {what} runs MPI from Python "
             f"(tf.numpy_function), which XLA cannot compile. Use model.compile(..., jit_compile=False) "
             f"(the default under a distribution strategy and on CPU).")
+
+
+def keras_epoch_steps(max_depth: int = 8):
+    """Number of batches Keras will run for the dataset being distributed right now, or None.
+
+    Keras' ``TFEpochIterator.__init__`` calls ``experimental_distribute_dataset``; its
+    ``num_batches`` (``steps_per_epoch`` or the data adapter's count) is what every
+    rank must agree on.  tf.data often reports unknown cardinality for Keras' array
+    datasets, so the iterator is found on the call stack (read-only).
+    """
+    import sys
+
+    try:
+        from keras.src.trainers.epoch_iterator import EpochIterator
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, EpochIterator):
+            steps = candidate.num_batches
+            return int(steps) if steps is not None and steps >= 0 else None
+        frame = frame.f_back
+    return None

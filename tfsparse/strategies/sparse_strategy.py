@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from .. import runtime
 from ..exchange import GradientExchange, check_float_variables, validate_config
-from ._tf_private import OneDeviceExtended, OneDeviceStrategy, reject_xla
+from ._tf_private import OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps, reject_xla
 
 _SYNCED_STEPS = ("train_step", "test_step")
 
@@ -63,8 +63,11 @@ class SparseExtended(OneDeviceExtended):
 
     # -- data -------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):
-        card = int(dataset.cardinality().numpy()) if tf.executing_eagerly() else -2
-        self._pending_steps = card if card >= 0 else None
+        steps = keras_epoch_steps()
+        if steps is None and tf.executing_eagerly():
+            card = int(dataset.cardinality().numpy())
+            steps = card if card >= 0 else None
+        self._pending_steps = steps
         return dataset
 
     # -- gradient exchange ------------------------------------------------
@@ -230,6 +233,11 @@ class SparseStrategy(OneDeviceStrategy):
     def density(self) -> float:
         return self.exchange.density
 
+    def scope(self):
+        """Like ``tf.distribute.Strategy.scope()``, with a clear error for an optimizer
+        created outside the scope."""
+        return _Scope(super().scope())
+
     def __enter__(self):
         scope = self.scope()
         self._scope_stack.append(scope)
@@ -237,3 +245,20 @@ class SparseStrategy(OneDeviceStrategy):
 
     def __exit__(self, *exc):
         return self._scope_stack.pop().__exit__(*exc)
+
+
+class _Scope:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __enter__(self):
+        return self._inner.__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, RuntimeError) and "Mixing different tf.distribute.Strategy" in str(exc):
+            self._inner.__exit__(None, None, None)
+            raise RuntimeError(
+                "the optimizer was created outside the SparseStrategy scope, so its variables belong to "
+                "another strategy. Create the optimizer inside `with strategy.scope():` (e.g. pass "
+                "optimizer=keras.optimizers.SGD(...) to model.compile inside the scope).") from exc
+        return self._inner.__exit__(exc_type, exc, tb)

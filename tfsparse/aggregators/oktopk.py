@@ -1,0 +1,318 @@
+"""Ok-Topk: the O(k) sparse allreduce (oktopk-li2022 §3, Alg. 1) with Ok-Topk SGD's
+residual rule (Alg. 2).
+
+Semantics (§3.1): ``Topk(Σ_i Topk(G_i))`` -- the inner top-k is each rank's local selection,
+the outer one the global selection -- where both selections use *thresholds* that are
+computed exactly every ``tau_prime`` steps and reused in between (§3.1.3).
+
+One call (= one training iteration ``t``, counted from 1) runs Alg. 1:
+
+* lines 2-4 -- **local threshold**: if ``(t-1) % tau_prime == 0`` it is re-evaluated as the
+  exact k-th largest ``|acc|``; otherwise the cached one is reused.  Local top-k =
+  ``|acc| >= local_th``.
+* lines 5-7 -- **space repartition** (§3.1.1): if ``(t-1) % tau == 0`` every rank computes
+  the P-1 interior boundaries that split *its* local top-k indices into P equal-count
+  regions; the consensus is the average of these boundary vectors (one allreduce of P-1
+  numbers, floored to integers).  Region ``i`` ``[b_i, b_{i+1})`` is reduced by rank ``i``.
+* line 8 -- **split and reduce** (§3.1.1, Fig. 2): each rank sends the local top-k entries of
+  region ``j`` to rank ``j``.  Message sizes are exchanged first (an alltoall of P counts) so
+  that receives can be posted non-blocking.  *Destination rotation*: at step ``s = 1..P-1``
+  rank ``r`` sends to ``(r+s) % P`` and receives from ``(r-s) % P``, so no rank is a hot spot.
+  *Bucketing*: the steps are grouped into buckets of ``bucket_size`` peers whose messages are
+  all in flight at once (``isend``/``irecv``); the local reduction of one bucket's data runs
+  while the next bucket's messages are in flight (the own region's contribution is reduced
+  while the first bucket is in flight).  The reduced region is a dense accumulator of the
+  region's length plus a touched-mask; its non-zero pattern is ``reduced_topk^i``.
+* lines 9-12 -- **global threshold**: on re-evaluation steps the reduced values of all
+  regions are all-gathered (values only: the threshold needs no indices) and ``global_th`` =
+  the exact k-th largest magnitude; otherwise the cached one is reused.
+* line 13 -- **balance and allgatherv** (§3.1.2, Fig. 3): each rank keeps its reduced entries
+  with ``|v| >= global_th`` and packs them (COO) into one buffer.  The P buffer sizes are
+  all-gathered; if ``max > balance_factor * mean`` (``balance_factor=4``, §5.3) the
+  concatenation (in rank order) is re-split into P equal chunks by point-to-point messages
+  (each rank computes the whole scheme from the sizes); then one allgatherv of the
+  (balanced) buffers gives every rank ``u_t`` and the global top-k indexes, sorted by index.
+* line 14 -- ``indexes = local_topk_indexes ∩ global_topk_indexes`` = ``contributed``: every
+  local value at such an index went into the reduced sum of that index (the owner added every
+  rank's local top-k entry of its region), so zeroing exactly these entries (Alg. 2 line 6)
+  keeps ``applied + residuals == raw gradients``.
+
+When ``k``, the gradient length or the world size changes (e.g. a density warm-up), cached
+thresholds are stale (they estimate a k-th largest value): the call re-evaluates them (and,
+for a new length or world size, the boundaries) regardless of the period; the step counter
+keeps running, so every rank still agrees on the schedule.
+
+Volume per rank: ``≈ 2k(P-1)/P`` (split and reduce, with balanced regions) + at most
+``2k(P-1)/P`` (data balancing, only when triggered) + ``≈ 2k(P-1)/P`` (ring allgatherv of
+the global top-k) ``≤ 6k(P-1)/P`` elements (Eq. 3) on steps that reuse the thresholds.  Steps
+that re-evaluate the global threshold add the all-gather of the reduced values (line 10).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..compressors import threshold_select
+from .base import Aggregator, AllreduceResult, check_acc
+from .gtopk import check_k, entry_bytes, index_dtype, pack_sparse, reject_unknown_options, unpack_sparse
+from .registry import register
+
+TAG_REDUCE = 7401
+TAG_BALANCE = 7402
+
+_OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor")
+
+
+def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
+    """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
+    are fewer than k values (then every non-zero value passes)."""
+    m = values.size
+    if k <= 0:
+        return float("inf")
+    if m < k or m == 0:
+        return 0.0
+    mag = np.abs(values)
+    return float(np.partition(mag, m - k)[m - k])
+
+
+def local_boundaries(sel: np.ndarray, n: int, size: int) -> np.ndarray:
+    """The P-1 interior boundaries that split the sorted local top-k indices ``sel`` into P
+    regions holding equal numbers of them (§3.1.1); an even split of ``[0, n)`` when the rank
+    selected fewer than P entries."""
+    cnt = sel.size
+    j = np.arange(1, size, dtype=np.int64)
+    if cnt < size:
+        return (j * n) // size
+    return sel[(j * cnt) // size].astype(np.int64)
+
+
+def balance_plan(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Data-balancing scheme (§3.1.2, Fig. 3) from the all-gathered buffer sizes.
+
+    The buffers, concatenated in rank order, are re-split into P chunks of
+    ``split_counts(total, P)`` entries.  Returns ``(starts, targets, moves)`` where
+    ``moves[p, q]`` is the number of entries rank p sends to rank q, taken from p's buffer at
+    offset ``max(starts[p], targets[q]) - starts[p]``.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    size = counts.size
+    total = int(counts.sum())
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    base, extra = divmod(total, size)
+    chunk = np.array([base + (1 if q < extra else 0) for q in range(size)], dtype=np.int64)
+    targets = np.concatenate(([0], np.cumsum(chunk)[:-1]))
+    lo = np.maximum(starts[:, None], targets[None, :])
+    hi = np.minimum((starts + counts)[:, None], (targets + chunk)[None, :])
+    moves = np.maximum(hi - lo, 0)
+    return starts, targets, moves
+
+
+@register("oktopk")
+class OkTopkAllreduce(Aggregator):
+    """O(k) sparse allreduce of Ok-Topk (oktopk-li2022 Alg. 1) -- see the module docstring.
+
+    Args:
+      tau: space repartition period τ in iterations (§3.1.1; default 64).
+      tau_prime: threshold re-evaluation period τ' in iterations (§3.1.3; default 32).
+      bucket_size: peers per communication bucket in split and reduce (§3.1.1, Fig. 2(b));
+        the paper gives no number, 4 is the authors' implementation's throttle.
+      balance_factor: data balancing runs when the largest global top-k buffer exceeds this
+        many times the mean (§5.3; default 4).
+
+    After each call ``last_info`` holds ``step``, ``fresh_thresholds``, ``repartitioned``,
+    ``balanced``, ``local_count``, ``global_count``, ``local_threshold``,
+    ``global_threshold`` and ``boundaries``.
+    """
+
+    def __init__(self, tau: int = 64, tau_prime: int = 32, bucket_size: int = 4, balance_factor: float = 4.0,
+                 **unknown):
+        reject_unknown_options("oktopk", unknown, _OPTIONS)
+        self.tau = _positive_int("tau", tau)
+        self.tau_prime = _positive_int("tau_prime", tau_prime)
+        self.bucket_size = _positive_int("bucket_size", bucket_size)
+        if (isinstance(balance_factor, bool) or not isinstance(balance_factor, numbers.Real)
+                or not float(balance_factor) >= 1.0):
+            raise ValueError(f"balance_factor={balance_factor!r} must be a number >= 1 (data balancing runs "
+                             f"when the largest buffer exceeds balance_factor times the mean; default 4)")
+        self.balance_factor = float(balance_factor)
+        self.reset()
+
+    def reset(self) -> None:
+        self._t = 0
+        self._layout = None  # (n, size) the cached state belongs to
+        self._k = None
+        self.local_threshold = None
+        self.global_threshold = None
+        self.boundaries = None
+        self.last_info: dict = {}
+
+    # -- Alg. 1 ---------------------------------------------------------------------------
+    def allreduce(self, comm, acc, k):
+        acc = check_acc(acc, check_k(k, np.size(acc)))
+        k = int(k)
+        n, rank, size = acc.size, comm.rank, comm.size
+        itype = index_dtype(n)
+        if self._layout != (n, size):
+            self.boundaries = None
+            self.local_threshold = self.global_threshold = None
+            self._layout = (n, size)
+        if self._k != k:
+            self.local_threshold = self.global_threshold = None
+            self._k = k
+        self._t += 1
+        t = self._t
+        fresh = (t - 1) % self.tau_prime == 0 or self.local_threshold is None or self.global_threshold is None
+        repartition = (t - 1) % self.tau == 0 or self.boundaries is None
+
+        # lines 2-4: local threshold; local top-k by threshold
+        if fresh:
+            self.local_threshold = kth_largest_magnitude(acc, k)
+        local_idx = threshold_select(acc, self.local_threshold, strict=False) if k > 0 else np.empty(0, np.int64)
+
+        # lines 5-7: space repartition (consensus = average of the local boundary vectors)
+        if repartition:
+            mine = local_boundaries(local_idx, n, size).astype(np.float64)
+            avg = comm.allreduce(mine, op="sum") / size if size > 1 else mine
+            inner = np.clip(np.floor(avg).astype(np.int64), 0, n)
+            self.boundaries = np.concatenate(([0], inner, [n])).astype(np.int64)
+        bounds = self.boundaries
+
+        # line 8: split and reduce
+        red_idx, red_val = self._split_and_reduce(comm, acc, local_idx, bounds, itype)
+
+        # lines 9-12: global threshold (all-gather of the reduced values on re-evaluation steps)
+        if fresh:
+            all_vals = comm.allgather(red_val)
+            self.global_threshold = kth_largest_magnitude(np.concatenate(all_vals), k)
+        if k == 0:
+            keep = np.zeros(red_val.size, dtype=bool)
+        elif self.global_threshold <= 0.0:
+            keep = np.ones(red_val.size, dtype=bool)
+        else:
+            keep = ~(np.abs(red_val) < self.global_threshold)
+        g_idx, g_val = red_idx[keep], red_val[keep]
+
+        # line 13: balance and allgatherv
+        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, itype)
+
+        # line 14: indexes = local ∩ global
+        contributed = np.intersect1d(local_idx, u_idx, assume_unique=True)
+        self.last_info = {"step": t, "fresh_thresholds": bool(fresh), "repartitioned": bool(repartition),
+                          "balanced": bool(balanced), "local_count": int(local_idx.size),
+                          "global_count": int(u_idx.size), "local_threshold": float(self.local_threshold),
+                          "global_threshold": float(self.global_threshold), "boundaries": bounds.copy()}
+        return AllreduceResult(indices=u_idx, values=u_val, contributed=contributed,
+                               sent_elements=int(local_idx.size))
+
+    # -- §3.1.1 ---------------------------------------------------------------------------
+    def _split_and_reduce(self, comm, acc, local_idx, bounds, itype):
+        """Returns this rank's region's reduced local top-k entries (ascending indices)."""
+        rank, size = comm.rank, comm.size
+        cuts = np.searchsorted(local_idx, bounds)  # local_idx[cuts[j]:cuts[j+1]] lies in region j
+        send_counts = np.diff(cuts).astype(np.int64)
+        if size > 1:
+            recv_counts = np.concatenate(comm.alltoall([send_counts[j:j + 1] for j in range(size)]))
+        else:
+            recv_counts = send_counts.copy()
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        region = np.zeros(hi - lo, dtype=np.float32)
+        touched = np.zeros(hi - lo, dtype=bool)
+
+        def reduce_part(idx, val):
+            rel = idx - lo
+            region[rel] += val
+            touched[rel] = True
+
+        ebytes = entry_bytes(itype)
+        steps = list(range(1, size))
+        buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
+        sends = []
+        pending = None  # (list of (source, request)) of the bucket in flight
+        own = local_idx[cuts[rank]:cuts[rank + 1]]
+        own_reduced = False
+        for bucket in buckets:
+            posted = []
+            for s in bucket:  # destination rotation (Fig. 2(b))
+                dst, src = (rank + s) % size, (rank - s) % size
+                if recv_counts[src] > 0:
+                    posted.append((src, comm.irecv(src, int(recv_counts[src]) * ebytes, tag=TAG_REDUCE,
+                                                   dtype=np.uint8)))
+                c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
+                if c1 > c0:
+                    part = local_idx[c0:c1]
+                    sends.append(comm.isend(pack_sparse(part, acc[part], itype), dst, tag=TAG_REDUCE))
+            # overlap: reduce what is already here while this bucket is in flight
+            if not own_reduced:
+                reduce_part(own, acc[own])
+                own_reduced = True
+            if pending is not None:
+                for _src, req in pending:
+                    reduce_part(*unpack_sparse(req.wait(), itype))
+            pending = posted
+        if not own_reduced:
+            reduce_part(own, acc[own])
+        if pending is not None:
+            for _src, req in pending:
+                reduce_part(*unpack_sparse(req.wait(), itype))
+        for req in sends:
+            req.wait()
+        rel = np.flatnonzero(touched)
+        return rel.astype(np.int64) + lo, region[rel]
+
+    # -- §3.1.2 ---------------------------------------------------------------------------
+    def _balance_and_allgatherv(self, comm, g_idx, g_val, itype):
+        """All ranks get the concatenation (rank order) of every rank's global top-k buffer."""
+        size, rank = comm.size, comm.rank
+        if size == 1:
+            return g_idx.astype(np.int64, copy=False), g_val.astype(np.float32, copy=False), False
+        counts = np.concatenate(comm.allgather(np.array([g_idx.size], dtype=np.int64)))
+        total = int(counts.sum())
+        balanced = total > 0 and counts.max() > self.balance_factor * (total / size)
+        if balanced:
+            starts, targets, moves = balance_plan(counts)
+            ebytes = entry_bytes(itype)
+            recvs = {}
+            for p in range(size):
+                if p != rank and moves[p, rank] > 0:
+                    recvs[p] = comm.irecv(p, int(moves[p, rank]) * ebytes, tag=TAG_BALANCE, dtype=np.uint8)
+            sends = []
+            for q in range(size):
+                if q != rank and moves[rank, q] > 0:
+                    off = max(starts[rank], targets[q]) - starts[rank]
+                    sl = slice(int(off), int(off + moves[rank, q]))
+                    sends.append(comm.isend(pack_sparse(g_idx[sl], g_val[sl], itype), q, tag=TAG_BALANCE))
+            parts_idx, parts_val = [], []
+            for p in range(size):  # the chunk in global order: pieces from lower ranks first
+                if moves[p, rank] == 0:
+                    continue
+                if p == rank:
+                    off = max(starts[rank], targets[rank]) - starts[rank]
+                    sl = slice(int(off), int(off + moves[rank, rank]))
+                    parts_idx.append(g_idx[sl])
+                    parts_val.append(g_val[sl])
+                else:
+                    i, v = unpack_sparse(recvs[p].wait(), itype)
+                    parts_idx.append(i)
+                    parts_val.append(v)
+            for req in sends:
+                req.wait()
+            mine_idx = np.concatenate(parts_idx) if parts_idx else np.empty(0, np.int64)
+            mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
+        else:
+            mine_idx, mine_val = g_idx, g_val
+        gathered = comm.allgather(pack_sparse(mine_idx, mine_val, itype))
+        pieces = [unpack_sparse(b, itype) for b in gathered]
+        u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
+        u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)
+        return u_idx, u_val, bool(balanced)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(tau={self.tau}, tau_prime={self.tau_prime}, "
+                f"bucket_size={self.bucket_size}, balance_factor={self.balance_factor})")
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)

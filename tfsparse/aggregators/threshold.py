@@ -1,0 +1,59 @@
+"""Threshold-selection baselines aggregated by allgather (TopkA-style, oktopk-li2022 §2,
+Table 1): the payload is chosen by an *estimated* threshold instead of an exact top-k, the
+(index, value) pairs are all-gathered and summed.  Volume per rank ``2k'(P-1)`` elements,
+``k'`` the number of entries actually selected (only approximately k).
+
+* ``dgc`` -- Deep Gradient Compression's sampled threshold (dragonn-wang2022 §2.3, App. B
+  Alg. 3): :class:`~tfsparse.compressors.DGCSampledThreshold`.
+* ``gaussiank`` -- Gaussian-k (oktopk-li2022 §2, threshold adjustment of §5.4):
+  :class:`~tfsparse.compressors.GaussianKThreshold`.
+
+``contributed`` is the selected payload: every selected value goes into the global sum, so
+``applied + residuals == raw gradients``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..compressors import DGCSampledThreshold, GaussianKThreshold
+from .gtopk import check_k, reject_unknown_options
+from .registry import register
+from .topk import AllgatherAggregator
+
+
+class _ThresholdAllgather(AllgatherAggregator):
+    def allreduce(self, comm, acc, k):
+        check_k(k, np.size(acc))
+        return super().allreduce(comm, acc, k)
+
+
+@register("dgc")
+class DGCAllgather(_ThresholdAllgather):
+    """DGC sampled-threshold selection + allgather (dragonn-wang2022 §2.3, App. B).
+
+    Args:
+      sample_ratio: fraction of the gradient sampled to estimate the k-th largest magnitude
+        (default 0.01, DGC's 1%).
+      min_samples: lower bound on the sample size (default 1024; capped at n).
+      seed: seed of the sampler (None: fresh entropy per instance).
+    """
+
+    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, **unknown):
+        reject_unknown_options("dgc", unknown, ("sample_ratio", "min_samples", "seed"))
+        super().__init__(compressor=DGCSampledThreshold(sample_ratio=sample_ratio, min_samples=min_samples,
+                                                        seed=seed))
+
+
+@register("gaussiank")
+class GaussianKAllgather(_ThresholdAllgather):
+    """Gaussian-k threshold selection + allgather (oktopk-li2022 §2 and §5.4).
+
+    Args:
+      scale: factor applied to the Gaussian threshold while at most 3k/4 entries pass
+        (default 0.9).
+      max_adjust: most adjustment steps (default 50; 0 = pure Gaussian threshold).
+    """
+
+    def __init__(self, scale: float = 0.9, max_adjust: int = 50, **unknown):
+        reject_unknown_options("gaussiank", unknown, ("scale", "max_adjust"))
+        super().__init__(compressor=GaussianKThreshold(scale=scale, max_adjust=max_adjust))
