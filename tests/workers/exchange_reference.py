@@ -1,7 +1,7 @@
 """Worker: runs GradientExchange inside a tf.function for several steps on seeded random
 gradients and saves what each step returned, the residual, and the bytes sent.
 
-argv: backend algorithm density steps
+argv: backend density steps algorithm [algorithm...]
 """
 import sys
 
@@ -12,7 +12,7 @@ import tfsparse
 from tfsparse.exchange import GradientExchange
 from mpi_harness import save_result
 
-backend, algorithm, density, steps = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+backend, density, steps, algorithms = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 comm = tfsparse.init(backend=backend)
 rank = comm.rank
 SHAPES = [(7, 5), (13,), (3, 2, 4)]
@@ -23,22 +23,23 @@ def grads_of(r, step):
     return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
 
 
-ex = GradientExchange(algorithm, density, communicator=comm)
-n = sum(int(np.prod(s)) for s in SHAPES)
-residual = tf.Variable(tf.zeros([n]), trainable=False)
+results = {}
+for algorithm in algorithms:
+    ex = GradientExchange(algorithm, density, communicator=comm)
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    residual = tf.Variable(tf.zeros([n]), trainable=False)
 
+    @tf.function
+    def step_fn(g0, g1, g2):
+        return ex([g0, g1, g2], residual)
 
-@tf.function
-def step_fn(g0, g1, g2):
-    return ex([g0, g1, g2], residual)
-
-
-outs, residuals, nbytes = [], [], []
-for s in range(steps):
-    before = comm.bytes_sent
-    res = step_fn(*[tf.constant(g) for g in grads_of(rank, s)])
-    nbytes.append(comm.bytes_sent - before)
-    outs.append(np.concatenate([r.numpy().ravel() for r in res]))
-    residuals.append(residual.numpy().copy())
-save_result(rank, outs=np.stack(outs), residuals=np.stack(residuals), nbytes=nbytes, n=n,
-            k=ex.k_for(n), size=comm.size)
+    outs, residuals, nbytes = [], [], []
+    for s in range(steps):
+        before = comm.bytes_sent
+        res = step_fn(*[tf.constant(g) for g in grads_of(rank, s)])
+        nbytes.append(comm.bytes_sent - before)
+        outs.append(np.concatenate([r.numpy().ravel() for r in res]))
+        residuals.append(residual.numpy().copy())
+    results.update({f"{algorithm}/outs": np.stack(outs), f"{algorithm}/residuals": np.stack(residuals),
+                    f"{algorithm}/nbytes": nbytes, f"{algorithm}/k": ex.k_for(n)})
+save_result(rank, n=n, size=comm.size, backend=tfsparse.runtime.backend(), **results)

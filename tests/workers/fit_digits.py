@@ -72,7 +72,7 @@ for cfg in configs:
     w = np.concatenate([np.asarray(v).ravel() for v in model.get_weights()])
     out[f"{cfg}/weights"] = w
     meta = {"history": {k: [float(a) for a in v] for k, v in hist.history.items()}, "eval": ev,
-            "n_params": int(w.size)}
+            "n_params": int(w.size), "backend": tfsparse.runtime.backend()}
     out[f"{cfg}/json"] = meta
     if rank == 0 and algo == "dense":
         ref = build()  # rank 0's seed: the same initial weights every rank got by broadcast

@@ -1,0 +1,117 @@
+"""Unit tests of the transport layer on the in-process world (threads), incl. byte accounting."""
+import numpy as np
+import pytest
+
+from tfsparse.collectives import InProcessWorld, split_counts
+from tfsparse.collectives.communicator import binomial_children
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5])
+def test_allreduce_sum_is_identical_and_counts_ring_volume(P):
+    world = InProcessWorld(P)
+    data = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(P)]
+
+    def fn(comm):
+        return comm.allreduce(data[comm.rank]), comm.bytes_sent
+
+    out = world.run(fn)
+    ref = np.sum(np.stack(data).astype(np.float64), axis=0)
+    for res, nbytes in out:
+        np.testing.assert_allclose(res, ref, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(res, out[0][0])
+        assert nbytes == (2 * 1001 * 4 * (P - 1) // P if P > 1 else 0)
+
+
+@pytest.mark.parametrize("op,fn_ref", [("max", np.max), ("min", np.min)])
+def test_allreduce_max_min(op, fn_ref):
+    world = InProcessWorld(3)
+    out = world.run(lambda c: c.allreduce(np.array([c.rank, -c.rank], dtype=np.int64), op=op))
+    ref = fn_ref(np.array([[r, -r] for r in range(3)]), axis=0)
+    for o in out:
+        assert np.array_equal(o, ref)
+
+
+def test_allreduce_rejects_unknown_op():
+    world = InProcessWorld(1)
+    with pytest.raises(ValueError, match="op='prod'"):
+        world.comms[0].allreduce(np.ones(2), op="prod")
+
+
+def test_allreduce_keeps_scalar_shape():
+    out = InProcessWorld(2).run(lambda c: c.allreduce(np.float64(c.rank + 1)))
+    assert all(o.shape == () and o == 3.0 for o in out)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_allgather_variable_sizes_and_volume(P):
+    world = InProcessWorld(P)
+    sizes = [3 * r + 1 for r in range(P)]
+
+    def fn(comm):
+        return comm.allgather(np.full(sizes[comm.rank], comm.rank, dtype=np.float32)), comm.bytes_sent
+
+    for rank, (parts, nbytes) in enumerate(world.run(fn)):
+        assert [p.size for p in parts] == sizes
+        assert all(np.all(p == r) for r, p in enumerate(parts))
+        assert nbytes == 4 * (sum(sizes) - sizes[(rank + 1) % P])
+
+
+@pytest.mark.parametrize("P,root", [(2, 0), (3, 1), (5, 4), (8, 0)])
+def test_bcast_and_binomial_volume(P, root):
+    world = InProcessWorld(P)
+    payload = np.arange(10, dtype=np.float64)
+
+    def fn(comm):
+        x = payload if comm.rank == root else None
+        return comm.bcast(x, root=root, shape=(10,), dtype=np.float64), comm.bytes_sent
+
+    out = world.run(fn)
+    for res, _ in out:
+        assert np.array_equal(res, payload)
+    total = sum(nbytes for _, nbytes in out)
+    assert total == 80 * (P - 1)  # a tree: every non-root rank receives exactly once
+    assert sum(binomial_children(r, P, root) for r in range(P)) == P - 1
+
+
+def test_bcast_needs_shape_on_non_root():
+    world = InProcessWorld(2)
+    with pytest.raises(ValueError, match="shape= and dtype="):
+        world.comms[1].bcast(None, root=0)
+    with pytest.raises(ValueError, match="root=5"):
+        world.comms[0].bcast(np.ones(1), root=5)
+
+
+def test_alltoall_and_point_to_point():
+    P = 3
+    world = InProcessWorld(P)
+
+    def fn(comm):
+        blocks = [np.full(j + 1, 10 * comm.rank + j, dtype=np.int64) for j in range(P)]
+        got = comm.alltoall(blocks)
+        peer = (comm.rank + 1) % P
+        req = comm.isend(np.array([comm.rank], dtype=np.int64), peer, tag=7)
+        back = comm.recv((comm.rank - 1) % P, tag=7, dtype=np.int64)
+        req.wait()
+        return got, back
+
+    for rank, (got, back) in enumerate(world.run(fn)):
+        assert [g.tolist() for g in got] == [[10 * src + rank] * (rank + 1) for src in range(P)]
+        assert back.tolist() == [(rank - 1) % P]
+
+
+def test_point_to_point_validates_peer():
+    comm = InProcessWorld(2).comms[0]
+    with pytest.raises(ValueError, match="dest=0"):
+        comm.send(np.ones(1), 0)
+    with pytest.raises(ValueError, match="source=3"):
+        comm.recv(3)
+
+
+def test_split_counts():
+    assert split_counts(10, 3).tolist() == [4, 3, 3]
+    assert split_counts(2, 4).tolist() == [1, 1, 0, 0]
+
+
+def test_sendrecv_pairs():
+    out = InProcessWorld(2).run(lambda c: c.sendrecv(np.array([c.rank + 0.5]), 1 - c.rank))
+    assert [o.tolist() for o in out] == [[1.5], [0.5]]

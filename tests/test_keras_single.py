@@ -1,0 +1,130 @@
+"""Keras integration in one process (in-process communicator of size 1): API, validation, graph mode."""
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import tfsparse  # noqa: E402
+from tfsparse.collectives import InProcessWorld  # noqa: E402
+from tfsparse.keras import DistributedOptimizer  # noqa: E402
+
+
+def solo():
+    return InProcessWorld(1).comms[0]
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.random((n, 8), dtype=np.float32), rng.integers(0, 3, n)
+
+
+def small_model():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(algorithm="bogus"), "algorithm='bogus' is not supported"),
+    (dict(algorithm="topk", density=2), r"density=2 must be a number in \(0, 1\]"),
+])
+def test_strategy_rejects_bad_input_before_communicating(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfsparse.SparseStrategy(communicator=solo(), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        DistributedOptimizer(keras.optimizers.SGD(), communicator=solo(), **kwargs)
+
+
+def test_optimizer_rejects_non_optimizer_and_non_float_variables():
+    with pytest.raises(ValueError, match="inner_optimizer must be a keras.optimizers.Optimizer"):
+        DistributedOptimizer("sgd", communicator=solo())
+    opt = DistributedOptimizer(keras.optimizers.SGD(), communicator=solo())
+    var = keras.Variable(np.zeros(3, "int32"), trainable=True, name="counts")
+    with pytest.raises(ValueError, match="'counts' has dtype=int32"):
+        opt.build([var])
+
+
+def test_strategy_trains_in_graph_mode_without_retracing():
+    strategy = tfsparse.SparseStrategy("topk", 0.2, communicator=solo())
+    assert strategy.num_replicas_in_sync == 1
+    traces = []
+    original = strategy.exchange.__call__
+    strategy.exchange.__class__ = type("Spy", (type(strategy.exchange),),
+                                       {"__call__": lambda self, *a, **k: traces.append(1) or original(*a, **k)})
+    with strategy:  # `with strategy:` works like strategy.scope()
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), LOSS)
+    x, y = data()
+    hist = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert not model.run_eagerly
+    traced = len(traces)
+    assert 1 <= traced <= 2  # Keras' step function is traced up front, not per step
+    assert strategy.exchange.total.steps == 12
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert len(traces) == traced and strategy.exchange.total.steps == 20
+
+
+def test_jit_compile_gives_a_clear_error():
+    strategy = tfsparse.SparseStrategy("topk", 0.2, communicator=solo())
+    with strategy.scope():
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), LOSS, jit_compile=True)
+    x, y = data()
+    with pytest.raises(ValueError, match="jit_compile=True is not supported"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_optimizer_config_roundtrip_and_delegation():
+    inner = keras.optimizers.SGD(0.25, momentum=0.5)
+    opt = DistributedOptimizer(inner, algorithm="dense", density=1.0, communicator=solo())
+    cfg = opt.get_config()
+    assert cfg["algorithm"] == "dense" and cfg["density"] == 1.0
+    clone = DistributedOptimizer.from_config(cfg)
+    assert isinstance(clone.inner_optimizer, keras.optimizers.SGD)
+    assert clone.inner_optimizer.momentum == 0.5
+    assert float(clone.learning_rate) == pytest.approx(0.25)
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert isinstance(again, DistributedOptimizer) and again.algorithm == "dense"
+    opt.learning_rate = 0.125
+    assert float(inner.learning_rate) == pytest.approx(0.125)
+
+
+def test_optimizer_route_single_process_matches_plain_keras_for_dense():
+    x, y = data()
+    keras.utils.set_random_seed(3)
+    a = small_model()
+    b = small_model()
+    b.set_weights(a.get_weights())
+    a.compile(DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "dense", 1.0, communicator=solo()), LOSS)
+    b.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    a.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    b.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(wa, wb, rtol=1e-6, atol=1e-7)
+
+
+def test_communication_stats_callback_adds_logs():
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.25, communicator=solo())
+    model = small_model()
+    model.compile(opt, LOSS)
+    x, y = data()
+    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[tfsparse.keras.callbacks.CommunicationStats()])
+    n = 8 * 3 + 3
+    assert hist.history["density"] == [pytest.approx(np.ceil(0.25 * n) / n)] * 2
+    assert hist.history["comm_bytes"] == [0.0, 0.0]  # one rank sends nothing
+
+
+def test_launcher_builds_mpirun_command():
+    from tfsparse.run import build_command
+
+    cmd, env = build_command(4, ["python", "train.py"])
+    assert cmd[1:3] == ["-np", "4"] and "--oversubscribe" in cmd and cmd[-2:] == ["python", "train.py"]
+    assert "--bind-to" in cmd
+    with pytest.raises(ValueError, match="-np 0"):
+        build_command(0, ["python"])
+    with pytest.raises(ValueError, match="no command"):
+        build_command(2, [])
