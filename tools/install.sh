@@ -17,7 +17,7 @@ for a in "$@"; do
   esac
 done
 
-if ! command -v mpirun >/dev/null || [ ! -e /usr/include/x86_64-linux-gnu/openmpi ] && [ ! -d /usr/lib/x86_64-linux-gnu/openmpi/include ]; then
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
   echo "== installing OpenMPI (Debian packages)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
@@ -26,7 +26,7 @@ fi
 
 pipi() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 
-if ! "$PY" -c "import tensorflow, keras, mpi4py, numba, sklearn, matplotlib, pytest" 2>/dev/null; then
+if ! "$PY" -c "import tensorflow, keras, mpi4py, numba, sklearn, matplotlib, pytest, pytest_timeout" 2>/dev/null; then
   echo "== installing Python dependencies"
   pipi "tensorflow-cpu==2.21.*" "keras>=3.10" "numpy" "mpi4py>=4" "numba>=0.60" \
        "scikit-learn" "matplotlib" "pytest" "pytest-timeout"
