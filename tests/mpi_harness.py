@@ -61,6 +61,26 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
         return [load_result(out, r) for r in range(nproc)], text
 
 
+def run_locked(cmd: list[str], timeout: float = 120, env: dict | None = None) -> str:
+    """Runs any launcher command line (horovodrun, tfsparse-run) under the MPI lock and a timeout."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            raise MPIJobError(f"{cmd} timed out after {timeout}s:\n{_tail(text)}") from None
+    if proc.returncode != 0:
+        raise MPIJobError(f"{cmd} failed ({proc.returncode}):\n{_tail(text)}")
+    return text
+
+
 def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 

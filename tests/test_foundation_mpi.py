@@ -4,7 +4,9 @@ Horovod backend, checkpoints, and failure modes that must not hang."""
 import numpy as np
 import pytest
 
-from mpi_harness import MPIJobError, mpirun
+import sys
+
+from mpi_harness import MPIJobError, mpirun, run_locked
 
 pytestmark = pytest.mark.mpi
 
@@ -171,3 +173,32 @@ def test_harness_reports_a_hang_as_a_failure(tmp_path):
                       "if MPI.COMM_WORLD.rank == 0:\n    MPI.COMM_WORLD.Recv(np.empty(1), source=1)\n")
     with pytest.raises(MPIJobError, match="timed out"):
         mpirun(2, script, timeout=20)
+
+
+HELLO = ("import sys, numpy as np, tfsparse\nc = tfsparse.init()\n"
+         "open(f'{sys.argv[1]}/rank{c.rank}.txt', 'w').write("
+         "f'{tfsparse.runtime.backend()} {c.rank} {c.size} {c.allreduce(np.ones(2))[0]}')\n")
+
+
+def hello_lines(tmp_path):
+    return sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
+
+
+def test_tfsparse_run_launches_ranks(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(HELLO)
+    run_locked([sys.executable, "-m", "tfsparse.run", "-np", "3", sys.executable, str(script), str(tmp_path)],
+               timeout=120, env={"TFSPARSE_BACKEND": "mpi"})
+    assert hello_lines(tmp_path) == ["mpi 0 3 3.0", "mpi 1 3 3.0", "mpi 2 3 3.0"]
+
+
+@pytest.mark.horovod
+def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
+    _horovod_or_skip()
+    import shutil
+
+    script = tmp_path / "hello.py"
+    script.write_text(HELLO)
+    run_locked([shutil.which("horovodrun") or "horovodrun", "-np", "2", "-H", "localhost:2",
+                sys.executable, str(script), str(tmp_path)], timeout=180)
+    assert hello_lines(tmp_path) == ["horovod 0 2 2.0", "horovod 1 2 2.0"]
