@@ -226,6 +226,17 @@ class SparseStrategy(OneDeviceStrategy):
         return self.extended.exchange
 
     @property
+    def residual(self):
+        """This rank's residual (a ``tf.Variable``, created at the first traced step), or None.
+
+        With a plain Keras optimizer it is owned by the strategy: save it with
+        ``tf.train.Checkpoint(residual=strategy.residual)``.  For residuals inside Keras
+        model files, compile with ``tfsparse.keras.DistributedOptimizer`` (also inside the
+        scope) and use ``tfsparse.keras.callbacks.ModelCheckpoint``.
+        """
+        return self.extended.residual
+
+    @property
     def algorithm(self) -> str:
         return self.exchange.algorithm
 
