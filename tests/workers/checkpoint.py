@@ -32,7 +32,8 @@ model = compiled(keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, act
 path = os.path.join(ckdir, "ckpt.keras")
 ckpt = tfsparse.keras.callbacks.ModelCheckpoint(path)
 model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
-          callbacks=[tfsparse.keras.callbacks.BroadcastInitialState(), ckpt])
+          callbacks=[tfsparse.keras.callbacks.BroadcastInitialState(), ckpt,
+                     tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.CSVLogger(os.path.join(ckdir, "log.csv")))])
 comm.barrier()  # rank 0 has written the file
 restored = keras.models.load_model(path)
 live_res = model.optimizer.residual.numpy()
