@@ -77,15 +77,15 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True) -> np.ndarray:
+def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
     """Indices (ascending, int64) of the entries of ``acc`` whose magnitude passes ``threshold``.
 
     ``strict``: ``|acc| > threshold`` (dragonn-wang2022 Alg. 3, "mask <- |G| > t"), else
     ``|acc| >= threshold``.  A non-positive threshold selects the non-zero entries only
     (sending zeros is never useful); a NaN threshold selects nothing but NaN entries.  NaN
-    entries always pass, as in :func:`topk_indices`.
+    entries always pass, as in :func:`topk_indices`.  ``mag``: ``np.abs(acc)`` if already computed.
     """
-    mag = np.abs(acc)
+    mag = np.abs(acc) if mag is None else mag
     threshold = float(threshold)
     if np.isnan(threshold):
         threshold = np.inf
@@ -149,6 +149,10 @@ class DGCSampledThreshold(Compressor):
         k = int(k)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
+        if k >= acc.size:  # density 1: everything (non-zero) is sent, no estimate needed
+            idx = threshold_select(acc, 0.0)
+            self.last_threshold = 0.0
+            return idx, acc[idx]
         t = self.threshold(acc, k)
         self.last_threshold = t
         idx = threshold_select(acc, t, strict=True)
@@ -157,6 +161,23 @@ class DGCSampledThreshold(Compressor):
     def __repr__(self):
         return (f"{type(self).__name__}(sample_ratio={self.sample_ratio}, min_samples={self.min_samples}, "
                 f"seed={self.seed})")
+
+
+def _mean_std(acc: np.ndarray, chunk: int = 1 << 20) -> tuple[float, float]:
+    """Mean and (population) standard deviation in float64, two passes over float64 chunks
+    (``np.std(dtype=float64)`` would materialise a float64 copy of the whole gradient)."""
+    n = acc.size
+    if n == 0:
+        return 0.0, 0.0
+    total = 0.0
+    for i in range(0, n, chunk):
+        total += float(np.sum(acc[i:i + chunk], dtype=np.float64))
+    mu = total / n
+    sq = 0.0
+    for i in range(0, n, chunk):
+        c = acc[i:i + chunk].astype(np.float64) - mu
+        sq += float(np.dot(c, c))
+    return mu, float(np.sqrt(sq / n))
 
 
 class GaussianKThreshold(Compressor):
@@ -203,9 +224,7 @@ class GaussianKThreshold(Compressor):
         rho = min(1.0, max(k, 0) / n) if n else 1.0
         if rho >= 1.0:
             return 0.0
-        a64 = acc.astype(np.float64, copy=False)
-        mu = float(np.mean(a64))
-        sigma = float(np.std(a64))
+        mu, sigma = _mean_std(acc)
         return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - rho / 2.0)
 
     def compress(self, acc, k):
@@ -228,7 +247,7 @@ class GaussianKThreshold(Compressor):
                     count = int(np.count_nonzero(mag > t))
         self.last_threshold = float(t)
         self.last_adjustments = adjustments
-        idx = threshold_select(acc, t, strict=True)
+        idx = threshold_select(acc, t, strict=True, mag=mag)
         return idx, acc[idx]
 
     def __repr__(self):

@@ -1,6 +1,7 @@
 """Aggregator interface: a sparse allreduce algorithm over a Communicator."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,8 @@ class Aggregator:
 
 
 def check_acc(acc: np.ndarray, k: int) -> np.ndarray:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise ValueError(f"k={k!r} must be an integer number of elements to keep")
     acc = np.ascontiguousarray(acc, dtype=np.float32).reshape(-1)
     if not 0 <= k <= acc.size:
         raise ValueError(f"k={k} must be in [0, {acc.size}] (the gradient has {acc.size} elements)")

@@ -66,11 +66,11 @@ _OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor")
 
 def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
     """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
-    are fewer than k values (then every non-zero value passes)."""
+    are at most k values (then every non-zero value passes, also on the steps that reuse it)."""
     m = values.size
     if k <= 0:
         return float("inf")
-    if m < k or m == 0:
+    if m <= k:
         return 0.0
     mag = np.abs(values)
     return float(np.partition(mag, m - k)[m - k])

@@ -1,6 +1,8 @@
 """Name -> Aggregator class registry (no if/elif factories: modules register themselves)."""
 from __future__ import annotations
 
+import inspect
+
 _REGISTRY: dict = {}
 
 
@@ -24,7 +26,11 @@ def get_aggregator(name: str, **options):
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"algorithm={name!r} is not supported; accepted: "
                          f"{', '.join(repr(a) for a in available_aggregators())}")
+    cls = _REGISTRY[name]
     try:
-        return _REGISTRY[name](**options)
+        return cls(**options)
     except TypeError as e:
-        raise ValueError(f"invalid options for algorithm={name!r}: {e}") from None
+        params = [p for p in inspect.signature(cls).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        accepted = ", ".join(p.name for p in params) or "none"
+        raise ValueError(f"invalid options for algorithm={name!r}: {e}; accepted options: {accepted}") from None

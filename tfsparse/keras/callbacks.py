@@ -92,13 +92,20 @@ class CommunicationStats(keras.callbacks.Callback):
 
 
 class MetricAverage(keras.callbacks.Callback):
-    """Averages the numeric epoch logs (and evaluate's logs) across ranks."""
+    """Averages the numeric epoch logs (and evaluate's logs) across ranks.
+
+    ``comm_bytes`` and ``density`` (from CommunicationStats) stay per rank, as under
+    SparseStrategy.
+    """
+
+    PER_RANK = ("comm_bytes", "density")
 
     def _average(self, logs):
         if not logs:
             return
         comm = runtime.communicator()
-        keys = sorted(k for k, v in logs.items() if np.isscalar(v) or np.ndim(v) == 0)
+        keys = sorted(k for k, v in logs.items()
+                      if (np.isscalar(v) or np.ndim(v) == 0) and k not in self.PER_RANK)
         vals = np.array([float(logs[k]) for k in keys], dtype=np.float64)
         vals = comm.allreduce(vals) / comm.size
         for k, v in zip(keys, vals):
@@ -207,3 +214,4 @@ def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callba
     >>> callbacks=[tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.ModelCheckpoint("ckpt.keras"))]
     """
     return _RankZeroOnly(callback, runtime.rank())
+from .density_schedule import DensitySchedule  # noqa: E402,F401

@@ -1,0 +1,479 @@
+"""Fast in-process tests (threads, InProcessWorld) of the seeds' sparse allreduces:
+gtopk, oktopk, dgc, gaussiank (and the dense/topk baselines), against independent numpy
+references (tests/refs.py), including non-power-of-two worlds."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import refs
+from tfsparse import collectives as C
+from tfsparse.aggregators.gtopk import (pack_sparse, top_merge, tree_schedule, unpack_sparse)
+from tfsparse.aggregators.oktopk import balance_plan, local_boundaries
+from tfsparse.collectives import InProcessWorld
+from tfsparse.collectives.communicator import binomial_children
+from tfsparse.compressors import DGCSampledThreshold, GaussianKThreshold, threshold_select, topk_indices
+from tfsparse.exchange import GradientExchange
+
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+SPARSE = ("topk", "gtopk", "oktopk", "dgc", "gaussiank")
+
+
+def make_acc(rank: int, step: int, n: int, seed: int = 0) -> np.ndarray:
+    """A gradient-like vector: heavy-tailed noise plus a shared slowly-moving signal."""
+    rng = np.random.default_rng([seed, rank, step])
+    shared = np.random.default_rng([seed, 999]).standard_normal(n) * 0.5
+    return (rng.laplace(size=n) + shared * (1 + 0.1 * step)).astype(np.float32)
+
+
+def run(P, name, steps, n, k, options=None, seed=0, accs=None):
+    """Runs ``steps`` allreduces on P thread-ranks; returns per-rank lists of per-step dicts."""
+
+    def fn(comm):
+        agg = C.get_aggregator(name, **(options or {}))
+        out = []
+        for s in range(steps):
+            acc = make_acc(comm.rank, s, n, seed) if accs is None else accs[s][comm.rank]
+            before = comm.bytes_sent
+            res = agg.allreduce(comm, acc, k)
+            info = dict(getattr(agg, "last_info", {}))
+            out.append({"acc": acc, "dense": res.to_dense(n), "indices": res.indices, "values": res.values,
+                        "contributed": res.contributed, "bytes": comm.bytes_sent - before, "info": info,
+                        "sent": res.sent_elements})
+        return out
+
+    return InProcessWorld(P, timeout=30).run(fn)
+
+
+def assert_identical(per_rank, step):
+    d0 = per_rank[0][step]["dense"]
+    for r in per_rank[1:]:
+        np.testing.assert_array_equal(r[step]["dense"], d0)
+
+
+def assert_close(got, want):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.flatnonzero(got), np.flatnonzero(want))
+
+
+def test_registered():
+    assert set(ALGOS) <= set(C.available_aggregators())
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("name", ALGOS)
+def test_matches_reference(P, name):
+    n, k = 1500, 40
+    options = {"seed": 7} if name == "dgc" else None
+    out = run(P, name, 2, n, k, options)
+    for step in range(2):
+        assert_identical(out, step)
+        accs = [out[r][step]["acc"] for r in range(P)]
+        got = out[0][step]["dense"]
+        if name == "dense":
+            np.testing.assert_allclose(got, refs.dense_ref(accs), rtol=1e-5, atol=1e-5)
+            continue
+        if name == "topk":
+            want = refs.topk_allgather_ref(accs, k)
+        elif name == "gtopk":
+            want, _ = refs.gtopk_tree_ref(accs, k)
+            assert out[0][step]["indices"].size <= k
+        elif name == "oktopk":
+            if step == 0:
+                want, sels = refs.oktopk_ref(accs, k)
+                assert out[0][step]["info"]["fresh_thresholds"]
+                assert out[0][step]["indices"].size == k
+            else:  # a reuse step: the thresholds of step 1
+                info0 = [out[r][0]["info"] for r in range(P)]
+                assert not out[0][step]["info"]["fresh_thresholds"]
+                want, sels = refs.oktopk_ref(accs, k, [i["local_threshold"] for i in info0],
+                                             info0[0]["global_threshold"])
+            for r in range(P):
+                np.testing.assert_array_equal(
+                    out[r][step]["contributed"], np.intersect1d(sels[r], out[r][step]["indices"]))
+        elif name == "gaussiank":
+            sels = [refs.gaussiank_selection(a, k) for a in accs]
+            want = refs.sum_selected(accs, sels)
+        else:  # dgc: every rank's sampler has seed 7 and draws once per step
+            rngs = [np.random.default_rng(7) for _ in range(P)]
+            sels = None
+            for s in range(step + 1):
+                sels = [refs.dgc_selection(out[r][s]["acc"], k, rngs[r]) for r in range(P)]
+            want = refs.sum_selected(accs, sels)
+        assert_close(got, want)
+        # contributed: the local entries whose values went into the result
+        for r in range(P):
+            contributed = out[r][step]["contributed"]
+            if name in ("topk", "dgc", "gaussiank"):
+                local = refs.exact_topk(accs[r], k) if name == "topk" else sels[r]
+                np.testing.assert_array_equal(contributed, local)
+            elif name == "gtopk":
+                np.testing.assert_array_equal(
+                    contributed, np.intersect1d(refs.exact_topk(accs[r], k), out[r][step]["indices"]))
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
+def test_volumes(P):
+    n, k = 4000, 50
+    for name in ALGOS:
+        opts = {"seed": 1} if name == "dgc" else None
+        out = run(P, name, 3, n, k, opts)
+        b = np.array([[out[r][s]["bytes"] for s in range(3)] for r in range(P)])
+        if name == "dense":
+            assert (b == 2 * 4 * n * (P - 1) // P).all()
+        elif name == "topk":
+            assert (b == 8 * k * (P - 1)).all()  # 2k(P-1) elements of 4 bytes
+        elif name in ("dgc", "gaussiank"):
+            for r in range(P):
+                for s in range(3):
+                    sent = [out[q][s]["sent"] for q in range(P)]
+                    assert b[r, s] == 8 * (sum(sent) - sent[(r + 1) % P])  # 2k'(P-1) for the ring
+        elif name == "gtopk":
+            depth = math.ceil(math.log2(P))
+            for s in range(3):
+                m = out[0][s]["indices"].size
+                root_recv = out[0][s]["info"]["received_bytes"]
+                assert root_recv <= 8 * k * depth
+                assert b[0, s] == (8 * m + 8) * binomial_children(0, P)
+                assert b[0, s] + root_recv <= 4 * k * depth * 4 + 8 * depth  # Eq. 7: 4k log2 P at the root
+                for r in range(1, P):  # every other rank sends its 2k once, plus its bcast share
+                    assert b[r, s] == 8 * k + (8 * m + 8) * binomial_children(r, P)
+        else:  # oktopk on reuse steps: <= 6k(P-1)/P elements (Eq. 3) + the P-element control
+            # messages, where k is what the reused thresholds actually select (only ~k)
+            for s in (1, 2):
+                assert not out[0][s]["info"]["fresh_thresholds"]
+                k_eff = max([out[r][s]["info"]["local_count"] for r in range(P)] + [out[0][s]["info"]["global_count"]])
+                bound = 6 * k_eff * (P - 1) / P * 4 + 2 * 8 * (P - 1)
+                assert b[:, s].max() <= bound, (b[:, s], bound)
+
+
+def test_gtopk_tree_schedule():
+    for P in range(1, 18):
+        rounds = tree_schedule(P)
+        assert len(rounds) == (math.ceil(math.log2(P)) if P > 1 else 0)
+        gone = set()
+        for pairs in rounds:
+            seen = set()
+            for recv, send in pairs:
+                assert recv < send and recv not in gone and send not in gone
+                assert recv not in seen and send not in seen
+                seen |= {recv, send}
+            gone |= {s for _, s in pairs}
+        assert gone == set(range(1, P))  # everyone but rank 0 sends exactly once
+
+
+def test_top_merge_is_topk_of_sum():
+    rng = np.random.default_rng(3)
+    n, k = 300, 20
+    a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    ia, ib = topk_indices(a, k), topk_indices(b, k)
+    idx, val = top_merge(ia, a[ia], ib, b[ib], k)
+    dense = np.zeros(n, np.float32)
+    dense[ia] += a[ia]
+    dense[ib] += b[ib]
+    want = refs.exact_topk(dense, k)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(val, dense[want])
+    idx, val = top_merge(ia[:3], a[ia[:3]], ib[:2], b[ib[:2]], k)  # fewer than k in the union: keep all
+    assert idx.size == 5
+
+
+def test_pack_roundtrip():
+    idx = np.array([0, 5, 2**20], np.int64)
+    val = np.array([1.5, -2.0, np.nan], np.float32)
+    for itype in (np.int32, np.int64):
+        i2, v2 = unpack_sparse(pack_sparse(idx, val, itype), itype)
+        np.testing.assert_array_equal(i2, idx)
+        np.testing.assert_array_equal(v2, val)
+
+
+def test_gtopk_residual_rule_and_known_loss():
+    """Alg. 4 line 10: residual keeps the local top-k values whose index is not in the result;
+    values dropped inside the tree although their index reaches the result are lost."""
+    P, n, k, steps = 5, 600, 30, 6
+    out = run(P, "gtopk", steps, n, k)
+    total_lost = 0.0
+    for s in range(steps):
+        accs = [out[r][s]["acc"] for r in range(P)]
+        want, lost = refs.gtopk_tree_ref(accs, k)
+        assert_close(out[0][s]["dense"], want)
+        for r in range(P):
+            local = refs.exact_topk(accs[r], k)
+            contributed = out[r][s]["contributed"]
+            np.testing.assert_array_equal(contributed, np.intersect1d(local, out[r][s]["indices"]))
+        applied = out[0][s]["dense"].astype(np.float64)
+        removed = sum(accs[r][out[r][s]["contributed"]].astype(np.float64).sum() for r in range(P))
+        lost_sum = sum(x.sum() for x in lost)
+        # what left the residuals = what was applied + what was lost
+        assert removed == pytest.approx(applied.sum() + lost_sum, rel=1e-5, abs=1e-4)
+        total_lost += sum(np.abs(x).sum() for x in lost)
+    assert total_lost > 0  # the loss is real on this data (overlapping local top-k sets)
+
+
+def test_oktopk_schedule_and_reference():
+    """Thresholds re-evaluated at (t-1) % tau' == 0, boundaries at (t-1) % tau == 0; fresh
+    steps equal Topk(Σ Topk(G_i)), reuse steps the threshold semantics with the cached values."""
+    P, n, k = 3, 2000, 60
+    out = run(P, "oktopk", 9, n, k, {"tau": 4, "tau_prime": 3, "bucket_size": 1})
+    for s in range(9):
+        t = s + 1
+        info = out[0][s]["info"]
+        assert info["step"] == t
+        assert info["fresh_thresholds"] == ((t - 1) % 3 == 0)
+        assert info["repartitioned"] == ((t - 1) % 4 == 0)
+        assert_identical(out, s)
+        accs = [out[r][s]["acc"] for r in range(P)]
+        if info["fresh_thresholds"]:
+            want, _ = refs.oktopk_ref(accs, k)
+            cached = [out[r][s]["info"] for r in range(P)]
+        else:
+            want, _ = refs.oktopk_ref(accs, k, [c["local_threshold"] for c in cached], cached[0]["global_threshold"])
+        assert_close(out[0][s]["dense"], want)
+        for r in range(P):
+            np.testing.assert_array_equal(out[r][s]["info"]["boundaries"], info["boundaries"])
+
+
+def test_oktopk_boundaries_balance_local_topk():
+    """§3.1.1: boundaries split every rank's local top-k into P regions of ~k/P entries,
+    even when the top-k entries crowd into a small part of the gradient."""
+    P, n, k = 4, 8000, 200
+    accs = []
+    for r in range(P):
+        a = np.random.default_rng([5, r]).standard_normal(n).astype(np.float32) * 0.01
+        a[:n // 8] *= 100  # the large values live in the first eighth
+        accs.append(a)
+    out = run(P, "oktopk", 1, n, k, accs=[accs])
+    bounds = out[0][0]["info"]["boundaries"]
+    assert bounds[0] == 0 and bounds[-1] == n and np.all(np.diff(bounds) >= 0)
+    assert bounds[-2] <= n // 8 + 50
+    for r in range(P):
+        counts = np.diff(np.searchsorted(refs.exact_topk(accs[r], k), bounds))
+        assert counts.max() <= 1.5 * k / P, counts
+    assert local_boundaries(np.array([3, 9]), 100, 4).tolist() == [25, 50, 75]  # too few: even split
+
+
+@pytest.mark.parametrize("P,factor", [(4, 1.5), (5, 4.0)])
+def test_oktopk_data_balancing(P, factor):
+    """§3.1.2: with stale boundaries the global top-k crowd into one region; balancing
+    (max > factor * mean) re-splits before the allgatherv, and the result is unchanged."""
+    n, k = 4000, 80
+    hot = np.random.default_rng(11).choice(n // (4 * P), size=k, replace=False)
+    steps = []
+    for s in range(2):
+        accs = []
+        for r in range(P):
+            a = np.random.default_rng([s, r, 3]).standard_normal(n).astype(np.float32)
+            if s == 1:
+                a *= 0.01
+                a[hot] = 5.0 + r  # every rank's top-k: the same indices, all in region 0
+            accs.append(a)
+        steps.append(accs)
+    out = run(P, "oktopk", 2, n, k, {"tau_prime": 1, "balance_factor": factor}, accs=steps)
+    assert not out[0][0]["info"]["balanced"]
+    info = out[0][1]["info"]
+    assert info["balanced"] and not info["repartitioned"]
+    assert_identical(out, 1)
+    want, _ = refs.oktopk_ref(steps[1], k)
+    assert_close(out[0][1]["dense"], want)
+    # the owner of region 0 sends (P-1)/P of its buffer in the balancing step
+    starts, targets, moves = balance_plan(np.array([k] + [0] * (P - 1)))
+    assert moves.sum(axis=1).tolist() == [k] + [0] * (P - 1)
+    assert moves.sum(axis=0).tolist() == [len(c) for c in np.array_split(np.arange(k), P)]
+
+
+def test_balance_plan_conserves():
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        counts = rng.integers(0, 50, size=rng.integers(1, 9))
+        starts, targets, moves = balance_plan(counts)
+        assert moves.sum(axis=1).tolist() == counts.tolist()
+        chunk = moves.sum(axis=0)
+        assert chunk.max() - chunk.min() <= 1 and chunk.sum() == counts.sum()
+
+
+def test_oktopk_k_change_and_reset():
+    P, n = 2, 1000
+    seq = [40, 40, 80, 80]
+
+    def fn(comm):
+        agg = C.get_aggregator("oktopk")
+        infos = []
+        for s, k in enumerate(seq):
+            agg.allreduce(comm, make_acc(comm.rank, s, n), k)
+            infos.append(dict(agg.last_info))
+        agg.reset()
+        agg.allreduce(comm, make_acc(comm.rank, 9, n), 80)
+        infos.append(dict(agg.last_info))
+        return infos
+
+    infos = InProcessWorld(P).run(fn)[0]
+    assert [i["fresh_thresholds"] for i in infos] == [True, False, True, False, True]
+    assert infos[-1]["step"] == 1 and infos[-1]["repartitioned"]
+
+
+@pytest.mark.parametrize("name", ALGOS)
+@pytest.mark.parametrize("P", [3, 4])
+def test_residual_bookkeeping_sgd(name, P):
+    """50 steps of plain SGD through GradientExchange: applied updates + residuals == raw
+    gradients (nothing lost or double counted); gtopk: minus exactly Alg. 4's known loss."""
+    n, density, steps, lr = 400, 0.05, 50, 0.05
+    opts = {"seed": 3} if name == "dgc" else {}
+    if name == "oktopk":
+        opts = {"tau": 8, "tau_prime": 4}
+
+    def fn(comm):
+        ex = GradientExchange(name, density, communicator=comm, **opts)
+        w = np.zeros(n, np.float64)
+        target = np.random.default_rng([comm.rank, 77]).standard_normal(n)
+        residual = np.zeros(n, np.float32)
+        raw_total = np.zeros(n, np.float64)
+        applied_total = np.zeros(n, np.float64)
+        accs = []
+        for s in range(steps):
+            noise = np.random.default_rng([comm.rank, s]).standard_normal(n)
+            grad = ((w - target) + 0.3 * noise).astype(np.float32)
+            raw_total += grad
+            accs.append(grad + residual if ex.uses_memory else grad)
+            summed, new_res = ex.exchange_numpy(grad, residual if ex.uses_memory else None)
+            applied_total += summed
+            if new_res is not None:
+                residual = new_res
+            w -= lr * summed / comm.size
+        return raw_total, applied_total, residual.astype(np.float64), accs, w
+
+    out = InProcessWorld(P, timeout=60).run(fn)
+    raw = sum(o[0] for o in out)
+    applied = out[0][1]
+    for o in out[1:]:
+        np.testing.assert_array_equal(o[1], applied)
+        np.testing.assert_array_equal(o[4], out[0][4])  # replicas stay identical
+    residuals = sum(o[2] for o in out)
+    k = math.ceil(density * n)
+    if name == "gtopk":
+        lost = np.zeros(n)
+        for s in range(steps):
+            _, lost_s = refs.gtopk_tree_ref([o[3][s] for o in out], k)
+            lost += sum(lost_s)
+        np.testing.assert_allclose(applied + residuals + lost, raw, rtol=1e-4, atol=1e-3)
+    else:
+        np.testing.assert_allclose(applied + residuals, raw, rtol=1e-4, atol=1e-3)
+
+
+# -- compressors -------------------------------------------------------------------------
+
+def test_dgc_exact_when_sample_is_everything():
+    a = np.random.default_rng(0).standard_normal(500).astype(np.float32)
+    comp = DGCSampledThreshold(min_samples=10_000)
+    idx, val = comp.compress(a, 25)
+    # t = the exact 25th largest |a|; strict > (Alg. 3 line 1) keeps the 24 above it
+    np.testing.assert_array_equal(idx, np.flatnonzero(np.abs(a) > np.sort(np.abs(a))[-25]))
+    assert idx.size == 24 and np.array_equal(val, a[idx])
+
+
+def test_dgc_sampled_estimate_is_close():
+    a = np.random.default_rng(1).standard_normal(200_000).astype(np.float32)
+    idx, _ = DGCSampledThreshold(seed=0).compress(a, 2000)
+    assert 1500 <= idx.size <= 2600
+
+
+def test_gaussiank_adjusts_underestimate():
+    rng = np.random.default_rng(4)
+    normal = rng.standard_normal(100_000).astype(np.float32)
+    comp = GaussianKThreshold()
+    idx, _ = comp.compress(normal, 1000)
+    assert 750 < idx.size < 1300 and comp.last_adjustments == 0  # the Gaussian fits Gaussian data
+    # a sharply peaked (mostly tiny) gradient: the Gaussian tail predicts too few values
+    peaked = (rng.standard_normal(100_000) * np.where(rng.random(100_000) < 0.02, 1.0, 0.001)).astype(np.float32)
+    idx, _ = comp.compress(peaked, 5000)
+    assert idx.size > 3 * 5000 / 4 and comp.last_adjustments > 0
+    np.testing.assert_array_equal(idx, refs.gaussiank_selection(peaked, 5000))
+    idx, _ = GaussianKThreshold(max_adjust=0).compress(peaked, 5000)
+    assert idx.size <= 3 * 5000 / 4  # the pure Gaussian threshold underestimates k
+
+
+def test_threshold_select_edge_cases():
+    a = np.array([0.0, 1.0, -2.0, np.nan, 0.0], np.float32)
+    assert threshold_select(a, 1.0).tolist() == [2, 3]
+    assert threshold_select(a, 1.0, strict=False).tolist() == [1, 2, 3]
+    assert threshold_select(a, 0.0).tolist() == [1, 2, 3]  # zeros are never sent
+    assert threshold_select(a, np.nan).tolist() == [3]
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+class NoTalk(C.Communicator):
+    """A communicator that fails on any communication: proves errors come first."""
+
+    def __init__(self):
+        super().__init__(0, 4)
+
+    def _fail(self, *a, **k):
+        raise AssertionError("communication happened before argument validation")
+
+    _allreduce = _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = _fail
+
+
+@pytest.mark.parametrize("name,opts,words", [
+    ("gtopk", {"tau": 3}, ["tau=3", "gtopk"]),
+    ("oktopk", {"taus": 3}, ["taus=3", "accepted", "tau_prime"]),
+    ("oktopk", {"tau": 0}, ["tau=0", ">= 1"]),
+    ("oktopk", {"tau": 2.5}, ["tau=2.5"]),
+    ("oktopk", {"tau_prime": -1}, ["tau_prime=-1"]),
+    ("oktopk", {"bucket_size": 0}, ["bucket_size=0"]),
+    ("oktopk", {"balance_factor": 0.5}, ["balance_factor=0.5"]),
+    ("dgc", {"sample_ratio": 0.0}, ["sample_ratio=0.0", "(0, 1]"]),
+    ("dgc", {"min_samples": 0}, ["min_samples=0"]),
+    ("dgc", {"seed": -1}, ["seed=-1"]),
+    ("dgc", {"ratio": 0.1}, ["ratio=0.1", "sample_ratio"]),
+    ("gaussiank", {"scale": 1.0}, ["scale=1.0", "(0, 1)"]),
+    ("gaussiank", {"max_adjust": -2}, ["max_adjust=-2"]),
+    ("gaussiank", {"sigma": 2}, ["sigma=2", "accepted", "scale"]),
+])
+def test_bad_options(name, opts, words):
+    with pytest.raises(ValueError) as e:
+        C.get_aggregator(name, **opts)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", SPARSE)
+@pytest.mark.parametrize("k,words", [(-1, ["k=-1", "[0, 100]"]), (101, ["k=101", "[0, 100]"]),
+                                     (2.5, ["k=2.5", "integer"]), (True, ["k=True", "integer"])])
+def test_bad_k_before_communication(name, k, words):
+    agg = C.get_aggregator(name)
+    with pytest.raises(ValueError) as e:
+        agg.allreduce(NoTalk(), np.ones(100, np.float32), k)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_unknown_algorithm_lists_new_names():
+    with pytest.raises(ValueError) as e:
+        C.get_aggregator("gtop-k")
+    for name in ALGOS:
+        assert repr(name) in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["dgc", "gaussiank", "gtopk", "oktopk", "topk"])
+def test_density_one_sends_everything(name):
+    n = 300
+    out = run(3, name, 2, n, n)
+    for s in range(2):
+        accs = [out[r][s]["acc"] for r in range(3)]
+        np.testing.assert_allclose(out[0][s]["dense"], refs.dense_ref(accs), rtol=1e-5, atol=1e-5)
+        for r in range(3):
+            assert out[r][s]["contributed"].size == n
+
+
+@pytest.mark.parametrize("name", ["gtopk", "oktopk", "dgc", "gaussiank"])
+def test_zero_gradients_and_k_zero(name):
+    def fn(comm):
+        agg = C.get_aggregator(name)
+        a = agg.allreduce(comm, np.zeros(50, np.float32), 5)
+        b = agg.allreduce(comm, np.ones(50, np.float32) * (comm.rank + 1), 0)
+        return a.to_dense(50), a.contributed, b.to_dense(50), b.contributed
+
+    for za, ca, zb, cb in InProcessWorld(3).run(fn):
+        assert not za.any() and not zb.any() and cb.size == 0

@@ -1,0 +1,129 @@
+"""model.fit on digits with 4 MPI ranks for every aggregation algorithm (one mpirun launch that
+trains them sequentially, tests/workers/fit_worker.py), compared with dense allreduce; and
+the DensitySchedule callback (gTop-k's warm-up, gtopk-ssgd-shi2019 §IV-B)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from mpi_harness import mpirun
+
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+SPARSE = ALGOS[1:]
+DENSITY = 0.05
+EPOCHS = 30  # long enough that every algorithm has converged on digits
+
+
+@pytest.fixture(scope="module")
+def fits():
+    runs = [{"algo": a, "route": "strategy", "epochs": EPOCHS, "density": DENSITY} for a in ALGOS]
+    runs += [{"algo": a, "route": "optimizer", "epochs": 2, "density": DENSITY} for a in SPARSE]
+    runs += [{"algo": "gtopk", "route": "optimizer", "epochs": 5, "density": DENSITY, "schedule": True}]
+    results, text = mpirun(4, "fit_worker.py", json.dumps(runs), timeout=480)
+    for key, run in results[0]["runs"].items():  # shown with pytest -s
+        print(f"{key:<26} accuracy {run['accuracy']:.4f}  bytes/step {run['comm_bytes']:9.1f}  "
+              f"density {run['density']:.4f}  {run['seconds']:5.1f} s")
+    return results, text
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algo", SPARSE)
+def test_accuracy_within_two_points_of_dense(fits, algo):
+    results, text = fits
+    runs = results[0]["runs"]
+    dense = runs["dense/strategy"]["accuracy"]
+    got = runs[f"{algo}/strategy"]["accuracy"]
+    assert dense > 0.9, text[-3000:]
+    assert got >= dense - 0.02, (algo, got, dense)
+    for r in results:  # replicas identical, and every rank measured the same accuracy
+        assert r["runs"][f"{algo}/strategy"]["identical"]
+        assert r["runs"][f"{algo}/strategy"]["accuracy"] == got
+    assert runs[f"{algo}/strategy"]["comm_bytes"] < runs["dense/strategy"]["comm_bytes"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algo", SPARSE)
+def test_distributed_optimizer_route(fits, algo):
+    results, _ = fits
+    for r in results:
+        run = r["runs"][f"{algo}/optimizer"]
+        assert run["identical"] and run["accuracy"] > 0.5
+        assert 0 < run["density"] < 0.5
+
+
+@pytest.mark.mpi
+def test_density_schedule_in_fit(fits):
+    results, _ = fits
+    for r in results:
+        run = r["runs"]["gtopk/optimizer+schedule"]
+        # gTop-k's warm-up 0.25, 0.0725, 0.015, 0.004 -- never below the target 0.05
+        assert run["densities_set"] == [0.25, 0.0725, 0.05, 0.05, 0.05]
+        assert run["identical"]
+
+
+# -- DensitySchedule without MPI -------------------------------------------------------------
+
+def _model(density):
+    ex = SimpleNamespace(density=density, comm=SimpleNamespace(rank=0))
+    return SimpleNamespace(optimizer=SimpleNamespace(exchange=ex)), ex
+
+
+def _drive(cb, model, epochs):
+    cb.set_model(model)
+    cb.on_train_begin()
+    seen = []
+    for e in range(epochs):
+        cb.on_epoch_begin(e)
+        seen.append(model.optimizer.exchange.density)
+    return seen
+
+
+def test_density_schedule_default_is_gtopk_warmup():
+    from tfsparse.keras.callbacks import DensitySchedule
+
+    model, _ = _model(0.001)
+    assert _drive(DensitySchedule(), model, 6) == [0.25, 0.0725, 0.015, 0.004, 0.001, 0.001]
+    model, _ = _model(0.01)  # a warm-up value below the target is raised to the target
+    assert _drive(DensitySchedule(), model, 5) == [0.25, 0.0725, 0.015, 0.01, 0.01]
+
+
+def test_density_schedule_user_schedules():
+    from tfsparse.keras.callbacks import DensitySchedule
+
+    model, _ = _model(0.02)
+    assert _drive(DensitySchedule([0.5, 0.001]), model, 4) == [0.5, 0.001, 0.02, 0.02]
+    model, _ = _model(0.02)
+    assert _drive(DensitySchedule(lambda e: 0.1 / (e + 1)), model, 3) == [0.1, 0.05, 0.1 / 3]
+    model, _ = _model(0.02)
+    assert _drive(DensitySchedule([0.3], target=0.004), model, 3) == [0.3, 0.004, 0.004]
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"schedule": [0.1, 0.0]}, ["schedule[1]=0.0", "(0, 1]"]),
+    ({"schedule": "fast"}, ["schedule='fast'"]),
+    ({"target": 2.0}, ["target=2.0", "(0, 1]"]),
+])
+def test_density_schedule_bad_input(kwargs, words):
+    from tfsparse.keras.callbacks import DensitySchedule
+
+    with pytest.raises(ValueError) as e:
+        DensitySchedule(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_density_schedule_bad_callable_and_no_exchange():
+    from tfsparse.keras.callbacks import DensitySchedule
+
+    model, _ = _model(0.02)
+    cb = DensitySchedule(lambda e: 1.5)
+    cb.set_model(model)
+    cb.on_train_begin()
+    with pytest.raises(ValueError, match=r"schedule\(0\)=1.5"):
+        cb.on_epoch_begin(0)
+    cb = DensitySchedule()
+    cb.set_model(SimpleNamespace(optimizer=None, distribute_strategy=None))
+    with pytest.raises(ValueError, match="SparseStrategy"):
+        cb.on_train_begin()

@@ -1,0 +1,80 @@
+"""model.fit on digits for several aggregation algorithms, sequentially, in one mpirun job.
+
+Usage: fit_worker.py SPEC_JSON
+  SPEC_JSON: a list of runs ``{"algo": NAME, "route": "strategy"|"optimizer", "epochs": E,
+  "density": D, "schedule": bool}``; ``schedule`` adds DensitySchedule() (gTop-k's warm-up).
+Saves, per run ``<algo>/<route>[+schedule]``: test accuracy, whether all ranks' weights are
+identical, mean bytes per step, the achieved density and the density set at each epoch.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import tfsparse  # noqa: E402
+from tfsparse.keras.callbacks import (BroadcastInitialState, CommunicationStats, DensitySchedule,  # noqa: E402
+                                      MetricAverage, find_exchange)
+from mpi_harness import save_result  # noqa: E402
+
+runs = json.loads(sys.argv[1])
+comm = tfsparse.init(backend="mpi")
+x, y = load_digits(return_X_y=True)
+x = (x / 16.0).astype("float32")
+perm = np.random.default_rng(0).permutation(len(x))  # a random train/test split (the file's tail is harder)
+x, y = x[perm], y[perm]
+xs, ys = tfsparse.data.shard(x[:1500], y[:1500], shuffle_seed=0)
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build():
+    keras.utils.set_random_seed(1234)  # the same initial weights for every algorithm
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+
+
+class RecordDensity(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.seen.append(float(find_exchange(self.model).density))
+
+
+out = {}
+for run in runs:
+    algo, route, epochs, density = run["algo"], run["route"], int(run["epochs"]), float(run["density"])
+    t0 = time.time()
+    record = RecordDensity()
+    cbs = ([DensitySchedule()] if run.get("schedule") else []) + [record, CommunicationStats()]
+    if route == "strategy":
+        strategy = tfsparse.SparseStrategy(algorithm=algo, density=density)
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, metrics=["accuracy"])
+    else:
+        model = build()
+        opt = tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), algorithm=algo,
+                                                  density=density)
+        model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
+        cbs = [BroadcastInitialState()] + cbs + [MetricAverage()]
+    hist = model.fit(xs, ys, epochs=epochs, batch_size=32, callbacks=cbs, verbose=0)
+    ev = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)
+    w = np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
+    allw = comm.allgather(w.astype(np.float64))
+    key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "")
+    out[key] = {"accuracy": float(ev["accuracy"]), "identical": all(np.array_equal(allw[0], a) for a in allw),
+                "comm_bytes": float(np.mean(hist.history["comm_bytes"])),
+                "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
+                "seconds": time.time() - t0}
+    if comm.rank == 0:
+        print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out[key].items()
+                    if k != "densities_set"}, flush=True)
+save_result(comm.rank, runs=out)

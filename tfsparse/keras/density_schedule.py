@@ -1,0 +1,90 @@
+"""Density warm-up (gtopk-ssgd-shi2019 §IV-B): a Keras callback that sets the gradient
+exchange's density at the start of every epoch.
+
+>>> model.fit(..., callbacks=[tfsparse.keras.callbacks.DensitySchedule()])       # gTop-k's warm-up
+>>> DensitySchedule([0.1, 0.05])                                                 # 2 epochs, then the target
+>>> DensitySchedule(lambda epoch: 0.01 if epoch < 3 else 0.001)                  # any schedule
+"""
+from __future__ import annotations
+
+import numbers
+
+import keras
+
+#: gtopk-ssgd-shi2019 §IV-B: "the first 4 epochs use the dynamic densities of
+#: [0.25, 0.0725, 0.015, 0.004] ... the remaining epochs adopt a density of 0.001 or 0.005".
+GTOPK_WARMUP = (0.25, 0.0725, 0.015, 0.004)
+
+
+def _check_density(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{what}={value!r} must be a density in (0, 1]")
+    return float(value)
+
+
+class DensitySchedule(keras.callbacks.Callback):
+    """Sets ``find_exchange(model).density`` at each epoch's beginning.
+
+    Args:
+      schedule: ``None`` (default) -- gTop-k's warm-up: epochs 1-4 (Keras epochs 0-3) at
+        densities 0.25, 0.0725, 0.015, 0.004, then ``target``; a warm-up density below the
+        target is raised to the target (the warm-up never sends *less* than the target).
+        A sequence -- epoch ``i`` (0-based) uses ``schedule[i]``, later epochs ``target``.
+        A callable ``schedule(epoch) -> density`` (0-based epoch) -- used as is.
+      target: the density after the warm-up; default: the exchange's density when training
+        starts (what ``SparseStrategy``/``DistributedOptimizer`` was built with).
+      verbose: 1 prints the density on rank 0 whenever it changes.
+
+    Every rank runs the callback at the same epoch, so all ranks switch together.  The
+    aggregators see the new ``k`` at the next step (Ok-Topk then re-evaluates its cached
+    thresholds).
+    """
+
+    def __init__(self, schedule=None, target: float | None = None, verbose: int = 0):
+        super().__init__()
+        if schedule is None:
+            self._sequence, self._fn, self._clamp = tuple(GTOPK_WARMUP), None, True
+        elif callable(schedule):
+            self._sequence, self._fn, self._clamp = None, schedule, False
+        elif isinstance(schedule, (list, tuple)):
+            self._sequence = tuple(_check_density(d, f"schedule[{i}]") for i, d in enumerate(schedule))
+            self._fn, self._clamp = None, False
+        else:
+            raise ValueError(f"schedule={schedule!r} must be None (gTop-k warm-up), a sequence of densities or "
+                             f"a callable epoch -> density")
+        self.target = None if target is None else _check_density(target, "target")
+        self.verbose = int(verbose)
+        self.history: list[float] = []
+
+    def _exchange(self):
+        from .callbacks import find_exchange
+
+        ex = find_exchange(self.model)
+        if ex is None:
+            raise ValueError("DensitySchedule needs a model trained through tfsparse.SparseStrategy or "
+                             "tfsparse.keras.DistributedOptimizer (no gradient exchange found)")
+        return ex
+
+    def density_at(self, epoch: int) -> float:
+        """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun)."""
+        if self._fn is not None:
+            return _check_density(self._fn(int(epoch)), f"schedule({epoch})")
+        if self.target is None:
+            raise ValueError("DensitySchedule.target is unknown before training starts; pass target=")
+        if epoch < len(self._sequence):
+            d = self._sequence[epoch]
+            return max(d, self.target) if self._clamp else d
+        return self.target
+
+    def on_train_begin(self, logs=None):
+        ex = self._exchange()
+        if self.target is None:
+            self.target = float(ex.density)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        ex = self._exchange()
+        d = self.density_at(epoch)
+        if self.verbose and d != ex.density and getattr(ex.comm, "rank", 0) == 0:
+            print(f"DensitySchedule: epoch {epoch + 1}: density {d}")
+        ex.density = d
+        self.history.append(d)
