@@ -172,7 +172,7 @@ def test_harness_reports_a_hang_as_a_failure(tmp_path):
     script.write_text("from mpi4py import MPI\nimport numpy as np\n"
                       "if MPI.COMM_WORLD.rank == 0:\n    MPI.COMM_WORLD.Recv(np.empty(1), source=1)\n")
     with pytest.raises(MPIJobError, match="timed out"):
-        mpirun(2, script, timeout=20)
+        mpirun(2, script, timeout=10)
 
 
 HELLO = ("import sys, numpy as np, tfsparse\nc = tfsparse.init()\n"
