@@ -25,19 +25,27 @@ class Compressor:
 def topk_indices(acc: np.ndarray, k: int) -> np.ndarray:
     """Indices (ascending) of the ``k`` entries of largest ``|acc|`` (exact selection).
 
-    Ties at the threshold are broken arbitrarily but deterministically for a given input.
+    Runs the Numba selection kernel :func:`tfsparse.ops.topk_abs` (sample + radix select,
+    no sort).  Ties at the threshold are broken deterministically for a given input.
     NaN compares larger than any number, so non-finite gradients are always sent
     (and show up in the result instead of hiding in the residual).
     """
+    from . import ops
+
     n = acc.size
     k = int(min(max(k, 0), n))
     if k == 0:
         return np.empty(0, dtype=np.int64)
     if k == n:
         return np.arange(n, dtype=np.int64)
-    mag = np.abs(acc)
-    part = np.argpartition(mag, n - k)[n - k:]
-    return np.sort(part).astype(np.int64, copy=False)
+    if k > n // 16:
+        # dense selections (e.g. density warm-up at 0.25): numpy's introselect is faster here
+        # (measured: 2M elements, k = 0.1 n: 19 ms vs 30 ms; k = 0.001 n: 5.3 ms vs 1.9 ms)
+        mag = np.abs(acc)
+        mag[np.isnan(mag)] = np.inf  # NaN first, as in the kernel
+        return np.sort(np.argpartition(mag, n - k)[n - k:]).astype(np.int64, copy=False)
+    idx, _ = ops.topk_abs(np.ascontiguousarray(acc, dtype=np.float32), k)
+    return np.asarray(idx, dtype=np.int64)
 
 
 class TopK(Compressor):

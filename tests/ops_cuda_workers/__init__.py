@@ -1,0 +1,1 @@
+"""Subprocess scripts for tests/test_ops_cuda.py (run with NUMBA_ENABLE_CUDASIM=1)."""

@@ -1,0 +1,328 @@
+"""Runs the CUDA kernels of tfsparse.ops under Numba's CUDA simulator and compares them
+with the numpy reference.  Usage: ``NUMBA_ENABLE_CUDASIM=1 python sim_check.py [names...]``.
+
+Prints one JSON object ``{check name: "ok" | traceback}`` as the last line of stdout.
+``NUMBA_ENABLE_CUDASIM`` must be set before numba is first imported, which is why this
+runs in its own process (tests/test_ops_cuda.py starts it).  Numba is only imported
+inside the checks, so ``CHECK_NAMES`` can be imported anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import numpy as np
+
+SMALL_SHAPE = (32, 8, 2)     # tpb, items, max_blocks: few Python threads per simulated launch
+DEFAULT_SHAPE = (256, 8, 2)  # the production block shape (capped grid: still grid-stride)
+
+
+def _setup(shape=SMALL_SHAPE):
+    from tfsparse.ops import cuda as kc
+
+    kc.set_block_shape(*shape)
+    return kc
+
+
+def _dev(a):
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
+
+
+def _same_bits(a, b):
+    a, b = _host(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype.kind == "f":
+        assert np.array_equal(np.isnan(a), np.isnan(b)), "NaN positions differ"
+        ok = ~np.isnan(a)
+        view = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+        assert np.array_equal(a[ok].view(view), b[ok].view(view)), "values differ"
+    else:
+        assert np.array_equal(a, b), "arrays differ"
+
+
+def _same_scalar(a, b):
+    a, b = np.float32(a), np.float32(b)
+    assert (np.isnan(a) and np.isnan(b)) or a == b, (a, b)
+
+
+def _mixed(n, seed=0):
+    """Gaussian with NaN (two payloads), +-Inf, -0.0, and ties at several magnitudes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n >= 50:
+        pos = rng.permutation(n)
+        x[pos[0]] = np.nan
+        x[pos[1]] = -np.float32(np.nan)
+        x[pos[2]] = np.inf
+        x[pos[3]] = -np.inf
+        x[pos[4:8]] = -0.0
+        x[pos[8:30]] = 1.25
+        x[pos[30:40]] = -1.25
+    return x
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_topk():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    for n, seed, ks in ((1500, 0, (0, 1, 4, 31, 750, 1500)), (777, 1, (3, 100, 776))):
+        x = _mixed(n, seed)
+        d = _dev(x)
+        for k in ks:
+            idx, val = ops.topk_abs(d, k)
+            ridx, rval = R.topk_abs(x, k)
+            _same_bits(idx, ridx)
+            _same_bits(val, rval)
+
+
+def check_topk_ties_and_empty():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = np.ones(700, np.float32)
+    x[::3] = -1.0
+    idx, val = ops.topk_abs(_dev(x), 300)
+    _same_bits(idx, np.arange(300))  # all tie: lowest indices
+    _same_bits(val, x[:300])
+    z = np.zeros(300, np.float32)
+    z[1::2] = -0.0
+    for k in (0, 5, 300):
+        _same_bits(ops.topk_abs(_dev(z), k)[0], R.topk_abs(z, k)[0])
+    e = np.zeros(0, np.float32)
+    idx, val = ops.topk_abs(_dev(e), 0)
+    assert _host(idx).shape == (0,) and _host(val).shape == (0,)
+    try:
+        ops.topk_abs(_dev(e), 1)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("k > n must raise")
+
+
+def check_kth_and_sample():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = _mixed(1200, 2)
+    d = _dev(x)
+    for k in (0, 1, 3, 50, 1200):
+        _same_scalar(ops.kth_largest_abs(d, k), R.kth_largest_abs(x, k))
+    for ratio, seed in ((0.1, 0), (1.0, 1)):
+        for k in (0, 1, 10, 1200):
+            _same_scalar(ops.sample_threshold(d, k, ratio=ratio, seed=seed), R.sample_threshold(x, k, ratio, seed))
+
+
+def check_select_threshold():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = _mixed(1300, 3)
+    d = _dev(x)
+    for t in (0.0, -1.0, 1.25, 2.0, np.inf, np.nan):
+        idx, val = ops.select_threshold(d, t)
+        ridx, rval = R.select_threshold(x, t)
+        _same_bits(idx, ridx)
+        _same_bits(val, rval)
+    idx, val = ops.select_threshold(_dev(np.zeros(0, np.float32)), 0.0)
+    assert _host(idx).size == 0
+
+
+def check_hash_select():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = _mixed(1100, 4)
+    d = _dev(x)
+    for t in (0.0, 1.0, 1.25, np.inf, np.nan):
+        for cap in (0, 1, 13, 64, 3000):
+            for seed in (0, 5):
+                idx, val = ops.hash_select(d, t, cap, seed=seed)
+                ridx, rval = R.hash_select(x, t, cap, seed)
+                _same_bits(idx, ridx)
+                _same_bits(val, rval)
+    idx, val = ops.hash_select(_dev(np.zeros(0, np.float32)), 0.0, 8)
+    _same_bits(idx, np.full(8, -1, np.int64))
+
+
+def check_scatter_add():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    rng = np.random.default_rng(5)
+    n = 900
+    idx = rng.integers(-1, n, 2500)
+    val = rng.integers(-8, 9, 2500).astype(np.float32)  # integer values: atomic order cannot matter
+    for dt in (np.int64, np.int32):
+        _same_bits(ops.scatter_add(n, _dev(idx.astype(dt)), _dev(val)), R.scatter_add(n, idx, val))
+    base = rng.integers(-4, 5, n).astype(np.float32)
+    out = _dev(base)
+    res = ops.scatter_add(n, idx, val, out=out)  # host payload, device output: dispatch by out
+    _same_bits(res, R.scatter_add(n, idx, val, out=base.copy()))
+    _same_bits(out, R.scatter_add(n, idx, val, out=base.copy()))  # in place
+    assert ops.device_kind(res) == "cuda"
+    _same_bits(ops.scatter_add(n, _dev(np.zeros(0, np.int64)), _dev(np.zeros(0, np.float32))), np.zeros(n, np.float32))
+    try:
+        ops.scatter_add(10, _dev(np.array([3, 10])), _dev(np.ones(2, np.float32)))
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("index >= n must raise")
+    nan_val = np.array([np.nan, 1.0, np.inf], np.float32)
+    got = _host(ops.scatter_add(4, _dev(np.array([0, 0, 2])), _dev(nan_val)))
+    assert np.isnan(got[0]) and got[2] == np.inf and got[1] == 0
+
+
+def check_quantize():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(1000) * 3).astype(np.float32)
+    x[:4] = [0.5, -0.5, 1.5, -2.5]  # halves: round half to even after scaling below
+    for arr in (x, np.array([127.0, 0.5, 1.5, -2.5, 2.5], np.float32), np.zeros(50, np.float32),
+                np.zeros(0, np.float32)):
+        q, s = ops.quantize_int8(_dev(arr))
+        rq, rs = R.quantize_int8(arr)
+        _same_bits(q, rq)
+        _same_scalar(s, rs)
+        _same_bits(ops.dequantize_int8(q, s), R.dequantize_int8(rq, rs))
+    for bad, want in ((np.nan, np.nan), (np.inf, np.inf)):
+        y = x.copy()
+        y[7] = bad
+        q, s = ops.quantize_int8(_dev(y))
+        assert (np.isnan(s) if np.isnan(want) else s == want), s
+        assert not _host(q).any()
+        assert np.isnan(_host(ops.dequantize_int8(q, s))).all()
+
+
+def check_truncate_fp16():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32).copy()
+    x[:12] = [65504.0, 65519.0, 65520.0, 1e9, -1e9, 2.0**-24, 2.0**-25, 3e-8, -0.0, np.inf, -np.inf, 1.0 + 2**-11]
+    _same_bits(ops.truncate_fp16(_dev(x)), R.truncate_fp16(x))
+
+
+def check_chunk_l1():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = np.random.default_rng(8).standard_normal(1000).astype(np.float32)
+    d = _dev(x)
+    for chunk in (100, 256, 5000):
+        np.testing.assert_allclose(_host(ops.chunk_l1_norms(d, chunk)), R.chunk_l1_norms(x, chunk), rtol=1e-6)
+    np.testing.assert_allclose(_host(ops.chunk_l1_norms(_dev(x[:10]), 1)), np.abs(x[:10]), rtol=1e-6)
+    y = x.copy()
+    y[5] = np.nan
+    y[300] = -np.inf
+    got = _host(ops.chunk_l1_norms(_dev(y), 256))
+    assert np.isnan(got[0]) and got[1] == np.inf and np.isfinite(got[2:]).all()
+    assert _host(ops.chunk_l1_norms(_dev(np.zeros(0, np.float32)), 8)).shape == (0,)
+
+
+def check_dispatch_and_inputs():
+    import tfsparse.ops as ops
+    from numba import cuda
+
+    kc = _setup()
+    x = _mixed(400, 9)
+    d2 = cuda.to_device(x.reshape(20, 20))
+    assert ops.device_kind(d2) == "cuda" and ops.device_kind(x) == "cpu"
+    assert ops.backend("cuda") is kc
+    _same_bits(ops.topk_abs(d2, 9)[0], ops.topk_abs(x, 9)[0])  # 2-D device input is flattened
+    try:
+        ops.topk_abs(cuda.to_device(x.astype(np.float64)), 3)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("float64 device arrays must be rejected")
+
+
+def check_default_block_shape():
+    import tfsparse.ops as ops
+    from tfsparse.ops import reference as R
+
+    _setup(DEFAULT_SHAPE)
+    x = _mixed(5000, 10)  # 3 tiles of 2048 on a grid of 2 blocks: the grid-stride loops run
+    d = _dev(x)
+    _same_bits(ops.topk_abs(d, 77)[0], R.topk_abs(x, 77)[0])
+    _same_bits(ops.select_threshold(d, 1.25)[0], R.select_threshold(x, 1.25)[0])
+
+
+def check_tf_cuda_path():
+    import tensorflow as tf
+
+    from tfsparse.ops import reference as R
+    from tfsparse.ops import tf as T
+
+    _setup()
+    T.set_path("cuda")
+    x = _mixed(600, 11).reshape(20, 30)
+
+    @tf.function
+    def f(x):
+        i, v = T.topk_abs(x, 9)
+        t = T.kth_largest_abs(x, 9)
+        si, sv = T.select_threshold(x, t)
+        hi, hv = T.hash_select(x, t, 16)
+        q, s = T.quantize_int8(tf.where(tf.math.is_finite(x), x, 0.0))
+        return i, v, t, si, hi, T.scatter_add(600, si, sv), q, T.truncate_fp16(x), T.chunk_l1_norms(x, 100)
+
+    i, v, t, si, hi, dense, q, h, norms = f(tf.constant(x))
+    assert i.shape == (9,) and hi.shape == (16,) and dense.shape == (600,) and norms.shape == (6,)
+    _same_bits(i.numpy(), R.topk_abs(x, 9)[0])
+    _same_scalar(t.numpy(), R.kth_largest_abs(x, 9))
+    _same_bits(si.numpy(), R.select_threshold(x, R.kth_largest_abs(x, 9))[0])
+    _same_bits(hi.numpy(), R.hash_select(x, R.kth_largest_abs(x, 9), 16)[0])
+    _same_bits(h.numpy(), R.truncate_fp16(x))
+    T.set_path(None)
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
+CHECK_NAMES = tuple(CHECKS)
+
+
+def main(argv):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        raise SystemExit("run with NUMBA_ENABLE_CUDASIM=1")
+    sys.setswitchinterval(5e-4)  # the simulator's block manager polls its threads: hand the GIL over often
+    # simulated threads do numpy scalar arithmetic: uint64 hashing wraps on purpose, and
+    # 0 * Inf in the non-finite quantization checks is the documented NaN result
+    warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+    warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+    names = argv or list(CHECKS)
+    results = {}
+    for name in names:
+        try:
+            CHECKS[name]()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 -- reported to the test
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

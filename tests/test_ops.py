@@ -1,0 +1,507 @@
+"""tfsparse.ops: Numba CPU kernels against the numpy reference, and the TensorFlow wrappers.
+
+The CUDA kernels are checked in tests/test_ops_cuda.py (PTX for sm_90 + the simulator).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import tfsparse.ops as ops
+from tfsparse.ops import _common as C
+from tfsparse.ops import cpu
+from tfsparse.ops import reference as R
+
+BIG = 3 * (1 << 16) + 12345  # > one parallel chunk: the sampled prefilter and the multi-chunk paths run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    cpu.warmup()  # compile once (or load the Numba cache) so that the tests time the kernels only
+
+
+def mixed(n, seed=0, ties=True):
+    """Gaussian with NaN (two payloads), +-Inf, -0.0 and tied magnitudes."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n >= 64:
+        pos = rng.permutation(n)
+        x[pos[0]] = np.nan
+        x[pos[1]] = -np.float32(np.nan)
+        x[pos[2]] = np.inf
+        x[pos[3]] = -np.inf
+        x[pos[4:8]] = -0.0
+        if ties:
+            x[pos[8:40]] = 1.75
+            x[pos[40:60]] = -1.75
+    return x
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype.kind == "f":
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        view = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+        np.testing.assert_array_equal(a[~np.isnan(a)].view(view), b[~np.isnan(b)].view(view))
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+def same_scalar(a, b):
+    a, b = np.float32(a), np.float32(b)
+    assert (np.isnan(a) and np.isnan(b)) or a == b, (a, b)
+
+
+def assert_valid_topk(x, k, idx, val):
+    """Property check independent of the reference: exactly k, ascending, all |x| > t in, rest at t."""
+    keys = R.mag_keys(x)
+    assert idx.dtype == np.int64 and val.dtype == np.float32 and idx.size == k == val.size
+    assert np.all(np.diff(idx) > 0)
+    same_bits(val, x[idx])
+    if k:
+        t = keys[idx].min()
+        assert np.all(np.isin(np.nonzero(keys > t)[0], idx))
+        assert np.all(keys[idx] >= t)
+
+
+# ----------------------------------------------------------------------------- top-k, thresholds
+
+@pytest.mark.parametrize("n", [0, 1, 2, 100, 5000, BIG])
+def test_topk_abs_matches_reference(n):
+    x = mixed(n, seed=n)
+    for k in sorted({0, min(1, n), min(3, n), n // 1000, n // 37, n // 2, max(n - 1, 0), n}):
+        idx, val = ops.topk_abs(x, k)
+        ridx, rval = R.topk_abs(x, k)
+        same_bits(idx, ridx)
+        same_bits(val, rval)
+        assert_valid_topk(x, k, idx, val)
+
+
+def test_topk_abs_without_ties_is_the_unique_set():
+    x = np.random.default_rng(3).permutation(np.arange(1, BIG + 1, dtype=np.float32)) * np.float32(-1) ** np.arange(BIG)
+    k = BIG // 1000
+    idx, _ = ops.topk_abs(x, k)
+    np.testing.assert_array_equal(idx, np.sort(np.argsort(-np.abs(x), kind="stable")[:k]))
+
+
+def test_topk_abs_ties_take_lowest_indices():
+    x = np.full(BIG, 0.5, np.float32)
+    x[::7] = -0.5
+    idx, val = ops.topk_abs(x, 1000)
+    np.testing.assert_array_equal(idx, np.arange(1000))
+    z = np.zeros(300, np.float32)
+    z[::2] = -0.0  # -0.0 and 0.0 tie
+    np.testing.assert_array_equal(ops.topk_abs(z, 5)[0], np.arange(5))
+
+
+def test_topk_abs_nan_inf_first():
+    x = np.random.default_rng(4).standard_normal(BIG).astype(np.float32)
+    x[[10, 20000, BIG - 1]] = [np.nan, np.inf, -np.inf]
+    idx, val = ops.topk_abs(x, 2)
+    np.testing.assert_array_equal(idx, [10, 20000])  # NaN, then the first of the infinities
+    idx, _ = ops.topk_abs(x, 3)
+    np.testing.assert_array_equal(idx, [10, 20000, BIG - 1])
+
+
+def test_topk_abs_rejects_bad_k():
+    x = np.ones(10, np.float32)
+    for k in (-1, 11):
+        with pytest.raises(ValueError):
+            ops.topk_abs(x, k)
+
+
+def test_topk_abs_accepts_any_shape_and_dtype():
+    x = mixed(600, 5).reshape(20, 30).astype(np.float64)
+    same_bits(ops.topk_abs(x, 17)[0], R.topk_abs(x.astype(np.float32), 17)[0])
+
+
+def test_topk_abs_exact_when_the_sample_misleads():
+    """The sampled prefilter yields fewer than k candidates -> the radix fallback keeps it exact."""
+    n, k = BIG, 1000
+    x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+    s = cpu._prefilter_samples(n)
+    pos = R.sample_positions(n, s, 0)
+    x[pos[:200]] = 100.0  # the sample over-represents huge values
+    xu = x.view(np.uint32)
+    lower = cpu._sampled_lower_key(xu, k)
+    assert np.count_nonzero(R.mag_keys(x) >= lower) < k  # the first pass really is short
+    assert cpu._sampled_candidates(xu, x, k) is None
+    idx, val = ops.topk_abs(x, k)
+    same_bits(idx, R.topk_abs(x, k)[0])
+    assert ops.kth_largest_abs(x, k) == R.kth_largest_abs(x, k)
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, 5000, BIG])
+def test_kth_largest_abs_matches_reference(n):
+    x = mixed(n, seed=n + 1)
+    for k in sorted({0, min(1, n), min(2, n), min(4, n), n // 100, n // 2, n}):
+        same_scalar(ops.kth_largest_abs(x, k), R.kth_largest_abs(x, k))
+
+
+def test_kth_largest_abs_policy():
+    x = np.array([1.0, np.nan, -np.inf, 3.0, -0.0], np.float32)
+    assert np.isnan(ops.kth_largest_abs(x, 0))  # nothing ranks above NaN
+    assert np.isnan(ops.kth_largest_abs(x, 1))
+    assert ops.kth_largest_abs(x, 2) == np.inf
+    assert ops.kth_largest_abs(x, 3) == 3.0
+    assert ops.kth_largest_abs(x, 5) == 0.0
+    for k in range(1, 6):  # select_threshold(kth_largest_abs) returns >= k elements
+        assert ops.select_threshold(x, ops.kth_largest_abs(x, k))[0].size >= k
+
+
+@pytest.mark.parametrize("ratio,seed", [(0.01, 0), (0.1, 3), (1.0, 0)])
+def test_sample_threshold_matches_reference(ratio, seed):
+    for n in (0, 1, 1000, BIG):
+        x = mixed(n, seed=n + 2)
+        for k in sorted({0, min(1, n), n // 1000, n // 10, n}):
+            same_scalar(ops.sample_threshold(x, k, ratio=ratio, seed=seed), R.sample_threshold(x, k, ratio, seed))
+
+
+def test_sample_threshold_estimates_k():
+    x = np.random.default_rng(7).standard_normal(1 << 20).astype(np.float32)
+    k = 1 << 10
+    t = ops.sample_threshold(x, k, ratio=0.05)
+    got = ops.select_threshold(x, t)[0].size
+    assert 0.7 * k < got < 1.5 * k
+    assert ops.sample_threshold(x, k, ratio=1.0) == ops.kth_largest_abs(x, k)  # the full sample is exact
+    with pytest.raises(ValueError):
+        ops.sample_threshold(x, k, ratio=0.0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, BIG])
+def test_select_threshold_matches_reference(n):
+    x = mixed(n, seed=n + 3)
+    for t in (0.0, -0.0, -1.0, 0.3, 1.75, 3.0, np.inf, np.nan, np.float32(1e-40)):
+        idx, val = ops.select_threshold(x, t)
+        ridx, rval = R.select_threshold(x, t)
+        same_bits(idx, ridx)
+        same_bits(val, rval)
+        assert np.all(np.isin(np.nonzero(np.isnan(x))[0], idx))  # NaN is always selected
+
+
+def test_select_threshold_dense_chunks_overflow_staging():
+    x = mixed(BIG, 8)  # t = 0.01 selects ~99%: every chunk overflows its staging area and is rescanned
+    same_bits(ops.select_threshold(x, 0.01)[0], R.select_threshold(x, 0.01)[0])
+
+
+# ----------------------------------------------------------------------------- hash select
+
+@pytest.mark.parametrize("n", [0, 1, 100, BIG])
+def test_hash_select_matches_reference(n):
+    x = mixed(n, seed=n + 4)
+    for t in (0.0, 1.0, 1.75, np.inf, np.nan):
+        for capacity in (0, 1, 7, 64, 4096):
+            for seed in (0, 11):
+                idx, val = ops.hash_select(x, t, capacity, seed=seed)
+                ridx, rval = R.hash_select(x, t, capacity, seed)
+                same_bits(idx, ridx)
+                same_bits(val, rval)
+
+
+def test_hash_select_collisions_and_overflow():
+    """DRAGONN Alg. 1: one index per slot (the largest that hashed there), -1/0 for empty slots,
+    at most ``capacity`` survivors when more pass the threshold."""
+    x = np.random.default_rng(9).standard_normal(BIG).astype(np.float32)
+    t, capacity = 2.0, 97
+    idx, val = ops.hash_select(x, t, capacity, seed=1)
+    assert idx.shape == val.shape == (capacity,) and idx.dtype == np.int64 and val.dtype == np.float32
+    passing = np.nonzero(np.abs(x) >= t)[0]
+    assert passing.size > capacity  # overflow: most candidates are dropped
+    slots = R.hash_slots(passing, capacity, 1)
+    for j in range(capacity):
+        hit = passing[slots == j]
+        if hit.size:
+            assert idx[j] == hit.max() and val[j] == x[hit.max()]
+        else:
+            assert idx[j] == -1 and val[j] == 0.0
+    # decoding the table directly skips the empty slots
+    dense = ops.scatter_add(BIG, idx, val)
+    assert np.count_nonzero(dense) == np.count_nonzero(idx >= 0)
+
+
+def test_hash_select_deterministic_across_thread_counts():
+    x = np.random.default_rng(10).standard_normal(BIG).astype(np.float32)
+    ref = ops.hash_select(x, 1.5, 333, seed=2)
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = ops.hash_select(x, 1.5, 333, seed=2)
+    finally:
+        numba.set_num_threads(old)
+    same_bits(ref[0], one[0])
+    assert not np.array_equal(ref[0], ops.hash_select(x, 1.5, 333, seed=3)[0])  # the seed picks the hash
+
+
+def test_hash_select_rejects_bad_capacity():
+    with pytest.raises(ValueError):
+        ops.hash_select(np.ones(4, np.float32), 0.5, -1)
+    with pytest.raises(ValueError):
+        ops.hash_select(np.ones(4, np.float32), 0.5, 2**32)
+
+
+# ----------------------------------------------------------------------------- sparse decoding
+
+@pytest.mark.parametrize("itype", [np.int32, np.int64])
+def test_scatter_add_matches_add_at(itype):
+    rng = np.random.default_rng(11)
+    n = BIG
+    idx = rng.integers(-1, n, 50000).astype(itype)  # duplicates and -1 (empty hash slots)
+    val = rng.standard_normal(idx.size).astype(np.float32)
+    same_bits(ops.scatter_add(n, idx, val), R.scatter_add(n, idx, val))  # same order: same bits
+    base = rng.standard_normal(n).astype(np.float32)
+    out = base.copy()
+    res = ops.scatter_add(n, idx, val, out=out)
+    assert res is out
+    same_bits(out, R.scatter_add(n, idx, val, out=base.copy()))
+
+
+def test_scatter_add_equals_dense_decoding_of_payloads():
+    """DRAGONN §4.3: one decode of the concatenated payloads == sum of per-payload dense decodes."""
+    rng = np.random.default_rng(12)
+    n, k, payloads = 20000, 200, 8
+    parts = [ops.topk_abs(rng.standard_normal(n).astype(np.float32), k) for _ in range(payloads)]
+    dense = np.zeros(n, np.float32)
+    for i, v in parts:
+        d = np.zeros(n, np.float32)
+        d[i] = v
+        dense += d
+    sparse = ops.scatter_add(n, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    np.testing.assert_allclose(sparse, dense, rtol=1e-6, atol=1e-6)
+
+
+def test_scatter_add_edge_cases():
+    same_bits(ops.scatter_add(5, np.zeros(0, np.int64), np.zeros(0, np.float32)), np.zeros(5, np.float32))
+    assert ops.scatter_add(0, [], []).shape == (0,)
+    with pytest.raises(IndexError):
+        ops.scatter_add(10, np.array([1, 10]), np.ones(2, np.float32))
+    with pytest.raises(ValueError):
+        ops.scatter_add(10, np.array([1, 2]), np.ones(3, np.float32))
+    with pytest.raises(TypeError):
+        ops.scatter_add(10, np.array([1]), np.ones(1, np.float32), out=np.zeros(10, np.float64))
+    got = ops.scatter_add(4, [0, 0, 2, 3], np.array([np.nan, 1.0, np.inf, -np.inf], np.float32))
+    assert np.isnan(got[0]) and got[1] == 0 and got[2] == np.inf and got[3] == -np.inf
+
+
+# ----------------------------------------------------------------------------- quantization
+
+def test_quantize_int8_matches_reference_and_bounds_error():
+    x = (np.random.default_rng(13).standard_normal(BIG) * 5).astype(np.float32)
+    q, scale = ops.quantize_int8(x)
+    rq, rscale = R.quantize_int8(x)
+    same_bits(q, rq)
+    assert scale == rscale == np.abs(x).max() / np.float32(127)
+    assert q.dtype == np.int8 and np.abs(q.astype(int)).max() == 127
+    x2 = ops.dequantize_int8(q, scale)
+    same_bits(x2, R.dequantize_int8(rq, rscale))
+    assert np.abs(x2 - x).max() <= scale * 0.5 * (1 + 1e-5)
+
+
+def test_quantize_int8_rounds_half_to_even():
+    x = np.array([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 0.0], np.float32)
+    q, scale = ops.quantize_int8(x)
+    assert scale == 1.0
+    np.testing.assert_array_equal(q, [127, 0, 2, 2, 0, -2, 0])
+
+
+def test_quantize_int8_non_finite_and_empty():
+    x = np.linspace(-1, 1, 1000, dtype=np.float32)
+    for bad, check in ((np.nan, np.isnan), (np.inf, np.isposinf), (-np.inf, np.isposinf)):
+        y = x.copy()
+        y[3] = bad
+        q, scale = ops.quantize_int8(y)
+        rq, rscale = R.quantize_int8(y)
+        assert check(scale) and check(rscale)
+        assert not q.any()
+        assert np.isnan(ops.dequantize_int8(q, scale)).all()  # the receiver sees the bad gradient
+    q, scale = ops.quantize_int8(np.zeros(10, np.float32))
+    assert scale == 0 and not q.any() and not ops.dequantize_int8(q, scale).any()
+    q, scale = ops.quantize_int8(np.zeros(0, np.float32))
+    assert q.shape == (0,) and scale == 0
+
+
+def test_truncate_fp16_matches_reference_bitwise():
+    bits = np.random.default_rng(14).integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32).copy()  # every class: normals, subnormals, Inf, NaN payloads
+    h = ops.truncate_fp16(x)
+    assert h.dtype == np.float16
+    same_bits(h, R.truncate_fp16(x))
+
+
+def test_truncate_fp16_rounds_toward_zero():
+    x = np.array([1.0 + 2**-11, -(1.0 + 2**-11), 65504.0, 65519.0, 1e9, -1e9, 2.0**-24, 2.0**-25, -0.0,
+                  np.inf, -np.inf, np.nan, 1.0 + 3 * 2**-12], np.float32)
+    h = ops.truncate_fp16(x)
+    np.testing.assert_array_equal(h[:10], np.array([1.0, -1.0, 65504.0, 65504.0, 65504.0, -65504.0, 2.0**-24, 0.0,
+                                                    -0.0, np.inf], np.float16))
+    assert np.signbit(h[8]) and h[10] == -np.inf and np.isnan(h[11])
+    assert np.float16(x[12]) > 1.0 and h[12] == 1.0  # nearest rounds up, truncation goes down
+    assert np.all(np.abs(h[np.isfinite(h)].astype(np.float32)) <= np.abs(x[np.isfinite(h)]))
+
+
+# ----------------------------------------------------------------------------- chunk norms
+
+@pytest.mark.parametrize("chunk", [1, 1000, 32768, 10**7])
+def test_chunk_l1_norms_matches_reference(chunk):
+    x = np.random.default_rng(15).standard_normal(BIG).astype(np.float32)
+    norms = ops.chunk_l1_norms(x, chunk)
+    assert norms.dtype == np.float32 and norms.shape == (C.num_chunks(BIG, chunk),)
+    np.testing.assert_allclose(norms, R.chunk_l1_norms(x, chunk), rtol=1e-6)
+
+
+def test_chunk_l1_norms_non_finite_and_edges():
+    x = np.ones(100, np.float32)
+    x[5], x[50] = np.nan, -np.inf
+    norms = ops.chunk_l1_norms(x, 40)
+    assert np.isnan(norms[0]) and norms[1] == np.inf and norms[2] == 20
+    assert ops.chunk_l1_norms(np.zeros(0, np.float32), 8).shape == (0,)
+    with pytest.raises(ValueError):
+        ops.chunk_l1_norms(x, 0)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+class _FakeCAI:
+    __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
+class _FakeDLPack:
+    def __init__(self, dev):
+        self._dev = dev
+
+    def __dlpack__(self, stream=None):
+        raise BufferError
+
+    def __dlpack_device__(self):
+        return self._dev
+
+
+def test_device_kind_table():
+    assert ops.device_kind(np.zeros(3)) == "cpu"
+    assert ops.device_kind([1.0, 2.0]) == "cpu"
+    assert ops.device_kind(_FakeCAI()) == "cuda"
+    assert ops.device_kind(_FakeDLPack((2, 0))) == "cuda"   # kDLCUDA, e.g. a TF GPU tensor
+    assert ops.device_kind(_FakeDLPack((1, 0))) == "cpu"
+    assert ops.backend("cpu") is cpu
+
+
+def test_tf_cpu_tensor_dispatches_to_cpu():
+    tf = pytest.importorskip("tensorflow")
+    x = mixed(500, 16)
+    t = tf.constant(x)
+    assert ops.device_kind(t) == "cpu"
+    same_bits(ops.topk_abs(t, 9)[0], R.topk_abs(x, 9)[0])
+
+
+# ----------------------------------------------------------------------------- TensorFlow wrappers
+
+@pytest.fixture(scope="module")
+def T():
+    pytest.importorskip("tensorflow")
+    from tfsparse.ops import tf as tfops
+
+    tfops.set_path("cpu")
+    yield tfops
+    tfops.set_path(None)
+
+
+def test_tf_ops_static_shapes_and_values(T):
+    import tensorflow as tf
+
+    x = mixed(1200, 17).reshape(30, 40)
+    finite = np.nan_to_num(x, nan=0.0, posinf=2.0, neginf=-2.0)
+
+    @tf.function
+    def f(x, y):
+        i, v = T.topk_abs(x, 11)
+        t = T.kth_largest_abs(x, 11)
+        si, sv = T.select_threshold(x, t)
+        hi, hv = T.hash_select(x, t, 32, seed=4)
+        q, s = T.quantize_int8(y)
+        return (i, v, t, si, sv, hi, hv, T.scatter_add(1200, si, sv), q, s, T.dequantize_int8(q, s),
+                T.truncate_fp16(x), T.chunk_l1_norms(y, 500), T.sample_threshold(x, 11, ratio=0.5, seed=1))
+
+    spec = tf.TensorSpec([30, 40], tf.float32)
+    shapes = [o.shape.as_list() for o in f.get_concrete_function(spec, spec).structured_outputs]
+    assert shapes == [[11], [11], [], [None], [None], [32], [32], [1200], [1200], [], [1200], [1200], [3], []]
+    i, v, t, si, sv, hi, hv, dense, q, s, x2, h, norms, st = f(tf.constant(x), tf.constant(finite))
+    same_bits(i.numpy(), R.topk_abs(x, 11)[0])
+    same_bits(v.numpy(), R.topk_abs(x, 11)[1])
+    same_scalar(t.numpy(), R.kth_largest_abs(x, 11))
+    same_bits(si.numpy(), R.select_threshold(x, R.kth_largest_abs(x, 11))[0])
+    same_bits(hi.numpy(), R.hash_select(x, R.kth_largest_abs(x, 11), 32, 4)[0])
+    same_bits(dense.numpy(), R.scatter_add(1200, *R.select_threshold(x, R.kth_largest_abs(x, 11))))
+    same_bits(q.numpy(), R.quantize_int8(finite)[0])
+    same_bits(x2.numpy(), R.dequantize_int8(*R.quantize_int8(finite)))
+    same_bits(h.numpy(), R.truncate_fp16(x))
+    np.testing.assert_allclose(norms.numpy(), R.chunk_l1_norms(finite, 500), rtol=1e-6)
+    same_scalar(st.numpy(), R.sample_threshold(x, 11, 0.5, 1))
+    assert T.topk_abs(tf.constant(x), 0)[0].shape == (0,)  # eager, k = 0
+
+
+def test_tf_ops_in_keras_compiled_train_step(T):
+    """The ops run inside Keras' compiled train step: the gradient is sparsified to its top-k."""
+    import keras
+    import tensorflow as tf
+
+    class TopKModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            sparse = []
+            for g in grads:
+                idx, val = T.topk_abs(g, max(1, int(g.shape.num_elements()) // 10))
+                sparse.append(tf.reshape(T.scatter_add(int(g.shape.num_elements()), idx, val), g.shape))
+            self.optimizer.apply_gradients(zip(sparse, self.trainable_variables))
+            return {"loss": loss}
+
+    inputs = keras.Input((8,))
+    model = TopKModel(inputs, keras.layers.Dense(4)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    before = [w.copy() for w in model.get_weights()]
+    rng = np.random.default_rng(18)
+    hist = model.fit(rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 4)).astype("float32"),
+                     batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+    kernel_changed = np.count_nonzero(model.get_weights()[0] != before[0])
+    assert 0 < kernel_changed <= 2 * (32 // 10)  # two steps, top 10% of the 32 kernel entries each
+
+
+def test_tf_ops_reject_xla(T):
+    import tensorflow as tf
+
+    @tf.function(jit_compile=True)
+    def f(x):
+        return T.topk_abs(x, 2)
+
+    with pytest.raises(ValueError, match="jit_compile"):
+        f(tf.ones([8]))
+
+
+def test_tf_set_path_validates(T):
+    with pytest.raises(ValueError):
+        T.set_path("tpu")
+    assert set(T.PATHS) == {"cpu", "cuda"}
+
+
+def test_dlpack_view_of_tf_tensor_is_zero_copy_and_owned():
+    tf = pytest.importorskip("tensorflow")
+    import gc
+
+    from tfsparse.ops import _dlpack
+
+    src = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = tf.constant(src)
+    assert _dlpack.device_type(t) == _dlpack.CPU and _dlpack.device_type([1.0]) is None
+    v = _dlpack.view(t)
+    assert v.dtype == np.float32 and v.shape == (3, 4)
+    assert v.__array_interface__["data"][0] == _dlpack.view(t).__array_interface__["data"][0]  # same buffer
+    del t
+    gc.collect()
+    np.testing.assert_array_equal(v, src)  # the view owns the tensor now
+    for dtype in (tf.int32, tf.int64, tf.int8, tf.float16, tf.uint16):
+        np.testing.assert_array_equal(_dlpack.view(tf.constant([3, 0, 1], dtype=dtype)), [3, 0, 1])
+    same_bits(ops.topk_abs(_dlpack.view(tf.constant(mixed(700, 19))), 5)[0], R.topk_abs(mixed(700, 19), 5)[0])

@@ -1,0 +1,673 @@
+"""CPU kernels (Numba ``@njit``, parallel over chunks) behind :mod:`tfsparse.ops`.
+
+Inputs are coerced to contiguous 1-D float32 numpy arrays; results are numpy arrays
+(indices int64 ascending, values float32).  Semantics (magnitude keys, NaN policy,
+tie-breaking, hashing, sampling) are defined in :mod:`tfsparse.ops._common` and
+:mod:`tfsparse.ops.reference`, which the tests compare against bit for bit.
+
+Why these algorithms: the seeds agree that once gradients are sparse the compression
+kernels, not the network, bound the step time (dragonn-wang2022 §2.4, Fig. 1;
+gtopk-ssgd-shi2019 §IV-E, Fig. 11; oktopk-li2022 §3.1.3), and that the lower bound
+is one read of the gradient with one comparison per element (dragonn-wang2022 §3.2,
+Table 1).  Every kernel here therefore makes one streaming pass in the common case:
+
+* the scan tests blocks of 64 elements with a vectorised max of the keys and only
+  looks at elements of blocks that hold a hit (at density 0.001 most blocks have
+  none), and writes hits to a small per-chunk staging area, compacted afterwards;
+* hit blocks are narrowed by a second test on 8-element sub-blocks before the scalar
+  per-element work (branchy code only runs where a hit is);
+* exact top-k uses a stratified sample to get a key that is very likely below the
+  k-th largest, gathers the (1.5-3 k) candidates in that single pass and selects
+  exactly among them; if the sample was unlucky (fewer than k candidates), and for
+  small inputs or dense k (k > n/64), it finds the exact k-th key by radix select
+  (histograms of 11 + 10 + 10 key bits) and writes the top-k in one count + write.
+
+Inputs below :data:`PARALLEL_MIN` elements run on the calling thread only.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from . import _common as C
+from ._atomics import atomic_max_i64
+
+_ABS = C.ABS_MASK
+_NANK = C.NAN_KEY
+_INFK = C.INF_KEY
+_CH = 1 << 16        # elements per parallel chunk
+_STG = 4096          # staging slots per chunk (a chunk with more hits is rescanned)
+_BLK = 64            # elements per skip test
+_SUB = 8             # elements per second-level test inside a hit block
+_U1 = np.uint32(1)
+_PAR_SCATTER = 1 << 14   # payload entries from which scatter_add splits the output over threads
+
+#: Inputs with fewer elements run on the calling thread only ("parallel where it pays"):
+#: below this a scan takes well under a millisecond on one core, less than the parallel
+#: launch costs -- and far less than waiting for a second core on a busy machine.
+PARALLEL_MIN = 1 << 22
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@njit(cache=True, inline="always")
+def _key(u):
+    """Magnitude key of float32 bits ``u`` (see :mod:`._common`), as int64."""
+    return min(np.int64(u) & _ABS, _NANK)
+
+
+@njit(cache=True, inline="always")
+def _shifted_max(xu, b0, b1):
+    """max of ``bits << 1`` (uint32: the sign bit falls off) over ``xu[b0:b1]``; vectorises
+    to 8 lanes, and is ``>= key << 1`` iff some key in the range is ``>= key`` (any NaN
+    shifts above every ``key << 1``, ``key <= NAN_KEY``)."""
+    y = xu[b0:b1]  # a slice from 0: LLVM vectorises it (``range(b0, b1)`` stays scalar)
+    m = np.uint32(0)
+    for i in range(y.size):
+        m = max(m, np.uint32(y[i] << _U1))
+    return m
+
+
+@njit(cache=True, inline="always")
+def _block_hit(xu, b0, t2):
+    """Whether the full block ``xu[b0:b0+_BLK]`` holds a key ``>= t2 >> 1`` (fixed trip count)."""
+    m = np.uint32(0)
+    for j in range(_BLK):
+        m = max(m, np.uint32(xu[b0 + j] << _U1))
+    return m >= t2
+
+
+@njit(cache=True, inline="always")
+def _sub_hit(xu, b0, t2):
+    """The same test for the ``_SUB`` elements from ``b0`` (second level, inside a hit block)."""
+    m = np.uint32(0)
+    for j in range(_SUB):
+        m = max(m, np.uint32(xu[b0 + j] << _U1))
+    return m >= t2
+
+
+@njit(cache=True, inline="always")
+def _slot(i, a, b, m64):
+    h = (a * np.uint64(i) + b) >> np.uint64(32)
+    return np.int64((h * m64) >> np.uint64(32))
+
+
+# ----------------------------------------------------------------------------- selection
+
+@njit(cache=True, inline="always")
+def _count_ge(xu, b0, b1, klo):
+    """Number of keys ``>= klo`` in ``xu[b0:b1]`` (branch-free, vectorised)."""
+    y = xu[b0:b1]
+    c = 0
+    for i in range(y.size):
+        c += np.int64(_key(y[i]) >= klo)
+    return c
+
+
+@njit(parallel=True, cache=True)
+def _select_ge(xu, x, klo, st_idx, st_val):
+    """Indices (ascending) and values of the elements with ``key >= klo``.
+
+    One pass in the sparse case: each chunk stages up to ``_STG`` hits in its slice of
+    ``st_idx``/``st_val`` (at least ``nchunks * _STG`` long); a chunk with more hits only
+    counts the rest (vectorised) and is rescanned when the output is written.
+    """
+    n = xu.size
+    nch = (n + _CH - 1) // _CH
+    counts = np.zeros(nch, np.int64)
+    t2 = np.uint32(klo << 1)
+    for c in prange(nch):
+        lo = c * _CH
+        hi = min(lo + _CH, n)
+        base = c * _STG
+        w = 0
+        for b0 in range(lo, hi, _BLK):
+            if w > _STG:  # overflowed: count the rest of the chunk, write it in the second phase
+                w += _count_ge(xu, b0, hi, klo)
+                break
+            b1 = min(b0 + _BLK, hi)
+            if b1 - b0 == _BLK:
+                if _block_hit(xu, b0, t2):
+                    for s0 in range(b0, b1, _SUB):
+                        if _sub_hit(xu, s0, t2):
+                            for i in range(s0, s0 + _SUB):
+                                if _key(xu[i]) >= klo:
+                                    if w < _STG:
+                                        st_idx[base + w] = i
+                                        st_val[base + w] = x[i]
+                                    w += 1
+            else:
+                for i in range(b0, b1):
+                    if _key(xu[i]) >= klo:
+                        if w < _STG:
+                            st_idx[base + w] = i
+                            st_val[base + w] = x[i]
+                        w += 1
+        counts[c] = w
+    offs = np.empty(nch + 1, np.int64)
+    offs[0] = 0
+    for c in range(nch):
+        offs[c + 1] = offs[c] + counts[c]
+    out_idx = np.empty(offs[nch], np.int64)
+    out_val = np.empty(offs[nch], np.float32)
+    for c in prange(nch):
+        o = offs[c]
+        if counts[c] <= _STG:
+            base = c * _STG
+            for j in range(counts[c]):
+                out_idx[o + j] = st_idx[base + j]
+                out_val[o + j] = st_val[base + j]
+        else:  # dense chunk: unconditional stores, advance on a hit (the guard keeps to our slice)
+            end = offs[c + 1]
+            for i in range(c * _CH, min(c * _CH + _CH, n)):
+                if o < end:
+                    out_idx[o] = i
+                    out_val[o] = x[i]
+                o += np.int64(_key(xu[i]) >= klo)
+    return out_idx, out_val
+
+
+@njit(parallel=True, cache=True)
+def _radix_hist(xu, shift, nbits, prefix, nthreads):
+    """Histogram of the digit ``(key >> shift) & (2**nbits - 1)`` over the keys whose bits
+    above the digit equal ``prefix`` (all keys on the first level, ``shift + nbits == 31``)."""
+    n = xu.size
+    nb = 1 << nbits
+    mask = nb - 1
+    pshift = shift + nbits
+    nch = max(1, min((n + _CH - 1) // _CH, nthreads), (n >> 30) + 1)  # int32 counts per chunk
+    hists = np.zeros((nch, 4, nb), np.int32)
+    for c in prange(nch):
+        lo = c * n // nch
+        hi = (c + 1) * n // nch
+        h = hists[c]
+        if pshift >= C.KEY_BITS:
+            # four interleaved sub-histograms: consecutive increments of one bin do not wait
+            # for each other (store-to-load forwarding)
+            i = lo
+            while i + 4 <= hi:
+                h[0, _key(xu[i]) >> shift] += 1
+                h[1, _key(xu[i + 1]) >> shift] += 1
+                h[2, _key(xu[i + 2]) >> shift] += 1
+                h[3, _key(xu[i + 3]) >> shift] += 1
+                i += 4
+            for j in range(i, hi):
+                h[0, _key(xu[j]) >> shift] += 1
+        else:
+            for i in range(lo, hi):
+                kk = _key(xu[i])
+                if (kk >> pshift) == prefix:
+                    h[0, (kk >> shift) & mask] += 1
+    hist = np.zeros(nb, np.int64)
+    for c in range(nch):
+        for q in range(4):
+            for j in range(nb):
+                hist[j] += hists[c, q, j]
+    return hist
+
+
+@njit(cache=True)
+def _radix_select(xu, k, nthreads):
+    """Exact k-th largest key ``t`` and ``r``, how many of the keys equal to ``t`` the top-k
+    takes: three histogram passes over the 11 + 10 + 10 bits of the key."""
+    prefix = 0
+    need = k
+    for level in range(3):
+        nbits = 11 if level == 0 else 10
+        shift = 20 - 10 * level
+        hist = _radix_hist(xu, shift, nbits, prefix, nthreads)
+        b = (1 << nbits) - 1
+        while b > 0 and hist[b] < need:
+            need -= hist[b]
+            b -= 1
+        prefix = (prefix << nbits) | b
+    return prefix, need
+
+
+@njit(parallel=True, cache=True)
+def _select_top(xu, x, t, r, k):
+    """The top-k given its exact k-th key ``t`` and tie quota ``r``: every key above ``t`` and
+    the first ``r`` keys equal to ``t`` (index order), written once in index order.  Two
+    branch-free passes (count, then write) -- the dense-k path."""
+    n = xu.size
+    nch = (n + _CH - 1) // _CH
+    gt = np.zeros(nch, np.int64)
+    eq = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        y = xu[c * _CH:min(c * _CH + _CH, n)]
+        g = 0
+        e = 0
+        for i in range(y.size):
+            kk = _key(y[i])
+            g += np.int64(kk > t)
+            e += np.int64(kk == t)
+        gt[c] = g
+        eq[c] = e
+    offs = np.empty(nch + 1, np.int64)
+    quota = np.empty(nch, np.int64)
+    offs[0] = 0
+    ties_before = 0
+    for c in range(nch):
+        quota[c] = min(max(r - ties_before, 0), eq[c])
+        ties_before += eq[c]
+        offs[c + 1] = offs[c] + gt[c] + quota[c]
+    out_idx = np.empty(k, np.int64)
+    out_val = np.empty(k, np.float32)
+    for c in prange(nch):
+        o = offs[c]
+        end = offs[c + 1]
+        left = quota[c]
+        for i in range(c * _CH, min(c * _CH + _CH, n)):
+            kk = _key(xu[i])
+            tie = (kk == t) and left > 0
+            left -= np.int64(tie)
+            if o < end:
+                out_idx[o] = i
+                out_val[o] = x[i]
+            o += np.int64(kk > t or tie)
+    return out_idx, out_val
+
+
+@njit(cache=True)
+def _keys_of(val):
+    u = val.view(np.uint32)
+    keys = np.empty(u.size, np.int64)
+    for j in range(u.size):
+        keys[j] = _key(u[j])
+    return keys
+
+
+@njit(cache=True)
+def _kth_key(keys, k):
+    """k-th largest (1-based) of an int64 key array (``keys`` is not modified)."""
+    m = keys.size
+    return np.partition(keys, m - k)[m - k]
+
+
+@njit(parallel=True, cache=True)
+def _sample_keys(xu, s, step, a, b):
+    """Keys at ``s`` stratified sample positions (one hashed position per stratum, see
+    :func:`tfsparse.ops._common.sample_step`)."""
+    n64 = np.uint64(xu.size)
+    out = np.empty(s, np.int64)
+    for j in prange(s):
+        j64 = np.uint64(j)
+        lo = (j64 * step) >> np.uint64(32)
+        hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
+        h = (a * j64 + b) >> np.uint64(32)
+        out[j] = _key(xu[lo + ((h * (hi - lo)) >> np.uint64(32))])
+    return out
+
+
+@njit(cache=True)
+def _take_topk(cand_idx, cand_val, k, t):
+    """The top-k among candidates (ascending indices) that hold every key ``>= t``, ``t`` the
+    exact k-th largest key: all keys above ``t``, then ties at ``t`` by lowest index."""
+    cu = cand_val.view(np.uint32)
+    ties = k
+    for j in range(cu.size):
+        if _key(cu[j]) > t:
+            ties -= 1
+    out_idx = np.empty(k, np.int64)
+    out_val = np.empty(k, np.float32)
+    p = 0
+    for j in range(cu.size):
+        kk = _key(cu[j])
+        if kk > t or (kk == t and ties > 0):
+            if kk == t:
+                ties -= 1
+            out_idx[p] = cand_idx[j]
+            out_val[p] = cand_val[j]
+            p += 1
+    return out_idx, out_val
+
+
+@njit(cache=True)
+def _lower_key(xu, s, step, kp, a, b):
+    """A key that is <= the k-th largest key with high probability (rank ``kp`` of ``s`` samples)."""
+    return _kth_key(_sample_keys(xu, s, step, a, b), kp)
+
+
+# ----------------------------------------------------------------------------- hashing
+
+@njit(parallel=True, cache=True)
+def _hash_select(xu, x, tkey, a, b, m):
+    """DRAGONN Alg. 1 with atomic max per slot (deterministic: the largest index wins)."""
+    n = xu.size
+    table = np.empty(m, np.int64)
+    for j in prange(m):
+        table[j] = -1
+    m64 = np.uint64(m)
+    t2 = np.uint32(tkey << 1)
+    nch = (n + _CH - 1) // _CH
+    for c in prange(nch):
+        lo = c * _CH
+        hi = min(lo + _CH, n)
+        for b0 in range(lo, hi, _BLK):
+            b1 = min(b0 + _BLK, hi)
+            if b1 - b0 == _BLK:
+                if _block_hit(xu, b0, t2):
+                    for s0 in range(b0, b1, _SUB):
+                        if _sub_hit(xu, s0, t2):
+                            for i in range(s0, s0 + _SUB):
+                                if _key(xu[i]) >= tkey:
+                                    atomic_max_i64(table, _slot(i, a, b, m64), np.int64(i))
+            else:
+                for i in range(b0, b1):
+                    if _key(xu[i]) >= tkey:
+                        atomic_max_i64(table, _slot(i, a, b, m64), np.int64(i))
+    val = np.empty(m, np.float32)
+    for j in prange(m):
+        t = table[j]
+        val[j] = x[t] if t >= 0 else np.float32(0.0)
+    return table, val
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@njit(parallel=True, cache=True)
+def _scatter_add(out, idx, val, nblocks):
+    """``out[idx] += val`` in payload order; block ``b`` of the output is owned by one thread
+    (each scans all payload entries, so every element is summed in payload order)."""
+    n = out.size
+    p = idx.size
+    for blk in prange(nblocks):
+        lo = blk * n // nblocks
+        hi = (blk + 1) * n // nblocks
+        for j in range(p):
+            i = np.int64(idx[j])
+            if i >= lo and i < hi:
+                out[i] += val[j]
+    return out
+
+
+@njit(cache=True)
+def _index_range(idx):
+    mx = -1
+    for j in range(idx.size):
+        mx = max(mx, np.int64(idx[j]))
+    return mx
+
+
+# ----------------------------------------------------------------------------- quantization
+
+@njit(parallel=True, cache=True)
+def _max_key(xu):
+    n = xu.size
+    nch = (n + _CH - 1) // _CH
+    part = np.zeros(max(nch, 1), np.int64)
+    for c in prange(nch):
+        lo = c * _CH
+        hi = min(lo + _CH, n)
+        part[c] = _shifted_max(xu, lo, hi) >> 1
+    return min(part.max(), _NANK)
+
+
+@njit(parallel=True, cache=True)
+def _quantize(x, inv, q):
+    for i in prange(x.size):
+        q[i] = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
+    return q
+
+
+@njit(parallel=True, cache=True)
+def _dequantize(q, scale, out):
+    for i in prange(q.size):
+        out[i] = np.float32(q[i]) * scale
+    return out
+
+
+@njit(parallel=True, cache=True)
+def _truncate_fp16(xu, out):
+    """float32 bits -> IEEE binary16 bits, rounding toward zero (drops mantissa bits)."""
+    for i in prange(xu.size):
+        u = np.int64(xu[i])
+        sign = (u >> 16) & 0x8000
+        a = u & _ABS
+        e = a >> 23
+        if a > _INFK:                        # NaN: quiet, keep the top payload bits
+            h = 0x7E00 | ((a >> 13) & 0x3FF)
+        elif a == _INFK:
+            h = 0x7C00
+        elif e >= 143:                       # beyond 65504: saturate (round toward zero)
+            h = 0x7BFF
+        elif e >= 113:                       # normal half
+            h = (a >> 13) - (112 << 10)
+        elif e >= 102:                       # subnormal half
+            h = ((a & 0x7FFFFF) | 0x800000) >> (126 - e)
+        else:                                # below the smallest subnormal
+            h = 0
+        out[i] = np.uint16(sign | h)
+    return out
+
+
+@njit(cache=True, fastmath={"reassoc"}, inline="always")
+def _abs_sum32(x, b0, b1):
+    y = x[b0:b1]
+    s = np.float32(0.0)
+    for i in range(y.size):
+        s += abs(y[i])
+    return s
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _chunk_l1(x, chunk, out):
+    """float32 sums of 256-element blocks (vectorised: 8 elements per lane) added in float64."""
+    n = x.size
+    for c in prange(out.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        s = 0.0
+        for b0 in range(lo, hi, 4 * _BLK):
+            s += np.float64(_abs_sum32(x, b0, min(b0 + 4 * _BLK, hi)))
+        out[c] = np.float32(s)
+    return out
+
+
+# ============================================================================= public API
+
+@contextmanager
+def _threads_for(n: int):
+    """Runs the enclosed kernels single-threaded when ``n < PARALLEL_MIN`` (thread-local setting)."""
+    old = numba.get_num_threads()
+    if n >= PARALLEL_MIN or old == 1:
+        yield
+        return
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+
+
+_TLS = threading.local()
+
+
+def _staging(n: int):
+    """Per-thread staging buffers of :func:`_select_ge`, kept between calls: a fresh buffer
+    would page-fault once per chunk on every call (about 20% of a 512 MB scan).  Only the
+    pages the sparse hits touch become resident (two per 64K-element chunk)."""
+    need = max(1, -(-n // _CH)) * _STG
+    buf = getattr(_TLS, "staging", None)
+    if buf is None or buf[0].size < need:
+        buf = _TLS.staging = (np.empty(need, np.int64), np.empty(need, np.float32))
+    return buf
+
+
+def as_f32(x) -> np.ndarray:
+    """Contiguous 1-D float32 view (or copy, if ``x`` is not already one)."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    C.check_n(x.size)
+    return x
+
+
+def _empty_payload():
+    return np.empty(0, np.int64), np.empty(0, np.float32)
+
+
+def _prefilter_samples(n: int) -> int:
+    # the samples only set a lower bound: fewer samples give a lower bound and more candidates
+    # (about k + 12 n / sqrt(s) ... at k/n = 0.001: 1.6 k for n = 128M), more samples cost
+    # random cache misses; n / 512 clamped to [8192, 65536] balances the two
+    return int(min(n, max(8192, min(n >> 9, 1 << 16))))
+
+
+def _sampled_lower_key(xu, k: int):
+    """A key at most the k-th largest with high probability, from a stratified sample;
+    None where sampling does not pay (small inputs, k above n / 64: the radix path is as fast)."""
+    n = xu.size
+    s = _prefilter_samples(n)
+    kp = C.prefilter_rank(k, n, s)
+    if n <= _CH or 64 * k > n or 4 * kp > s:
+        return None
+    a, b = C.hash_params(0, C.SALT_SAMPLE)
+    return int(_lower_key(xu, s, C.sample_step(n, s), kp, a, b))
+
+
+def _sampled_candidates(xu, x, k: int):
+    """``(idx, val)`` of every element at or above the sampled lower key, which then holds the
+    top-k; None when there is no sample or it was unlucky (fewer than k candidates)."""
+    lower = _sampled_lower_key(xu, k)
+    if lower is None:
+        return None
+    idx, val = _select_ge(xu, x, lower, *_staging(xu.size))
+    return (idx, val) if idx.size >= k else None
+
+
+def _radix(xu, k: int):
+    t, r = _radix_select(xu, k, numba.get_num_threads())
+    return int(t), int(r)
+
+
+def topk_abs(x, k):
+    x = as_f32(x)
+    n = x.size
+    k = C.check_k(k, n)
+    if k == 0:
+        return _empty_payload()
+    if k == n:
+        return np.arange(n, dtype=np.int64), x.copy()
+    xu = x.view(np.uint32)
+    with _threads_for(n):
+        cand = _sampled_candidates(xu, x, k)
+        if cand is None:  # exact k-th key by radix select, then one count + write
+            t, r = _radix(xu, k)
+            return _select_top(xu, x, t, r, k)
+        idx, val = cand
+        return _take_topk(idx, val, k, _kth_key(_keys_of(val), k))
+
+
+def kth_largest_abs(x, k):
+    x = as_f32(x)
+    k = C.check_k(k, x.size)
+    if k == 0:
+        return np.float32(np.nan)
+    xu = x.view(np.uint32)
+    with _threads_for(x.size):
+        cand = _sampled_candidates(xu, x, k)
+        key = _radix(xu, k)[0] if cand is None else _kth_key(_keys_of(cand[1]), k)
+    return C.key_to_float(key)
+
+
+def sample_threshold(x, k, ratio=0.01, seed=0):
+    x = as_f32(x)
+    n = x.size
+    k = C.check_k(k, n)
+    s = C.sample_count(n, ratio)
+    if k == 0:
+        return np.float32(np.nan)
+    a, b = C.hash_params(seed, C.SALT_SAMPLE)
+    with _threads_for(s):
+        keys = _sample_keys(x.view(np.uint32), s, C.sample_step(n, s), a, b)
+        return C.key_to_float(_kth_key(keys, C.sample_rank(k, n, s)))
+
+
+def select_threshold(x, t):
+    x = as_f32(x)
+    with _threads_for(x.size):
+        return _select_ge(x.view(np.uint32), x, C.threshold_key(t), *_staging(x.size))
+
+
+def hash_select(x, t, capacity, seed=0):
+    x = as_f32(x)
+    capacity = C.check_capacity(capacity)
+    a, b = C.hash_params(seed, C.SALT_HASH)
+    with _threads_for(x.size):
+        return _hash_select(x.view(np.uint32), x, C.threshold_key(t), a, b, capacity)
+
+
+def _as_index(idx) -> np.ndarray:
+    idx = np.asarray(idx).reshape(-1)
+    if idx.dtype not in (np.int32, np.int64):
+        idx = idx.astype(np.int64)
+    return np.ascontiguousarray(idx)
+
+
+def scatter_add(n, idx, val, out=None):
+    n = int(n)
+    idx = _as_index(idx)
+    val = as_f32(val)
+    if idx.size != val.size:
+        raise ValueError(f"idx ({idx.size}) and val ({val.size}) differ in length")
+    if idx.size and _index_range(idx) >= n:
+        raise IndexError(f"scatter_add: an index is >= n={n}")
+    if out is None:
+        # calloc'd zeros: pages no payload entry touches are never written (nor faulted in here)
+        out = np.zeros(n, np.float32)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (n,)
+              and out.flags.c_contiguous):
+        raise TypeError(f"out must be a contiguous float32 numpy array of shape ({n},)")
+    nblocks = max(1, min(numba.get_num_threads(), n // _CH)) if idx.size >= _PAR_SCATTER else 1
+    with _threads_for(idx.size * 16):
+        return _scatter_add(out, idx, val, nblocks)
+
+
+def quantize_int8(x):
+    x = as_f32(x)
+    with _threads_for(x.size):
+        amax = C.key_to_float(_max_key(x.view(np.uint32))) if x.size else np.float32(0.0)
+        scale = np.float32(amax / np.float32(127.0))
+        q = np.zeros(x.size, np.int8)
+        if np.isfinite(amax) and amax > 0:
+            _quantize(x, np.float32(np.float32(127.0) / amax), q)
+    return q, scale
+
+
+def dequantize_int8(q, scale):
+    q = np.ascontiguousarray(q, dtype=np.int8).reshape(-1)
+    with _threads_for(q.size):
+        return _dequantize(q, np.float32(scale), np.empty(q.size, np.float32))
+
+
+def truncate_fp16(x):
+    x = as_f32(x)
+    with _threads_for(x.size):
+        return _truncate_fp16(x.view(np.uint32), np.empty(x.size, np.uint16)).view(np.float16)
+
+
+def chunk_l1_norms(x, chunk=32768):
+    x = as_f32(x)
+    chunk = C.check_chunk(chunk)
+    with _threads_for(x.size):
+        return _chunk_l1(x, chunk, np.empty(C.num_chunks(x.size, chunk), np.float32))
+
+
+def warmup() -> None:
+    """Compiles (or loads from the Numba cache) every CPU kernel on a tiny input."""
+    x = np.linspace(-1.0, 1.0, 3 * _CH + 17, dtype=np.float32)
+    topk_abs(x, 5)
+    topk_abs(x, x.size // 2)
+    kth_largest_abs(x, 5)
+    sample_threshold(x, 5)
+    select_threshold(x, 0.5)
+    hash_select(x, 0.5, 64)
+    i, v = select_threshold(x, 0.9)
+    scatter_add(x.size, i, v)
+    scatter_add(x.size, i.astype(np.int32), v)
+    dequantize_int8(*quantize_int8(x))
+    truncate_fp16(x)
+    chunk_l1_norms(x, 1024)

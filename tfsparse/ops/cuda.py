@@ -1,0 +1,655 @@
+"""CUDA kernels (``numba.cuda``) behind :mod:`tfsparse.ops`, for device-resident gradients.
+
+Inputs are device arrays: anything with ``__cuda_array_interface__`` (Numba, CuPy,
+PyTorch), CUDA DLPack producers (TensorFlow GPU tensors), or the CUDA simulator's
+arrays; they are viewed in place, never copied to the host.  Results are Numba device
+arrays (CuPy/PyTorch take them through ``__cuda_array_interface__``); scalar results
+(thresholds, the quantization scale) come back as host ``np.float32`` -- a 4-byte copy.
+The dense gradient never crosses PCIe, only the sparse payload does, and only when the
+caller copies it (gtopk-ssgd-shi2019 §III-F: "transferring the non-values through PCIe
+could be much faster than transferring the whole gradients").
+
+Kernels (semantics identical to :mod:`tfsparse.ops.reference`, tested under
+``NUMBA_ENABLE_CUDASIM=1`` and compiled to PTX for sm_90 in CI, see :func:`compile_ptx_all`):
+
+* order-preserving compaction -- ``count`` (per-block counts of "key > T" and
+  "key == T"), ``scan`` (block offsets, one block), ``write`` (each block rescans
+  its tile and writes its hits in index order).  The first ``r`` ties in index order
+  are taken, so the same three kernels serve ``select_threshold`` (T = t-1, r = 0) and
+  exact top-k (T = k-th key, r = ties needed).  Two reads of the gradient: the parallel
+  prefix-sum structure whose cost DRAGONN measures (dragonn-wang2022 §3.1, App. C).
+* radix select -- ``hist`` + ``find`` three times (12, 10, 9 bits of the 31-bit
+  key); the state (prefix, remaining rank) stays on the device between launches.
+* DRAGONN hashing (dragonn-wang2022 §3.2, Alg. 1) -- ``hash``: one read, one compare
+  per element, ``atomicMax`` into the slot (deterministic: largest index wins), no
+  prefix sum; ``gather`` fetches the values of the ``capacity`` slots.
+* sparse decode (§4.3) -- ``scatter`` with float atomics into one dense output.
+* ``max_key``/``quantize``/``dequantize`` (pipe-sgd-li2018 §3.2), ``trunc16``
+  (16-bit truncation), ``chunk_l1`` (gradientflow-sun2019 §3, CSC).
+
+The tile kernels are built per block shape (:class:`Kernels`, default 256 threads x 8
+elements); :func:`set_block_shape` swaps the shape (the simulator tests use small blocks).
+
+Memory: each call allocates its outputs and a few small scratch arrays with
+``cuda.device_array``; install a pooling allocator (Numba EMM plugin, e.g. RMM's) when
+calling these per layer and per step.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import cuda
+from numba import types as nt
+
+from . import _common as C
+from . import _dlpack
+
+DEFAULT_TPB = 256          # threads per block
+DEFAULT_ITEMS = 8          # consecutive elements per thread in the compaction kernels
+DEFAULT_MAX_BLOCKS = 1 << 16   # blocks per launch; kernels loop grid-stride beyond it
+_ABS = C.ABS_MASK
+_NANK = C.NAN_KEY
+_INFK = C.INF_KEY
+_DIGITS = ((12, 19), (10, 9), (9, 0))   # (bits, shift) of the three radix-select levels
+_NB_MAX = 1 << 12
+_LO32 = 0xFFFFFFFF
+
+
+@cuda.jit(device=True, inline="always")
+def _dkey(u):
+    return min(np.int64(u) & _ABS, _NANK)
+
+
+# ----------------------------------------------------------------------------- block-shaped kernels
+
+def _build_block_kernels(tpb: int, items: int) -> dict:
+    """Kernels whose shared-memory layout depends on the block shape (``tpb`` threads,
+    ``items`` elements each); returns ``{name: python function}`` (closures over the shape)."""
+    tile = tpb * items
+    pad = tile + tile // 32  # one pad word per 32: the blocked reads below are bank-conflict free
+
+    @cuda.jit(device=True, inline="always")
+    def block_scan(sh, t, v):
+        """Inclusive scan of ``v`` over the block (Hillis-Steele in shared ``sh[tpb]``)."""
+        sh[t] = v
+        cuda.syncthreads()
+        off = 1
+        while off < tpb:
+            add = sh[t - off] if t >= off else 0
+            cuda.syncthreads()
+            sh[t] += add
+            cuda.syncthreads()
+            off *= 2
+        r = sh[t]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(xu, tl, base, n, t):
+        """Coalesced load of ``tile`` keys from ``base`` into padded shared ``tl`` (-1 past the end)."""
+        for j in range(items):
+            p = j * tpb + t
+            i = base + p
+            tl[p + (p >> 5)] = _dkey(xu[i]) if i < n else -1
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def tile_key(tl, t, j):
+        p = t * items + j
+        return tl[p + (p >> 5)]
+
+    @cuda.jit(device=True, inline="always")
+    def thread_counts(tl, t, thr):
+        """(#key > thr) | (#key == thr) << 32 over this thread's ``items`` consecutive keys."""
+        v = 0
+        for j in range(items):
+            kk = tile_key(tl, t, j)
+            if kk > thr:
+                v += 1
+            elif kk == thr:
+                v += 1 << 32
+        return v
+
+    def k_count(xu, params, cnt):
+        """cnt[b] = (#key > T) | (#key == T) << 32 over block b's tile; params = [T, r]."""
+        tl = cuda.shared.array(pad, numba.int64)
+        sh = cuda.shared.array(tpb, numba.int64)
+        t = cuda.threadIdx.x
+        for b in range(cuda.blockIdx.x, cnt.size, cuda.gridDim.x):
+            load_tile(xu, tl, b * tile, xu.size, t)
+            tot = block_scan(sh, t, thread_counts(tl, t, params[0]))
+            if t == tpb - 1:
+                cnt[b] = tot
+
+    def k_scan(cnt, params, offs, total):
+        """Exclusive scan of the packed block counts (one block); total[0] = selected count."""
+        sh = cuda.shared.array(tpb, numba.int64)
+        t = cuda.threadIdx.x
+        nb = cnt.size
+        per = (nb + tpb - 1) // tpb
+        lo = min(t * per, nb)
+        hi = min(lo + per, nb)
+        gt = 0
+        eq = 0
+        for b in range(lo, hi):
+            gt += cnt[b] & _LO32
+            eq += cnt[b] >> 32
+        # gt and eq are < 2**32 each (n < 2**32): scan them packed, then split
+        incl = block_scan(sh, t, gt | (eq << 32))
+        g = (incl & _LO32) - gt
+        e = (incl >> 32) - eq
+        for b in range(lo, hi):
+            offs[b] = g | (e << 32)
+            g += cnt[b] & _LO32
+            e += cnt[b] >> 32
+        if t == tpb - 1:
+            total[0] = g + min(e, params[1])
+
+    def k_write(xu, x, params, offs, out_idx, out_val):
+        """Writes the selected elements of block b's tile at their global, index-ordered positions:
+        all keys > T, and the ties (key == T) whose rank among all ties is < r."""
+        tl = cuda.shared.array(pad, numba.int64)
+        sh = cuda.shared.array(tpb, numba.int64)
+        t = cuda.threadIdx.x
+        thr = params[0]
+        r = params[1]
+        for b in range(cuda.blockIdx.x, offs.size, cuda.gridDim.x):
+            base = b * tile
+            load_tile(xu, tl, base, xu.size, t)
+            v = thread_counts(tl, t, thr)
+            incl = block_scan(sh, t, v)
+            g = (offs[b] & _LO32) + (incl & _LO32) - (v & _LO32)   # keys > T before this thread
+            e = (offs[b] >> 32) + (incl >> 32) - (v >> 32)         # ties before this thread
+            for j in range(items):
+                kk = tile_key(tl, t, j)
+                i = base + t * items + j
+                if kk > thr:
+                    p = g + min(e, r)
+                    out_idx[p] = i
+                    out_val[p] = x[i]
+                    g += 1
+                elif kk == thr:
+                    if e < r:
+                        out_idx[g + e] = i
+                        out_val[g + e] = x[i]
+                    e += 1
+            cuda.syncthreads()  # the next tile overwrites tl
+
+    def k_hist(xu, state, shift, nbits, hist):
+        """hist[(key >> shift) & mask] += 1 for keys whose higher bits equal the prefix state[0]."""
+        sh = cuda.shared.array(_NB_MAX, numba.int32)
+        t = cuda.threadIdx.x
+        nbins = 1 << nbits
+        for j in range(t, nbins, tpb):
+            sh[j] = 0
+        cuda.syncthreads()
+        prefix = state[0]
+        pshift = shift + nbits
+        mask = nbins - 1
+        n = xu.size
+        for base in range(cuda.blockIdx.x * tile, n, cuda.gridDim.x * tile):
+            for j in range(items):
+                i = base + j * tpb + t
+                if i < n:
+                    kk = _dkey(xu[i])
+                    if (kk >> pshift) == prefix:
+                        cuda.atomic.add(sh, (kk >> shift) & mask, 1)
+        cuda.syncthreads()
+        for j in range(t, nbins, tpb):
+            c = sh[j]
+            if c != 0:
+                cuda.atomic.add(hist, j, np.int64(c))
+
+    def k_find(hist, nbits, state):
+        """One block: the bin holding the state[1]-th largest key; extends the prefix state[0],
+        updates the rank state[1], and zeroes ``hist`` for the next level."""
+        sh = cuda.shared.array(tpb, numba.int64)
+        t = cuda.threadIdx.x
+        nbins = 1 << nbits
+        per = nbins // tpb
+        top = nbins - t * per  # this thread owns bins [top - per, top), scanned downwards
+        own = 0
+        for j in range(per):
+            own += hist[top - 1 - j]
+        need = state[1]
+        prefix = state[0]
+        incl = block_scan(sh, t, own)
+        cum = incl - own
+        if cum < need and need <= incl:
+            for j in range(per):
+                c = hist[top - 1 - j]
+                if cum + c >= need:
+                    state[0] = (prefix << nbits) | (top - 1 - j)
+                    state[1] = need - cum
+                    break
+                cum += c
+        cuda.syncthreads()
+        for j in range(per):
+            hist[top - 1 - j] = 0
+
+    def k_max_key(xu, res):
+        """res[0] = max key (atomic over blocks); its float32 view is max|x| (NaN if any NaN)."""
+        sh = cuda.shared.array(tpb, numba.int64)
+        t = cuda.threadIdx.x
+        m = 0
+        for i in range(cuda.blockIdx.x * tpb + t, xu.size, cuda.gridDim.x * tpb):
+            m = max(m, _dkey(xu[i]))
+        sh[t] = m
+        cuda.syncthreads()
+        w = tpb // 2
+        while w > 0:
+            if t < w:
+                sh[t] = max(sh[t], sh[t + w])
+            cuda.syncthreads()
+            w //= 2
+        if t == 0:
+            cuda.atomic.max(res, 0, np.uint32(sh[0]))
+
+    def k_chunk_l1(x, chunk, out):
+        """out[c] = sum |x| over chunk c (one block per chunk, float64 accumulation)."""
+        sh = cuda.shared.array(tpb, numba.float64)
+        t = cuda.threadIdx.x
+        for c in range(cuda.blockIdx.x, out.size, cuda.gridDim.x):
+            lo = c * chunk
+            hi = min(lo + chunk, x.size)
+            s = 0.0
+            for i in range(lo + t, hi, tpb):
+                s += abs(np.float64(x[i]))
+            sh[t] = s
+            cuda.syncthreads()
+            w = tpb // 2
+            while w > 0:
+                if t < w:
+                    sh[t] += sh[t + w]
+                cuda.syncthreads()
+                w //= 2
+            if t == 0:
+                out[c] = np.float32(sh[0])
+            cuda.syncthreads()
+
+    return {"count": k_count, "scan": k_scan, "write": k_write, "hist": k_hist, "find": k_find,
+            "max_key": k_max_key, "chunk_l1": k_chunk_l1}
+
+
+# ----------------------------------------------------------------------------- elementwise kernels
+
+# grid-stride loops: any grid size covers any n (the host caps the grid, see Kernels.grid)
+
+def _k_fill_i64(a, v):
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = v
+
+
+def _k_fill_f32(a, v):
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = v
+
+
+def _k_iota(a):
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = i
+
+
+def _k_hash(xu, tkey, ha, hb, m, table):
+    """DRAGONN Alg. 1 lines 4-8: compare, hash, write (atomic max: the largest index wins)."""
+    for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
+        if _dkey(xu[i]) >= tkey:
+            h = (ha * np.uint64(i) + hb) >> np.uint64(32)
+            slot = np.int64((h * np.uint64(m)) >> np.uint64(32))
+            cuda.atomic.max(table, slot, np.int64(i))
+
+
+def _k_gather(table, x, val):
+    """DRAGONN Alg. 1 line 10, G_c = G[I], with 0 for empty (-1) slots."""
+    for j in range(cuda.grid(1), table.size, cuda.gridsize(1)):
+        i = table[j]
+        val[j] = x[i] if i >= 0 else np.float32(0.0)
+
+
+def _k_scatter(idx, val, out, bad):
+    for j in range(cuda.grid(1), idx.size, cuda.gridsize(1)):
+        i = np.int64(idx[j])
+        if i >= 0:
+            if i < out.size:
+                cuda.atomic.add(out, i, val[j])
+            else:
+                cuda.atomic.add(bad, 0, 1)
+
+
+def _k_sample(xu, s, step, ha, hb, out):
+    """out[j] = bits at the j-th stratified sample position (see reference.sample_positions)."""
+    n64 = np.uint64(xu.size)
+    for j in range(cuda.grid(1), s, cuda.gridsize(1)):
+        j64 = np.uint64(j)
+        lo = (j64 * step) >> np.uint64(32)
+        hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
+        h = (ha * j64 + hb) >> np.uint64(32)
+        out[j] = xu[lo + ((h * (hi - lo)) >> np.uint64(32))]
+
+
+# ----------------------------------------------------------------------------- quantization
+
+def _k_quantize(x, amax, q):
+    """q = clip(rint(x * 127/amax)); all zero when amax is 0, Inf or NaN (see quantize_int8)."""
+    a = amax[0]
+    ok = a > np.float32(0.0) and a < np.float32(np.inf)
+    inv = np.float32(127.0) / a if ok else np.float32(0.0)
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        q[i] = np.int8(max(-127, min(127, round(x[i] * inv)))) if ok else 0
+
+
+def _k_dequantize(q, scale, out):
+    for i in range(cuda.grid(1), q.size, cuda.gridsize(1)):
+        out[i] = np.float32(q[i]) * scale
+
+
+def _k_trunc16(xu, out):
+    """float32 bits -> IEEE binary16 bits rounded toward zero (see truncate_fp16)."""
+    for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
+        u = np.int64(xu[i])
+        sign = (u >> 16) & 0x8000
+        a = u & _ABS
+        e = a >> 23
+        if a > _INFK:
+            h = 0x7E00 | ((a >> 13) & 0x3FF)
+        elif a == _INFK:
+            h = 0x7C00
+        elif e >= 143:
+            h = 0x7BFF
+        elif e >= 113:
+            h = (a >> 13) - (112 << 10)
+        elif e >= 102:
+            h = ((a & 0x7FFFFF) | 0x800000) >> (126 - e)
+        else:
+            h = 0
+        out[i] = np.uint16(sign | h)
+
+
+# ----------------------------------------------------------------------------- registry
+
+_u32, _i64, _i32, _f32, _i8, _u16 = (nt.uint32[::1], nt.int64[::1], nt.int32[::1], nt.float32[::1], nt.int8[::1],
+                                     nt.uint16[::1])
+#: kernel name -> signatures compiled ahead of time by :func:`compile_ptx_all`
+SIGNATURES = {
+    "count": [(_u32, _i64, _i64)],
+    "scan": [(_i64, _i64, _i64, _i64)],
+    "write": [(_u32, _f32, _i64, _i64, _i64, _f32)],
+    "hist": [(_u32, _i64, nt.int64, nt.int64, _i64)],
+    "find": [(_i64, nt.int64, _i64)],
+    "max_key": [(_u32, nt.uint32[::1])],
+    "chunk_l1": [(_f32, nt.int64, _f32)],
+    "fill_i64": [(_i64, nt.int64)],
+    "fill_f32": [(_f32, nt.float32)],
+    "iota": [(_i64,)],
+    "hash": [(_u32, nt.int64, nt.uint64, nt.uint64, nt.int64, _i64)],
+    "gather": [(_i64, _f32, _f32)],
+    "scatter": [(_i64, _f32, _f32, _i64), (_i32, _f32, _f32, _i64)],
+    "sample": [(_u32, nt.int64, nt.uint64, nt.uint64, nt.uint64, _u32)],
+    "quantize": [(_f32, _f32, _i8)],
+    "dequantize": [(_i8, nt.float32, _f32)],
+    "trunc16": [(_u32, _u16)],
+}
+_ELEMENTWISE = {"fill_i64": _k_fill_i64, "fill_f32": _k_fill_f32, "iota": _k_iota, "hash": _k_hash,
+                "gather": _k_gather, "scatter": _k_scatter, "sample": _k_sample, "quantize": _k_quantize,
+                "dequantize": _k_dequantize, "trunc16": _k_trunc16}
+_ELEMENTWISE_JIT = {name: cuda.jit(fn) for name, fn in _ELEMENTWISE.items()}
+
+
+class Kernels:
+    """The kernel set for one block shape: ``tpb`` threads per block (a power of two in
+    [32, 512]), ``items`` consecutive elements per thread in the tile kernels, and at
+    most ``max_blocks`` blocks per launch (every kernel loops over its work grid-stride)."""
+
+    def __init__(self, tpb: int = DEFAULT_TPB, items: int = DEFAULT_ITEMS, max_blocks: int = DEFAULT_MAX_BLOCKS):
+        if tpb not in (32, 64, 128, 256, 512) or not 1 <= items <= 64 or max_blocks < 1:
+            raise ValueError(f"unsupported block shape tpb={tpb}, items={items}, max_blocks={max_blocks}")
+        self.tpb, self.items, self.tile, self.max_blocks = tpb, items, tpb * items, max_blocks
+        # histogram blocks zero and flush _NB_MAX shared bins each: few blocks, many tiles per block
+        self.hist_blocks = min(max_blocks, 1024)
+        self.python = {**_build_block_kernels(tpb, items), **_ELEMENTWISE}
+        self.jit = {**{name: cuda.jit(fn) for name, fn in self.python.items() if name not in _ELEMENTWISE},
+                    **_ELEMENTWISE_JIT}
+
+    def __getitem__(self, name):
+        return self.jit[name]
+
+    def ntiles(self, n: int) -> int:
+        """Tiles of ``tpb * items`` elements covering ``n``."""
+        return max(1, -(-n // self.tile))
+
+    def grid(self, n: int) -> int:
+        """Blocks for one thread per element (capped)."""
+        return max(1, min(-(-n // self.tpb), self.max_blocks))
+
+    def tiles(self, n: int) -> int:
+        """Blocks for one tile per block (capped)."""
+        return min(self.ntiles(n), self.max_blocks)
+
+    def compile_ptx(self, cc=(9, 0)) -> dict:
+        """PTX of every kernel for compute capability ``cc`` (needs NVVM, not a GPU)."""
+        return {f"{name}/{i}": cuda.compile_ptx(self.python[name], sig, cc=cc)[0]
+                for name, sigs in SIGNATURES.items() for i, sig in enumerate(sigs)}
+
+
+_K = Kernels()
+
+
+def set_block_shape(tpb: int = DEFAULT_TPB, items: int = DEFAULT_ITEMS, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    """Selects the launch shape (tuning; the tests use few small blocks under the CUDA
+    simulator, which runs one Python thread per CUDA thread)."""
+    global _K
+    _K = Kernels(tpb, items, max_blocks)
+
+
+def compile_ptx_all(cc=(9, 0)) -> dict:
+    """PTX (``{"kernel/signature#": ptx}``) of every kernel of the active block shape."""
+    return _K.compile_ptx(cc)
+
+
+# ============================================================================= host wrappers
+
+def _device_types() -> tuple:
+    from numba.cuda.cudadrv import devicearray
+
+    return tuple(t for t in (getattr(devicearray, "DeviceNDArray", None), getattr(devicearray, "FakeCUDAArray", None))
+                 if t is not None)
+
+
+_DEVICE_TYPES = _device_types()
+#: True under NUMBA_ENABLE_CUDASIM=1 (device arrays are host memory there)
+SIMULATOR = any(t.__name__ == "FakeCUDAArray" for t in _DEVICE_TYPES)
+_DLPACK_CUDA = _dlpack.CUDA_DEVICE_TYPES
+
+
+def as_device(x, dtype=np.float32):
+    """A 1-D contiguous device view of ``x`` (host arrays are copied to the device)."""
+    if isinstance(x, _DEVICE_TYPES):
+        d = x
+    elif hasattr(x, "__cuda_array_interface__"):
+        d = cuda.as_cuda_array(x)
+    elif (hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__")
+          and _dlpack.device_type(x) in _DLPACK_CUDA):
+        d = _dlpack.view(x)  # e.g. a TensorFlow GPU tensor: zero-copy
+    else:
+        return cuda.to_device(np.ascontiguousarray(x, dtype=dtype).reshape(-1))
+    if np.dtype(d.dtype) != np.dtype(dtype):
+        raise TypeError(f"expected a {np.dtype(dtype).name} device array, got {d.dtype}")
+    if d.ndim != 1:
+        d = d.reshape(-1)
+    if not d.is_c_contiguous():
+        raise ValueError("device arrays must be C-contiguous")
+    return d
+
+
+def _as_x(x):
+    d = as_device(x)
+    C.check_n(d.size)
+    return d, d.view(np.uint32)
+
+
+def sync() -> None:
+    """Waits for all work on the current device (all streams of the context: TF's and Numba's)."""
+    cuda.synchronize()
+
+
+def _params(thr: int, r: int):
+    return cuda.to_device(np.array([thr, r], dtype=np.int64))
+
+
+def _compact(xu, xd, params, size=None):
+    """Runs count/scan/write; ``size`` (known for top-k) avoids reading the total back."""
+    nt_ = _K.ntiles(xu.size)
+    nb = _K.tiles(xu.size)
+    cnt = cuda.device_array(nt_, np.int64)
+    offs = cuda.device_array(nt_, np.int64)
+    total = cuda.device_array(1, np.int64)
+    _K["count"][nb, _K.tpb](xu, params, cnt)
+    _K["scan"][1, _K.tpb](cnt, params, offs, total)
+    if size is None:
+        size = int(total.copy_to_host()[0])
+    out_idx = cuda.device_array(size, np.int64)
+    out_val = cuda.device_array(size, np.float32)
+    if size:
+        _K["write"][nb, _K.tpb](xu, xd, params, offs, out_idx, out_val)
+    return out_idx, out_val
+
+
+def _radix_state(xu, k: int):
+    """Device state ``[T, r]``: T = k-th largest key, r = how many ties at T the top-k takes."""
+    state = cuda.to_device(np.array([0, k], dtype=np.int64))
+    hist = cuda.to_device(np.zeros(_NB_MAX, np.int64))
+    nb = min(_K.tiles(xu.size), _K.hist_blocks)
+    for bits, shift in _DIGITS:
+        _K["hist"][nb, _K.tpb](xu, state, shift, bits, hist)
+        _K["find"][1, _K.tpb](hist, bits, state)
+    return state
+
+
+def _empty_payload():
+    return cuda.device_array(0, np.int64), cuda.device_array(0, np.float32)
+
+
+def topk_abs(x, k):
+    xd, xu = _as_x(x)
+    n = xd.size
+    k = C.check_k(k, n)
+    if k == 0:
+        return _empty_payload()
+    if k == n:
+        idx = cuda.device_array(n, np.int64)
+        _K["iota"][_K.grid(n), _K.tpb](idx)
+        val = cuda.device_array(n, np.float32)
+        val.copy_to_device(xd)
+        return idx, val
+    return _compact(xu, xd, _radix_state(xu, k), size=k)
+
+
+def kth_largest_abs(x, k):
+    xd, xu = _as_x(x)
+    k = C.check_k(k, xd.size)
+    if k == 0:
+        return np.float32(np.nan)
+    return C.key_to_float(_radix_state(xu, k).copy_to_host()[0])
+
+
+def sample_threshold(x, k, ratio=0.01, seed=0):
+    xd, xu = _as_x(x)
+    n = xd.size
+    k = C.check_k(k, n)
+    s = C.sample_count(n, ratio)
+    if k == 0:
+        return np.float32(np.nan)
+    ha, hb = C.hash_params(seed, C.SALT_SAMPLE)
+    samples = cuda.device_array(s, np.uint32)
+    _K["sample"][_K.grid(s), _K.tpb](xu, s, C.sample_step(n, s), ha, hb, samples)
+    return C.key_to_float(_radix_state(samples, C.sample_rank(k, n, s)).copy_to_host()[0])
+
+
+def _ge_params(tkey: int, n: int):
+    # "key >= tkey" as "key > tkey - 1"; tkey == 0 selects everything: key > 0 plus all ties at 0
+    return _params(tkey - 1, 0) if tkey > 0 else _params(0, n)
+
+
+def select_threshold(x, t):
+    xd, xu = _as_x(x)
+    if xd.size == 0:
+        return _empty_payload()
+    return _compact(xu, xd, _ge_params(C.threshold_key(t), xd.size))
+
+
+def hash_select(x, t, capacity, seed=0):
+    xd, xu = _as_x(x)
+    m = C.check_capacity(capacity)
+    table = cuda.device_array(m, np.int64)
+    val = cuda.device_array(m, np.float32)
+    if m == 0:
+        return table, val
+    _K["fill_i64"][_K.grid(m), _K.tpb](table, -1)
+    ha, hb = C.hash_params(seed, C.SALT_HASH)
+    if xd.size:
+        _K["hash"][_K.grid(xd.size), _K.tpb](xu, C.threshold_key(t), ha, hb, m, table)
+    _K["gather"][_K.grid(m), _K.tpb](table, xd, val)
+    return table, val
+
+
+def scatter_add(n, idx, val, out=None):
+    n = int(n)
+    idx_dtype = np.int32 if getattr(idx, "dtype", None) == np.int32 else np.int64
+    di = as_device(idx, idx_dtype)
+    dv = as_device(val, np.float32)
+    if di.size != dv.size:
+        raise ValueError(f"idx ({di.size}) and val ({dv.size}) differ in length")
+    if out is None:
+        out = cuda.device_array(n, np.float32)
+        if n:
+            _K["fill_f32"][_K.grid(n), _K.tpb](out, np.float32(0.0))
+    else:
+        out = as_device(out, np.float32)
+        if out.size != n:
+            raise ValueError(f"out has {out.size} elements, expected {n}")
+    if di.size:
+        bad = cuda.to_device(np.zeros(1, np.int64))
+        _K["scatter"][_K.grid(di.size), _K.tpb](di, dv, out, bad)
+        if int(bad.copy_to_host()[0]):
+            raise IndexError(f"scatter_add: an index is >= n={n}")
+    return out
+
+
+def quantize_int8(x):
+    xd, xu = _as_x(x)
+    n = xd.size
+    q = cuda.device_array(n, np.int8)
+    amax_u = cuda.to_device(np.zeros(1, np.uint32))
+    if n:
+        _K["max_key"][_K.tiles(n), _K.tpb](xu, amax_u)
+    amax_f = amax_u.view(np.float32)
+    if n:
+        _K["quantize"][_K.grid(n), _K.tpb](xd, amax_f, q)
+    amax = C.key_to_float(amax_u.copy_to_host()[0])  # the canonical NaN key is a signalling NaN
+    return q, np.float32(amax / np.float32(127.0))
+
+
+def dequantize_int8(q, scale):
+    dq = as_device(q, np.int8)
+    out = cuda.device_array(dq.size, np.float32)
+    if dq.size:
+        _K["dequantize"][_K.grid(dq.size), _K.tpb](dq, np.float32(scale), out)
+    return out
+
+
+def truncate_fp16(x):
+    xd, xu = _as_x(x)
+    out = cuda.device_array(xd.size, np.uint16)
+    if xd.size:
+        _K["trunc16"][_K.grid(xd.size), _K.tpb](xu, out)
+    return out.view(np.float16)
+
+
+def chunk_l1_norms(x, chunk=32768):
+    xd, _ = _as_x(x)
+    chunk = C.check_chunk(chunk)
+    m = C.num_chunks(xd.size, chunk)
+    out = cuda.device_array(m, np.float32)
+    if m:
+        _K["chunk_l1"][min(m, _K.max_blocks), _K.tpb](xd, chunk, out)
+    return out
