@@ -34,38 +34,35 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
     script = Path(script)
     if not script.is_absolute():
         script = REPO / "tests" / "workers" / script
+    what = f"mpirun -np {nproc} {script.name} {args}"
     with tempfile.TemporaryDirectory(prefix="tfsparse-mpi-") as out:
-        cmd, full_env = build_command(nproc, [sys.executable, str(script), *map(str, args)])
-        full_env.update(env or {})
-        full_env["TFSPARSE_TEST_OUT"] = out
-        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-        full_env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
-        full_env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        with open(LOCK, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            try:
-                text, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                text, _ = proc.communicate()
-                raise MPIJobError(f"mpirun -np {nproc} {script.name} {args} timed out after {timeout}s "
-                                  f"(a hang):\n{_tail(text)}") from None
-        if expect_fail:
-            if proc.returncode == 0:
-                raise MPIJobError(f"expected {script.name} to fail, it succeeded:\n{_tail(text)}")
-        elif proc.returncode != 0:
-            raise MPIJobError(f"mpirun -np {nproc} {script.name} {args} failed ({proc.returncode}):\n{_tail(text)}")
+        cmd, _ = build_command(nproc, [sys.executable, str(script), *map(str, args)])
+        job_env = {"TFSPARSE_TEST_OUT": out, "TF_CPP_MIN_LOG_LEVEL": "3", "OMPI_MCA_btl": "self,vader,tcp",
+                   "OMPI_MCA_rmaps_base_oversubscribe": "1", **(env or {})}
+        code, text = _run(cmd, job_env, timeout, what)
+        if expect_fail and code == 0:
+            raise MPIJobError(f"expected {what} to fail, it succeeded:\n{_tail(text)}")
+        if not expect_fail and code != 0:
+            raise MPIJobError(f"{what} failed ({code}):\n{_tail(text)}")
         return [load_result(out, r) for r in range(nproc)], text
 
 
 def run_locked(cmd: list[str], timeout: float = 120, env: dict | None = None) -> str:
     """Runs any launcher command line (horovodrun, tfsparse-run) under the MPI lock and a timeout."""
+    code, text = _run(cmd, env or {}, timeout, str(cmd))
+    if code != 0:
+        raise MPIJobError(f"{cmd} failed ({code}):\n{_tail(text)}")
+    return text
+
+
+def _run(cmd, env, timeout, what):
+    """Holds the lock, runs ``cmd`` in its own process group; kills the group on timeout."""
     full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        full_env.setdefault(var, "1")
+    full_env.update(env)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                              full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
@@ -75,10 +72,8 @@ def run_locked(cmd: list[str], timeout: float = 120, env: dict | None = None) ->
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             text, _ = proc.communicate()
-            raise MPIJobError(f"{cmd} timed out after {timeout}s:\n{_tail(text)}") from None
-    if proc.returncode != 0:
-        raise MPIJobError(f"{cmd} failed ({proc.returncode}):\n{_tail(text)}")
-    return text
+            raise MPIJobError(f"{what} timed out after {timeout}s (a hang):\n{_tail(text)}") from None
+    return proc.returncode, text
 
 
 def _tail(text: str, n: int = 6000) -> str:
