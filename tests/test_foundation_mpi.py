@@ -87,6 +87,9 @@ def test_fit_digits_all_routes(P):
         for r in range(1, P):
             assert np.array_equal(res[r][f"{cfg}/weights"], w0), f"{cfg}: rank {r} weights differ from rank 0"
         meta = [res[r][f"{cfg}/json"] for r in range(P)]
+        assert len(meta[0]["digests"]) == 4 * int(np.ceil(1440 / P / 16))  # 4 epochs of steps
+        for r in range(1, P):  # bit-identical after every step, not only at the end
+            assert meta[r]["digests"] == meta[0]["digests"], f"{cfg}: rank {r} diverged"
         hist = meta[0]["history"]
         assert hist["loss"][-1] < hist["loss"][0] / 3, f"{cfg}: loss did not fall: {hist['loss']}"
         assert meta[0]["eval"]["accuracy"] >= 0.85, f"{cfg}: accuracy {meta[0]['eval']}"

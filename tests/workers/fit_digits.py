@@ -4,6 +4,7 @@ argv: backend configs...   where each config is route:algorithm[:density] with r
 {strategy, optimizer, optimizer_in_strategy}.  Rank 0 also trains a single-process reference
 (plain Keras, global batch) for dense configs and saves its weights.
 """
+import hashlib
 import sys
 
 import numpy as np
@@ -34,6 +35,19 @@ def build():
                              keras.layers.Dense(10)])
 
 
+class WeightDigests(keras.callbacks.Callback):
+    """A digest of all weights after every training step (to compare ranks bit for bit)."""
+
+    def on_train_begin(self, logs=None):
+        self.digests = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        h = hashlib.sha1()
+        for w in self.model.get_weights():
+            h.update(np.ascontiguousarray(w).tobytes())
+        self.digests.append(h.hexdigest()[:16])
+
+
 def compile_(model, opt):
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -43,7 +57,8 @@ out = {}
 for cfg in configs:
     route, algo, *rest = cfg.split(":")
     density = float(rest[0]) if rest else 0.05
-    cbs = [tfsparse.keras.callbacks.CommunicationStats()]
+    digests = WeightDigests()
+    cbs = [tfsparse.keras.callbacks.CommunicationStats(), digests]
     if route == "strategy":
         strategy = tfsparse.SparseStrategy(algorithm=algo, density=density)
         with strategy.scope():
@@ -72,7 +87,7 @@ for cfg in configs:
     w = np.concatenate([np.asarray(v).ravel() for v in model.get_weights()])
     out[f"{cfg}/weights"] = w
     meta = {"history": {k: [float(a) for a in v] for k, v in hist.history.items()}, "eval": ev,
-            "n_params": int(w.size), "backend": tfsparse.runtime.backend()}
+            "n_params": int(w.size), "digests": digests.digests, "backend": tfsparse.runtime.backend()}
     out[f"{cfg}/json"] = meta
     if rank == 0 and algo == "dense":
         ref = build()  # rank 0's seed: the same initial weights every rank got by broadcast
