@@ -39,11 +39,11 @@ def validate_config(algorithm, density) -> float:
 
 def check_float_variables(variables) -> None:
     """Only floating-point variables can be trained through a gradient exchange."""
+    import tensorflow as tf
+
     for v in variables:
         dtype = getattr(v, "dtype", None)
         name = getattr(v, "path", None) or getattr(v, "name", "?")
-        import tensorflow as tf
-
         if not tf.as_dtype(dtype).is_floating:
             raise ValueError(f"trainable variable {name!r} has dtype={tf.as_dtype(dtype).name}; only "
                              f"float16/bfloat16/float32/float64 variables can be trained with tfsparse. "

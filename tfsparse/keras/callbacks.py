@@ -129,7 +129,15 @@ class StepCountCheck(keras.callbacks.Callback):
         check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
 
 
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+
+
 class _RankZeroOnly(keras.callbacks.Callback):
+    """Forwards every hook to ``callback`` on rank 0; on other ranks the hooks do nothing."""
+
     def __init__(self, callback, rank: int):
         super().__init__()
         self.callback = callback
@@ -143,15 +151,24 @@ class _RankZeroOnly(keras.callbacks.Callback):
         super().set_params(params)
         self.callback.set_params(params)
 
-    def __getattribute__(self, name):
-        if name.startswith("on_") and not object.__getattribute__(self, "_active"):
-            return lambda *a, **k: None
-        if name.startswith("on_"):
-            return getattr(object.__getattribute__(self, "callback"), name)
-        return object.__getattribute__(self, name)
+    def _forward(self, hook, *args, **kwargs):
+        if self._active:
+            getattr(self.callback, hook)(*args, **kwargs)
 
 
-class ModelCheckpoint(keras.callbacks.Callback):
+def _forwarder(hook):
+    def method(self, *args, **kwargs):
+        self._forward(hook, *args, **kwargs)
+
+    method.__name__ = hook
+    return method
+
+
+for _hook in _HOOKS:
+    setattr(_RankZeroOnly, _hook, _forwarder(_hook))
+
+
+class ModelCheckpoint(_RankZeroOnly):
     """``keras.callbacks.ModelCheckpoint`` for multi-process training: rank 0 writes, and the
     file holds **every rank's** residual (error feedback is per rank).
 
@@ -162,50 +179,26 @@ class ModelCheckpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, filepath, save_freq="epoch", **kwargs):
-        super().__init__()
+        super().__init__(keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs), runtime.rank())
         self.save_freq = save_freq
-        self.inner = keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs)
-        self._rank0 = runtime.rank() == 0
         self._batches = 0
-
-    def set_model(self, model):
-        super().set_model(model)
-        self.inner.set_model(model)
-
-    def set_params(self, params):
-        super().set_params(params)
-        self.inner.set_params(params)
 
     def _gather(self):
         opt = getattr(self.model, "optimizer", None)
         if hasattr(opt, "gather_residuals"):
             opt.gather_residuals()
 
-    def on_train_begin(self, logs=None):
-        if self._rank0:
-            self.inner.on_train_begin(logs)
-
     def on_train_batch_end(self, batch, logs=None):
         if isinstance(self.save_freq, int):
             self._batches += 1
             if self._batches % self.save_freq == 0:
                 self._gather()
-        if self._rank0:
-            self.inner.on_train_batch_end(batch, logs)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._rank0:
-            self.inner.on_epoch_begin(epoch, logs)
+        super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
             self._gather()
-        if self._rank0:
-            self.inner.on_epoch_end(epoch, logs)
-
-    def on_train_end(self, logs=None):
-        if self._rank0:
-            self.inner.on_train_end(logs)
+        super().on_epoch_end(epoch, logs)
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:

@@ -69,8 +69,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         check_float_variables(var_list)
-        n = sum(int(v.shape.num_elements() if hasattr(v.shape, "num_elements") else
-                    _prod(v.shape)) for v in var_list)
+        n = sum(int(np.prod(v.shape, dtype=np.int64)) for v in var_list)
         if self.exchange.uses_memory:
             self.residual = self.add_variable(shape=(n,), initializer="zeros", dtype="float32",
                                               aggregation="none", name="residual")
@@ -174,10 +173,3 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
                                                            custom_objects=custom_objects)
         return cls(inner, **config)
-
-
-def _prod(shape):
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
