@@ -140,3 +140,12 @@ def sum_selected(accs, sels):
     for a, s in zip(accs, sels):
         out[s] += a[s]
     return out
+
+
+def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
+    """The k-th largest |value| by a full sort; 0.0 when there are at most k values, inf for k <= 0."""
+    if k <= 0:
+        return float("inf")
+    if values.size <= k:
+        return 0.0
+    return float(np.sort(np.abs(values.astype(np.float32)))[::-1][k - 1])

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from tfsparse.collectives import InProcessWorld, get_aggregator
+from tfsparse.aggregators import get_aggregator
+from tfsparse.collectives import InProcessWorld
 from tfsparse.compressors import TopK, topk_indices
 from tfsparse.exchange import GradientExchange, validate_config
 
@@ -29,12 +30,8 @@ def test_topk_exchange_matches_reference_over_steps(P):
 
     def fn(comm):
         ex = GradientExchange("topk", density, communicator=comm)
-        residual = np.zeros(n, np.float32)
-        outs = []
-        for s in range(steps):
-            dense, residual = ex.exchange_numpy(grads[(comm.rank, s)], residual)
-            outs.append(dense)
-        return outs, residual, ex.total
+        outs = [ex.exchange_numpy(grads[(comm.rank, s)]) for s in range(steps)]
+        return outs, ex.residual, ex.total
 
     out = world.run(fn)
     k = int(np.ceil(density * n))
@@ -60,15 +57,13 @@ def test_nothing_lost_with_error_feedback(P):
 
     def fn(comm):
         ex = GradientExchange("topk", 0.02, communicator=comm)
-        res = np.zeros(n, np.float32)
         applied = np.zeros(n, np.float64)
         raw = np.zeros(n, np.float64)
         for s in range(steps):
             g = np.random.default_rng(7 * comm.rank + 1000 * s).standard_normal(n).astype(np.float32)
             raw += g
-            dense, res = ex.exchange_numpy(g, res)
-            applied += dense
-        return applied, res, raw
+            applied += ex.exchange_numpy(g)
+        return applied, ex.residual, raw
 
     out = world.run(fn)
     applied = out[0][0]
@@ -80,8 +75,12 @@ def test_nothing_lost_with_error_feedback(P):
 def test_dense_exchange_is_exact_sum():
     world = InProcessWorld(3)
     data = [np.random.default_rng(r).standard_normal(77).astype(np.float32) for r in range(3)]
-    out = world.run(lambda c: GradientExchange("dense", 1.0, communicator=c).exchange_numpy(data[c.rank]))
-    for dense, res in out:
+
+    def fn(c):
+        ex = GradientExchange("dense", 1.0, communicator=c)
+        return ex.exchange_numpy(data[c.rank]), ex.residual
+
+    for dense, res in world.run(fn):
         assert res is None
         np.testing.assert_allclose(dense, np.sum(data, axis=0), rtol=1e-6)
 

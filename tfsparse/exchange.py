@@ -1,28 +1,57 @@
-"""GradientExchange: composes Memory + Aggregator over a Communicator, and the glue
-that runs it inside a compiled TensorFlow train step.
+"""GradientExchange: the one exchange pipeline that SparseStrategy and DistributedOptimizer share.
 
-One exchange per optimizer (or per strategy).  Per step, all gradients are fused
-into one flat float32 vector and handed to a single stateful ``tf.numpy_function``
-(one Python call per step, ~1 ms overhead), which
+Per model there is one exchange.  It knows the gradients' :class:`~tfsparse.plan.Layout`
+(names, shapes, sizes; captured at trace time), and a :mod:`plan <tfsparse.plan>` splits
+the layout into buckets, each with its own aggregator instance, ``k``, wire and residual.
+One step (a *round*) runs, for every bucket in bucket order:
 
-1. adds the residual (error feedback, :mod:`tfsparse.memory`),
-2. runs the aggregator (:mod:`tfsparse.aggregators`) with ``k = ceil(density * n)``,
-3. returns the global sum (dense) and the new residual.
+1. **encode** (the caller's thread): ``acc = grad + residual`` written into the bucket's
+   buffer in one pass (:mod:`tfsparse.memory`), then the aggregator's local phase --
+   selection and encoding of the first messages (:meth:`Aggregator.encode
+   <tfsparse.aggregators.Aggregator.encode>`);
+2. **exchange** (the communication thread, :class:`~tfsparse.collectives.CommThread`):
+   the aggregator's collectives, over a duplicate of the world communicator, strictly in
+   bucket order; then the dense result and the new residual (what was not contributed,
+   plus what the wire lost).
 
-The result is the **sum** over ranks; callers divide by P (or rely on Keras
-scaling the loss by ``1/num_replicas_in_sync`` under :class:`SparseStrategy`).
+So while bucket ``i`` is on the wire, bucket ``i + 1`` is being selected and encoded; and
+in a TensorFlow step each bucket starts as soon as back-propagation has produced its
+gradients (bucket 0 holds the last layers).  :meth:`GradientExchange.start` returns a
+:class:`Round` whose :meth:`~Round.wait` may come later (a round can be started in one step
+and finished in the next).
+
+The result is the **sum** over ranks; callers divide by P (or rely on Keras scaling the loss
+by ``1/num_replicas_in_sync`` under :class:`SparseStrategy`).
+
+State -- the residuals, every bucket aggregator's state and the round counter -- is explicit:
+:meth:`~GradientExchange.get_state` / :meth:`~GradientExchange.set_state`, gathered from
+every rank into Keras checkpoints by ``tfsparse.keras.callbacks.ModelCheckpoint``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 
 from .aggregators import available_aggregators, get_aggregator
+from .collectives.thread import CommThread
 from .memory import NoMemory, ResidualMemory
+from .plan import Layout, TensorSpec, make_plan
+from .wire import get_wire
+
+CHECKPOINT_PREFIX = "tfsparse."
+
+
+def check_density(density, name: str = "density") -> float:
+    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of gradient "
+                         f"elements each rank sends), e.g. {name}=0.01")
+    return float(density)
 
 
 def validate_config(algorithm, density) -> float:
@@ -31,10 +60,7 @@ def validate_config(algorithm, density) -> float:
     if not isinstance(algorithm, str) or algorithm not in names:
         raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
                          f"{', '.join(repr(a) for a in names)}")
-    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density={density!r} must be a number in (0, 1] (the fraction of gradient "
-                         f"elements each rank sends), e.g. density=0.01")
-    return float(density)
+    return check_density(density)
 
 
 def check_float_variables(variables) -> None:
@@ -42,16 +68,21 @@ def check_float_variables(variables) -> None:
     import tensorflow as tf
 
     for v in variables:
-        dtype = getattr(v, "dtype", None)
+        dtype = tf.as_dtype(getattr(v, "dtype", None))
         name = getattr(v, "path", None) or getattr(v, "name", "?")
-        if not tf.as_dtype(dtype).is_floating:
-            raise ValueError(f"trainable variable {name!r} has dtype={tf.as_dtype(dtype).name}; only "
+        if not dtype.is_floating:
+            raise ValueError(f"trainable variable {name!r} has dtype={dtype.name}; only "
                              f"float16/bfloat16/float32/float64 variables can be trained with tfsparse. "
                              f"Mark it trainable=False or make it a float variable.")
 
 
 class ExchangeStats:
-    """Counters of one exchange; CommunicationStats reads and resets them."""
+    """Counters of one exchange; CommunicationStats reads and resets them.
+
+    ``encode_seconds`` (caller's thread: error feedback, selection, encoding),
+    ``comm_seconds`` (communication thread: the collectives) and ``decode_seconds``
+    (communication thread: dense result and residual update) are summed over buckets.
+    """
 
     def __init__(self):
         self.reset()
@@ -62,6 +93,9 @@ class ExchangeStats:
         self.sent_elements = 0
         self.total_elements = 0
         self.seconds = 0.0
+        self.encode_seconds = 0.0
+        self.comm_seconds = 0.0
+        self.decode_seconds = 0.0
 
     @property
     def bytes_per_step(self) -> float:
@@ -72,32 +106,126 @@ class ExchangeStats:
         return self.sent_elements / self.total_elements if self.total_elements else 0.0
 
 
+class _Inline:
+    """Runs jobs at once on the calling thread (a world of one rank has nothing to overlap)."""
+
+    def submit(self, fn, *args, future=None):
+        future = future or Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+    def run(self, fn, *args):
+        return fn(*args)
+
+    def close(self):
+        pass
+
+
+class _BucketState:
+    """A bucket at run time: its plan entry, aggregator, wire, memory and buffers."""
+
+    def __init__(self, spec, aggregator, wire, density):
+        self.spec = spec
+        self.aggregator = aggregator
+        self.wire = wire
+        self.density = density  # None: the exchange's
+        stateful = aggregator.uses_memory or wire.lossy
+        self.memory = ResidualMemory() if stateful else NoMemory()
+        self.residual = np.zeros(spec.size, np.float32) if stateful else None
+        self.acc = np.empty(spec.size, np.float32)
+        self.rounds = 0          # rounds started
+        self.futures: dict = {}  # round index -> future of the communication job
+
+
+class _Outcome:
+    __slots__ = ("dense", "bytes", "sent", "comm_s", "decode_s")
+
+    def __init__(self, dense, nbytes, sent, comm_s, decode_s):
+        self.dense, self.bytes, self.sent, self.comm_s, self.decode_s = dense, nbytes, sent, comm_s, decode_s
+
+
+class Round:
+    """One step of an exchange, started by :meth:`GradientExchange.start`."""
+
+    def __init__(self, exchange, index: int, flat: bool):
+        self._exchange = exchange
+        self.index = index
+        self._flat = flat
+        self._result = None
+
+    def wait(self):
+        """The summed gradients, shaped like the input of :meth:`GradientExchange.start` (a
+        flat array, or a list of arrays in layout order).  Blocks until the round is done."""
+        if self._result is None:
+            ex = self._exchange
+            dense = {b.spec.index: ex._finish_bucket(b, self.index) for b in ex._buckets}
+            layout = ex.layout
+            if self._flat:
+                self._result = np.concatenate([dense[b.spec.index] for b in
+                                               sorted(ex._buckets, key=lambda b: b.spec.start)])
+            else:
+                out = [None] * len(layout)
+                for b in ex._buckets:
+                    offs = layout.offsets[b.spec.first:b.spec.last + 1] - b.spec.start
+                    for i, (lo, hi) in enumerate(zip(offs[:-1], offs[1:]), start=b.spec.first):
+                        out[i] = dense[b.spec.index][lo:hi].reshape(layout.specs[i].shape)
+                self._result = out
+        return self._result
+
+
 class GradientExchange:
-    """Sparsify + aggregate + error feedback for one set of gradients.
+    """Error feedback + sparse allreduce over a typed wire, bucket by bucket, for one model.
 
     Args:
-      algorithm: registered aggregator name (``tfsparse.collectives.available_aggregators()``).
-      density: fraction of elements each rank sends, in (0, 1]; ``k = ceil(density * n)``.
-        Mutable (``exchange.density = ...``) e.g. by ``DensitySchedule``.
+      algorithm: registered aggregator name (``tfsparse.aggregators.available_aggregators()``).
+      density: fraction of elements each rank sends, in (0, 1]; a bucket of ``n`` elements
+        sends ``k = ceil(density * n)``.  Mutable (``exchange.density = ...``), e.g. by
+        ``DensitySchedule``.
+      wire_dtype: how values travel: ``"float32"`` (default), ``"float16"``, ``"bfloat16"``
+        (16-bit truncation) or ``"int8"`` (per-chunk max-scaled); see :mod:`tfsparse.wire`.
+        A lossy wire keeps what it lost in the residual (dense included).
+      bucket_bytes: ``None`` (default): one fused bucket; a number θ of bytes: GradientFlow's
+        lazy allreduce, tensors packed into buckets of at least θ bytes; ``0``: one bucket per
+        tensor.  See :mod:`tfsparse.plan`.
+      plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
-      **options: passed to the aggregator.
+      **algorithm_options: passed to every bucket's aggregator (validated here).
+
+    Every argument is validated here, before any communication.
     """
 
-    def __init__(self, algorithm: str = "topk", density: float = 0.01, communicator=None, **options):
-        self.density = validate_config(algorithm, density)
+    def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
+                 bucket_bytes: int | None = None, plan=None, communicator=None, **algorithm_options):
+        self._density = validate_config(algorithm, density)
         self.algorithm = algorithm
-        self.options = dict(options)
-        self.aggregator = get_aggregator(algorithm, **options)
-        self.memory = ResidualMemory() if self.aggregator.uses_memory else NoMemory()
+        self.options = dict(algorithm_options)
+        self._prototype = get_aggregator(algorithm, **self.options)  # validates the options
+        self.wire = get_wire(wire_dtype)
+        self.plan = make_plan(plan, bucket_bytes)
         self._comm = communicator
+        self._xcomm = None
+        self._runner = None
+        self.layout: Layout | None = None
+        self._buckets: list[_BucketState] = []
+        self._round = 0  # rounds completed
+        self._pending_state: dict | None = None
+        self._gathered: dict | None = None
+        self._order = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._next_job = 0
+        self._held: dict = {}
+        self._round_t0: dict = {}
+        self.owner = None  # "optimizer" when a tfsparse.keras.DistributedOptimizer holds it
         self.stats = ExchangeStats()
         self.total = ExchangeStats()  # never reset: whole-run totals
-        self._lock = threading.Lock()
-        self._pre_step_hooks: list = []
 
     # -- configuration ----------------------------------------------------
     @property
     def comm(self):
+        """The world communicator (counts the bytes of everything but the exchange's rounds)."""
         if self._comm is None:
             from . import runtime
 
@@ -105,91 +233,322 @@ class GradientExchange:
         return self._comm
 
     @property
+    def density(self) -> float:
+        return self._density
+
+    @density.setter
+    def density(self, value) -> None:
+        self._density = check_density(value)
+
+    @property
+    def wire_dtype(self) -> str:
+        return self.wire.name
+
+    @property
     def uses_memory(self) -> bool:
-        return self.memory.stateful
+        """Whether the exchange keeps a residual (a sparse algorithm, or a lossy wire)."""
+        if self._buckets:
+            return any(b.residual is not None for b in self._buckets)
+        return self._prototype.uses_memory or self.wire.lossy
 
-    def k_for(self, n: int) -> int:
-        if not self.aggregator.uses_memory:
-            return n
-        return int(min(n, max(1, math.ceil(self.density * n))))
+    @property
+    def buckets(self):
+        """The plan's buckets (after :meth:`build`)."""
+        return [b.spec for b in self._buckets]
 
-    def add_pre_step_hook(self, fn) -> None:
-        """``fn(comm)`` runs once at the start of the next exchange (used for step-count agreement)."""
-        with self._lock:
-            self._pre_step_hooks.append(fn)
+    @property
+    def aggregators(self):
+        """Every bucket's aggregator instance, in bucket order (after :meth:`build`)."""
+        return [b.aggregator for b in self._buckets]
+
+    def config(self) -> dict:
+        """Every setting, as plain values (for configs and cross-rank comparison)."""
+        return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire.name,
+                **{k: v for k, v in self.plan.config().items()}, **self.options}
+
+    def k_for(self, n: int, density: float | None = None, aggregator=None) -> int:
+        """The ``k`` of a bucket of ``n`` elements (``n`` for dense)."""
+        if not (aggregator or self._prototype).uses_memory:
+            return int(n)
+        d = self.density if density is None else density
+        return int(min(n, max(1, math.ceil(d * n))))
+
+    # -- building ---------------------------------------------------------
+    def build(self, layout: Layout) -> None:
+        """Plans the buckets for ``layout`` (the first time; later calls check the layout).
+
+        The first call duplicates the world communicator for the communication thread: a
+        collective, reached by every rank at the same point (the first step)."""
+        if self.layout is not None:
+            if not layout.same_shapes(self.layout):
+                raise ValueError(f"this exchange was built for gradients {self.layout.describe()} but got "
+                                 f"{layout.describe()}; every model needs its own exchange (its own "
+                                 f"SparseStrategy or DistributedOptimizer)")
+            return
+        buckets = []
+        for spec in self.plan.buckets(layout):
+            algorithm = spec.algorithm or self.algorithm
+            options = {**(self.options if algorithm == self.algorithm else {}), **spec.options}
+            density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
+            buckets.append(_BucketState(spec, get_aggregator(algorithm, **options),
+                                        get_wire(spec.wire_dtype or self.wire.name), density))
+        comm = self.comm
+        self._xcomm = comm.duplicate() if comm.size > 1 else comm
+        self._runner = CommThread() if comm.size > 1 else _Inline()
+        self.layout = layout
+        self._buckets = buckets
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.set_state(state)
+
+    def close(self) -> None:
+        """Stops the communication thread (after the jobs already submitted)."""
+        if self._runner is not None:
+            self._runner.close()
 
     # -- numpy level ------------------------------------------------------
-    def exchange_numpy(self, flat: np.ndarray, residual: np.ndarray | None = None):
-        """One step on numpy data: returns ``(global_sum_dense, new_residual_or_None)``."""
-        comm = self.comm
-        with self._lock:
-            hooks, self._pre_step_hooks = self._pre_step_hooks, []
-        for hook in hooks:
-            hook(comm)
+    def exchange_numpy(self, grads):
+        """One round on numpy data: ``grads`` is one flat array or a list of arrays; returns
+        the summed gradients in the same form.  The residuals stay in the exchange."""
+        return self.start(grads).wait()
+
+    def start(self, grads) -> Round:
+        """Starts a round: every bucket is encoded here and handed to the communication
+        thread; :meth:`Round.wait` returns the result."""
+        flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
+        arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
+        self.build(Layout.of(arrays))  # the first time; afterwards it checks the shapes
+        index = None
+        for b in self._buckets:
+            index = self._start_bucket(b, arrays[b.spec.first:b.spec.last])
+        return Round(self, index, flat)
+
+    def _start_bucket(self, b: _BucketState, arrays) -> int:
+        if b.futures:
+            raise RuntimeError(f"bucket {b.spec.index} of the exchange was started again before its round "
+                               f"{min(b.futures)} finished; wait() for a round before starting the next")
         t0 = time.perf_counter()
-        flat = np.ascontiguousarray(flat, dtype=np.float32).reshape(-1)
-        acc = self.memory.compensate(flat, residual) if self.memory.stateful else flat
-        n = acc.size
-        before = comm.bytes_sent
-        result = self.aggregator.allreduce(comm, acc, self.k_for(n))
-        dense = result.to_dense(n)
-        new_residual = self.memory.update(acc, result.contributed) if self.memory.stateful else None
+        index = b.rounds
+        if b.spec.index == 0:
+            self._round_t0[index] = t0
+        off = 0
+        for a in arrays:
+            n = int(np.size(a))
+            b.memory.compensate(a, None if b.residual is None else b.residual[off:off + n], b.acc[off:off + n])
+            off += n
+        k = self.k_for(b.spec.size, b.density, b.aggregator)
+        payload = b.aggregator.encode(self._xcomm, b.acc, k, b.wire)
         dt = time.perf_counter() - t0
-        for s in (self.stats, self.total):
-            s.steps += 1
-            s.bytes_sent += comm.bytes_sent - before
-            s.sent_elements += result.sent_elements
-            s.total_elements += n
-            s.seconds += dt
-        return dense, new_residual
+        with self._stats_lock:
+            for s in (self.stats, self.total):
+                s.encode_seconds += dt
+        b.rounds += 1
+        b.futures[index] = self._submit(index * len(self._buckets) + b.spec.index, self._run_bucket, b, payload)
+        return index
+
+    def _submit(self, seq: int, fn, *args) -> Future:
+        """Hands job ``seq`` to the communication thread once jobs ``0 .. seq-1`` have been:
+        collectives run in the same order on every rank whatever order TensorFlow ran the
+        encoders in."""
+        future = Future()
+        with self._order:
+            self._held[seq] = (future, fn, args)
+            while self._next_job in self._held:
+                fut, f, a = self._held.pop(self._next_job)
+                self._runner.submit(f, *a, future=fut)
+                self._next_job += 1
+        return future
+
+    def _run_bucket(self, b: _BucketState, payload) -> _Outcome:
+        """The communication thread's job for one bucket."""
+        t0 = time.perf_counter()
+        before = self._xcomm.bytes_sent
+        result = b.aggregator.exchange(self._xcomm, payload)
+        t1 = time.perf_counter()
+        dense = result.to_dense(b.spec.size)
+        if b.residual is not None:
+            new = b.memory.update(b.acc, result)
+            b.acc, b.residual = b.residual, new
+        return _Outcome(dense, self._xcomm.bytes_sent - before, result.sent_elements, t1 - t0,
+                        time.perf_counter() - t1)
+
+    def _finish_bucket(self, b: _BucketState, index: int) -> np.ndarray:
+        future = b.futures.pop(index)
+        out = future.result()
+        last = b.spec.index == len(self._buckets) - 1
+        with self._stats_lock:
+            t0 = self._round_t0.pop(index, None) if last else None
+            for s in (self.stats, self.total):
+                s.bytes_sent += out.bytes
+                s.sent_elements += out.sent
+                s.total_elements += b.spec.size
+                s.comm_seconds += out.comm_s
+                s.decode_seconds += out.decode_s
+                if last:
+                    s.steps += 1
+                    if t0 is not None:
+                        s.seconds += time.perf_counter() - t0
+            if last:
+                self._round += 1
+        return out.dense
+
+    def run_collective(self, fn):
+        """Runs ``fn(comm)`` on the communication thread, after the rounds already started,
+        over the exchange's communicator, and returns its result (e.g. the per-step metric
+        averaging, so that it never interleaves with the gradient collectives)."""
+        if self._runner is None:
+            return fn(self.comm)
+        return self._runner.run(fn, self._xcomm)
+
+    # -- explicit state ---------------------------------------------------
+    @property
+    def residual(self) -> np.ndarray | None:
+        """This rank's residual over the whole layout (a copy; zeros where no memory is kept),
+        None when none is kept (or none exists yet)."""
+        if not self._buckets:
+            pending = (self._pending_state or {}).get("residual")
+            return None if pending is None else np.array(pending, np.float32).reshape(-1)
+        if not self.uses_memory:
+            return None
+        out = np.zeros(self.layout.n, np.float32)
+        for b in self._buckets:
+            if b.residual is not None:
+                out[b.spec.start:b.spec.stop] = b.residual
+        return out
+
+    def get_state(self) -> dict:
+        """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout),
+        ``residual`` (when kept) and ``bucket<i>.<key>`` for every bucket aggregator's state."""
+        if not self._buckets:
+            return dict(self._pending_state or {})
+        state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy()}
+        residual = self.residual
+        if residual is not None:
+            state["residual"] = residual
+        for b in self._buckets:
+            for key, value in b.aggregator.get_state().items():
+                state[f"bucket{b.spec.index}.{key}"] = np.asarray(value).copy()
+        return state
+
+    def set_state(self, state: dict) -> None:
+        """Restores :meth:`get_state`'s output (before :meth:`build`, it is applied at build)."""
+        state = {k: np.asarray(v) for k, v in state.items()}
+        if not self._buckets:
+            self._pending_state = state
+            return
+        sizes = state.get("sizes")
+        if sizes is not None and not np.array_equal(np.asarray(sizes, np.int64).reshape(-1), self.layout.sizes):
+            raise ValueError(f"the saved exchange state belongs to gradients of sizes {np.asarray(sizes).tolist()}, "
+                             f"this model's are {self.layout.sizes.tolist()}")
+        if "round" in state:
+            self._round = int(state["round"].reshape(-1)[0])
+        residual = state.get("residual")
+        for b in self._buckets:
+            if b.residual is not None:
+                b.residual[:] = 0.0 if residual is None else residual.reshape(-1)[b.spec.start:b.spec.stop]
+            prefix = f"bucket{b.spec.index}."
+            b.aggregator.set_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def gather_state(self) -> dict:
+        """Collective: every rank's :meth:`get_state`, stacked along a new first axis (rank
+        order).  Rank 0 keeps it for its next checkpoint (:meth:`checkpoint_entries`)."""
+        state = self.get_state()
+        keys = sorted(state)
+        mine = np.concatenate([np.ascontiguousarray(state[k]).reshape(-1).view(np.uint8) for k in keys]) \
+            if keys else np.empty(0, np.uint8)
+        parts = self.run_collective(lambda c: c.allgather(mine))
+        if any(p.size != mine.size for p in parts):
+            raise RuntimeError(f"ranks hold exchange states of different sizes ({[p.size for p in parts]} bytes)")
+        stacked, off = {}, 0
+        for k in keys:
+            v = np.ascontiguousarray(state[k])
+            nb = v.nbytes
+            stacked[k] = np.stack([p[off:off + nb].view(v.dtype).reshape(v.shape) for p in parts])
+            off += nb
+        if self.comm.rank == 0:
+            self._gathered = stacked
+        return stacked
+
+    def checkpoint_entries(self) -> dict:
+        """What a Keras checkpoint stores: the states gathered from every rank (when
+        :meth:`gather_state` ran for this save), else this rank's own; ``tfsparse.ranks``
+        says whose rows these are."""
+        if self._gathered is not None:
+            rows, self._gathered = self._gathered, None
+            ranks = np.arange(self.comm.size, dtype=np.int64)
+        elif not self._buckets and not self._pending_state:
+            return {}  # never used: nothing to save
+        else:
+            rows = {k: v[None] for k, v in self.get_state().items()}
+            ranks = np.array([self.comm.rank], np.int64)
+        entries = {CHECKPOINT_PREFIX + k: v for k, v in rows.items()}
+        entries[CHECKPOINT_PREFIX + "ranks"] = ranks
+        return entries
+
+    def restore_checkpoint(self, entries) -> bool:
+        """Restores :meth:`checkpoint_entries` (a mapping, e.g. a Keras weights store); returns
+        whether there was anything to restore.  Each rank takes its own row.  Saved from a
+        different number of ranks (or from one rank alone): the residuals are summed and
+        spread evenly (the total pending update is kept), the aggregator states are rank 0's."""
+        keys = [k for k in entries.keys() if k.startswith(CHECKPOINT_PREFIX)]
+        if CHECKPOINT_PREFIX + "ranks" not in keys:
+            return False
+        ranks = np.asarray(entries[CHECKPOINT_PREFIX + "ranks"]).reshape(-1).tolist()
+        rows = {k[len(CHECKPOINT_PREFIX):]: np.asarray(entries[k]) for k in keys if k != CHECKPOINT_PREFIX + "ranks"}
+        size, rank = self.comm.size, self.comm.rank
+        if ranks == list(range(size)):
+            state = {k: v[rank] for k, v in rows.items()}
+        else:
+            state = {k: v[0] for k, v in rows.items()}
+            if "residual" in rows:
+                state["residual"] = (rows["residual"].astype(np.float64).sum(axis=0) / size).astype(np.float32)
+        self.set_state(state)
+        return True
 
     # -- TensorFlow glue --------------------------------------------------
-    def __call__(self, grads, residual=None):
-        """Exchanges a list of gradient tensors in a TF graph; returns the summed tensors.
+    def __call__(self, grads, names=None):
+        """Exchanges a list of gradient tensors inside a TF graph; returns the summed tensors.
 
-        ``residual``: a float32 variable of shape ``[sum of sizes]`` (required when
-        the algorithm uses memory).
-        """
+        Per bucket, one ``tf.numpy_function`` starts the bucket (error feedback, selection,
+        encoding; then the communication thread takes over) as soon as its gradients exist,
+        and one finishes it (waits for the result).  ``names``: the gradients' names (the
+        variables' paths; default ``gradient_<i>``)."""
         import tensorflow as tf
 
-        from .strategies._tf_private import reject_xla
+        from ._tf_private import reject_xla
 
         reject_xla("the gradient exchange")
         grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
         if not grads:
             return []
-        shapes = [g.shape for g in grads]
         for g in grads:
             if not g.shape.is_fully_defined():
                 raise ValueError(f"gradient of shape {g.shape} is not fully defined; tfsparse needs static "
                                  f"variable shapes")
-        sizes = [int(s.num_elements()) for s in shapes]
-        n = sum(sizes)
-        flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in grads], axis=0)
-        if self.memory.stateful:
-            if residual is None or int(residual.shape[0]) != n:
-                got = None if residual is None else tuple(residual.shape)
-                raise ValueError(f"algorithm={self.algorithm!r} keeps a residual of {n} elements; got {got}")
-            summed, new_res = tf.numpy_function(self._np_with_memory, [flat, tf.convert_to_tensor(residual)], [tf.float32, tf.float32],
-                                                stateful=True, name="tfsparse_exchange")
-            new_res.set_shape([n])
-            residual.assign(new_res)
-        else:
-            summed = tf.numpy_function(self._np_without_memory, [flat], tf.float32, stateful=True,
-                                       name="tfsparse_exchange")
-        summed.set_shape([n])
-        parts = tf.split(summed, sizes, axis=0)
-        return [tf.cast(tf.reshape(p, s), g.dtype) for p, s, g in zip(parts, shapes, grads)]
+        names = list(names) if names is not None else [f"gradient_{i}" for i in range(len(grads))]
+        self.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
+                          for nm, g in zip(names, grads)))
+        as_f32 = [g if g.dtype == tf.float32 else tf.cast(g, tf.float32) for g in grads]
+        tokens = [tf.numpy_function(functools.partial(self._tf_start, b.spec.index),
+                                    as_f32[b.spec.first:b.spec.last], tf.int64, stateful=True,
+                                    name=f"tfsparse_start_{b.spec.index}") for b in self._buckets]
+        out = [None] * len(grads)
+        for b, token in zip(self._buckets, tokens):
+            summed = tf.numpy_function(functools.partial(self._tf_finish, b.spec.index), [token], tf.float32,
+                                       stateful=True, name=f"tfsparse_finish_{b.spec.index}")
+            summed.set_shape([b.spec.size])
+            sizes = [int(s) for s in self.layout.sizes[b.spec.first:b.spec.last]]
+            parts = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
+            for i, part in zip(range(b.spec.first, b.spec.last), parts):
+                out[i] = tf.cast(tf.reshape(part, grads[i].shape), grads[i].dtype)
+        return out
 
-    def _np_with_memory(self, flat, residual):
-        dense, res = self.exchange_numpy(flat, residual)
-        return dense, res.astype(np.float32, copy=False)
+    def _tf_start(self, bucket: int, *arrays):
+        return np.int64(self._start_bucket(self._buckets[bucket], arrays))
 
-    def _np_without_memory(self, flat):
-        return self.exchange_numpy(flat)[0]
-
-    def get_config(self) -> dict:
-        return {"algorithm": self.algorithm, "density": self.density, **self.options}
+    def _tf_finish(self, bucket: int, index):
+        return self._finish_bucket(self._buckets[bucket], int(index))
 
     def __repr__(self):
-        return f"GradientExchange(algorithm={self.algorithm!r}, density={self.density}, aggregator={self.aggregator!r})"
+        return (f"GradientExchange(algorithm={self.algorithm!r}, density={self.density}, "
+                f"wire_dtype={self.wire.name!r}, plan={self.plan!r})")

@@ -1,12 +1,13 @@
 """Memory: error feedback (GRACE's "memory" part).
 
-The residual state itself lives in TensorFlow variables owned by the optimizer or
-strategy (so checkpoints save it); these classes only define the arithmetic.
+The residual itself is state of the exchange (one float32 vector per bucket, saved in
+checkpoints); these classes only define the arithmetic.
 
-* :class:`ResidualMemory` — gtopk-ssgd-shi2019 Alg. 1 line 4 and line 8:
-  ``acc = residual + grad``; after the exchange, every entry of ``acc`` that was
-  *not* contributed to the global result stays in the residual.
-* :class:`NoMemory` — for lossless aggregation (dense).
+* :class:`ResidualMemory` -- gtopk-ssgd-shi2019 Alg. 1 line 4 and line 8:
+  ``acc = residual + grad``; after the exchange, every entry of ``acc`` that was *not*
+  contributed to the global result stays in the residual, and so does what the wire lost on
+  the values that were (``acc - decode(encode(acc))``, :class:`~tfsparse.wire.WireLoss`).
+* :class:`NoMemory` -- for lossless aggregation over a lossless wire (dense, float32).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import numpy as np
 class NoMemory:
     stateful = False
 
-    def compensate(self, grad: np.ndarray, residual) -> np.ndarray:
-        return grad
+    def compensate(self, grad: np.ndarray, residual, out: np.ndarray) -> np.ndarray:
+        """``out[:] = grad`` (the gradient travels as it is)."""
+        np.copyto(out, np.reshape(grad, -1), casting="same_kind")
+        return out
 
-    def update(self, acc: np.ndarray, contributed) -> None:
+    def update(self, acc: np.ndarray, result) -> None:
         return None
 
 
@@ -28,16 +31,18 @@ class ResidualMemory:
 
     stateful = True
 
-    def compensate(self, grad: np.ndarray, residual: np.ndarray) -> np.ndarray:
-        return grad + residual
+    def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out[:] = grad + residual`` (float32, in one pass)."""
+        np.add(np.reshape(grad, -1), residual, out=out, casting="same_kind")
+        return out
 
-    def update(self, acc: np.ndarray, contributed) -> np.ndarray:
-        """New residual: ``acc`` with the contributed entries removed.
-
-        ``contributed`` is an index array (or ``None`` meaning "everything").
-        """
-        if contributed is None:
-            return np.zeros_like(acc)
-        residual = acc.copy()
-        residual[contributed] = 0.0
-        return residual
+    def update(self, acc: np.ndarray, result) -> np.ndarray:
+        """The new residual, in place of ``acc``: the contributed entries removed
+        (``result.contributed``; ``None`` means everything), plus what the wire lost
+        (``result.loss``)."""
+        if result.contributed is None:
+            acc.fill(0.0)
+        else:
+            acc[result.contributed] = 0.0
+        result.loss.apply_to(acc)
+        return acc

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .collectives.communicator import Communicator
 
 _BACKENDS = ("auto", "mpi", "horovod")
@@ -89,3 +91,20 @@ def local_rank() -> int:
 
 def is_initialized() -> bool:
     return _state["comm"] is not None
+
+
+class StepCountMismatch(RuntimeError):
+    """Ranks were given different numbers of batches (they would hang in a collective)."""
+
+
+def check_step_counts(comm, steps: int) -> None:
+    """All ranks compare their number of batches; raises on every rank if they differ."""
+    got = comm.allgather(np.array([steps], dtype=np.int64))
+    counts = [int(g[0]) for g in got]
+    if len(set(counts)) > 1:
+        raise StepCountMismatch(
+            f"ranks were given different numbers of batches per epoch: {counts} (rank: batches). "
+            f"Every collective step needs all ranks, so this would hang. Give every rank the same number "
+            f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
+            f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
+

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from mpi_harness import save_result  # noqa: E402
+from tfsparse import aggregators as A  # noqa: E402
 from tfsparse import collectives as C  # noqa: E402
 from tfsparse.exchange import GradientExchange  # noqa: E402
 
@@ -34,7 +35,7 @@ def make_acc(rank, step, n):
 
 
 def allreduce_steps(comm, name, accs, k, options, out, key):
-    agg = C.get_aggregator(name, **options)
+    agg = A.get_aggregator(name, **options)
     for s, acc in enumerate(accs):
         comm.barrier()
         before = comm.bytes_sent
@@ -62,10 +63,10 @@ def sgd(comm, name, options, out):
         grad = ((w - target) + 0.3 * np.random.default_rng([comm.rank, s]).standard_normal(n)).astype(np.float32)
         raw += grad
         accs.append(grad + residual if ex.uses_memory else grad)
-        summed, new_res = ex.exchange_numpy(grad, residual if ex.uses_memory else None)
+        summed = ex.exchange_numpy(grad)
         applied += summed
-        if new_res is not None:
-            residual = new_res
+        if ex.uses_memory:
+            residual = ex.residual
         w -= 0.05 * summed / comm.size
     out[f"{name}__sgd_raw"] = raw
     out[f"{name}__sgd_applied"] = applied

@@ -36,8 +36,8 @@ model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False,
                      tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.CSVLogger(os.path.join(ckdir, "log.csv")))])
 comm.barrier()  # rank 0 has written the file
 restored = keras.models.load_model(path)
-live_res = model.optimizer.residual.numpy()
-rest_res = restored.optimizer.residual.numpy()
+live_res = model.optimizer.residual
+rest_res = restored.optimizer.residual
 # continue both for one epoch: identical only if the residual and momentum were restored
 model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
 restored.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)

@@ -27,19 +27,18 @@ results = {}
 for algorithm in algorithms:
     ex = GradientExchange(algorithm, density, communicator=comm)
     n = sum(int(np.prod(s)) for s in SHAPES)
-    residual = tf.Variable(tf.zeros([n]), trainable=False)
 
     @tf.function
     def step_fn(g0, g1, g2):
-        return ex([g0, g1, g2], residual)
+        return ex([g0, g1, g2])
 
     outs, residuals, nbytes = [], [], []
     for s in range(steps):
-        before = comm.bytes_sent
+        before = ex.total.bytes_sent
         res = step_fn(*[tf.constant(g) for g in grads_of(rank, s)])
-        nbytes.append(comm.bytes_sent - before)
+        nbytes.append(ex.total.bytes_sent - before)
         outs.append(np.concatenate([r.numpy().ravel() for r in res]))
-        residuals.append(residual.numpy().copy())
+        residuals.append(ex.residual if ex.uses_memory else np.zeros(n, np.float32))
     results.update({f"{algorithm}/outs": np.stack(outs), f"{algorithm}/residuals": np.stack(residuals),
                     f"{algorithm}/nbytes": nbytes, f"{algorithm}/k": ex.k_for(n)})
 save_result(rank, n=n, size=comm.size, backend=tfsparse.runtime.backend(), **results)

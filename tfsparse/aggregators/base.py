@@ -1,12 +1,26 @@
-"""Aggregator interface: a sparse allreduce algorithm over a Communicator."""
+"""Aggregator interface: a sparse allreduce algorithm over a Communicator, in two phases.
+
+``encode(comm, acc, k, wire)`` is local: it validates its arguments, selects what this rank
+sends and encodes the first messages -- it never communicates (``comm`` is only asked for
+its rank and size).  ``exchange(comm, payload)`` runs the collectives (and whatever merging
+happens between them) and returns the global result.  The exchange runs ``encode`` on the
+caller's thread and ``exchange`` on its communication thread, so the selection of bucket
+``i + 1`` overlaps the wire time of bucket ``i``.  ``allreduce`` is both in a row.
+
+State: what an aggregator carries from one call to the next (Ok-Topk's thresholds and
+boundaries, DGC's random generator) is explicit data, ``get_state()`` -> a dict of numpy
+arrays and ``set_state(state)``, so that checkpoints hold it and a resumed run continues
+bit-identically.
+"""
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..collectives.communicator import Communicator
+from ..wire import FLOAT32, Wire, WireLoss
 
 
 @dataclass
@@ -20,47 +34,93 @@ class AllreduceResult:
       contributed: this rank's indices whose values went into the result (residual
         bookkeeping); ``None`` means every element was contributed.
       sent_elements: gradient elements (values) this rank contributed, for density stats.
+      loss: what this rank's encodings lost on values that reached the result
+        (:class:`~tfsparse.wire.WireLoss`; empty for the float32 wire).
     """
 
     indices: np.ndarray | None
     values: np.ndarray
     contributed: np.ndarray | None
     sent_elements: int
+    loss: WireLoss = field(default_factory=WireLoss)
 
-    def to_dense(self, n: int) -> np.ndarray:
+    def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The result as a dense float32 vector (written into ``out`` when given)."""
         if self.indices is None:
-            return self.values.reshape(-1).astype(np.float32, copy=False)
-        out = np.zeros(n, dtype=np.float32)
+            values = self.values.reshape(-1)
+            if out is None:
+                return values.astype(np.float32, copy=False)
+            out[:] = values
+            return out
+        if out is None:
+            out = np.zeros(n, dtype=np.float32)
+        else:
+            out.fill(0.0)
         out[self.indices] = self.values
         return out
 
 
 class Aggregator:
-    """Base class.  Subclasses set ``name`` and implement :meth:`allreduce`.
+    """Base class.  Subclasses set ``name`` and implement :meth:`encode` and :meth:`exchange`.
 
-    ``uses_memory``: whether error feedback applies (False for lossless dense).
+    ``uses_memory``: whether error feedback applies (False for lossless dense; a lossy wire
+    turns it on in the exchange, which keeps what the wire lost).
     """
 
     name = "base"
     uses_memory = True
 
-    def allreduce(self, comm: Communicator, acc: np.ndarray, k: int) -> AllreduceResult:
-        raise TypeError(f"{type(self).__name__} does not define allreduce()")
+    def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32):
+        """Local phase (no communication): returns the payload :meth:`exchange` takes."""
+        raise TypeError(f"{type(self).__name__} does not define encode()")
+
+    def exchange(self, comm: Communicator, payload) -> AllreduceResult:
+        """Communication phase: the collectives, merging in between, the global result."""
+        raise TypeError(f"{type(self).__name__} does not define exchange()")
+
+    def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:
+        """``exchange(comm, encode(comm, acc, k, wire))``."""
+        return self.exchange(comm, self.encode(comm, acc, k, wire))
+
+    # -- explicit state -------------------------------------------------------------------
+    def get_state(self) -> dict:
+        """What this aggregator carries between calls, as ``{name: numpy array}`` (a copy)."""
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        """Restores :meth:`get_state`'s output (e.g. from a checkpoint)."""
+        unknown = sorted(set(state) - set(self.get_state()))
+        if unknown:
+            raise ValueError(f"state keys {unknown} do not belong to algorithm={self.name!r}")
 
     def reset(self) -> None:
-        """Forgets cached state (thresholds, boundaries); called when the gradient layout changes."""
+        """Forgets cached state (thresholds, boundaries)."""
 
     def __repr__(self):
         return f"{type(self).__name__}()"
 
 
-def check_acc(acc: np.ndarray, k: int) -> np.ndarray:
+def check_k(k, n: int) -> int:
+    """``k`` must be an integer in ``[0, n]``; raises ValueError before any communication."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k={k!r} must be an integer number of elements to keep")
+        raise ValueError(f"k={k!r} must be an integer in [0, {n}] (the number of elements to keep)")
+    if not 0 <= int(k) <= n:
+        raise ValueError(f"k={k} must be in [0, {n}] (the gradient has {n} elements)")
+    return int(k)
+
+
+def check_acc(acc: np.ndarray, k) -> tuple[np.ndarray, int]:
+    """Flat contiguous float32 ``acc`` and a valid integer ``k`` (ValueError otherwise)."""
     acc = np.ascontiguousarray(acc, dtype=np.float32).reshape(-1)
-    if not 0 <= k <= acc.size:
-        raise ValueError(f"k={k} must be in [0, {acc.size}] (the gradient has {acc.size} elements)")
-    return acc
+    return acc, check_k(k, acc.size)
+
+
+def reject_unknown_options(algorithm: str, unknown: dict, accepted) -> None:
+    """Raises ValueError naming the unknown options and the accepted ones."""
+    if unknown:
+        names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
+        acc = ", ".join(accepted) if accepted else "(none)"
+        raise ValueError(f"unknown option(s) {names} for algorithm={algorithm!r}; accepted: {acc}")
 
 
 def sum_sparse(parts_idx: list[np.ndarray], parts_val: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

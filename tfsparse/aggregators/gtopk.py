@@ -26,65 +26,36 @@ same index still reaches the final result through another subtree; that value is
 neither applied nor kept in the residual.  This is exactly what Alg. 4 defines and what the
 authors' code does; ``applied + residuals`` therefore falls short of the raw gradients by
 these dropped values (tests/test_aggregators.py measures it against a tree reference).
+
+Wire (``wire_dtype``): every tree message and the broadcast carry their values encoded; a
+receiver merges the decoded values with its own at full precision.  Each rank keeps what its
+own encodings lost, for the indices that reach the result: a leaf on its local top-k, an
+inner node on the partial sums it forwards, rank 0 on the broadcast result.
+
+``encode`` is the local top-k (Alg. 4 lines 5-7); ``exchange`` is Alg. 3 (the tree and the
+broadcast).
 """
 from __future__ import annotations
 
-import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..compressors import topk_indices
-from .base import Aggregator, AllreduceResult, check_acc
+from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
+from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
 TAG_GTOPK = 7301
 
 
-# -- helpers shared by the point-to-point aggregators ------------------------------------
-
-def reject_unknown_options(algorithm: str, unknown: dict, accepted) -> None:
-    """Raises ValueError naming the unknown options and the accepted ones."""
-    if unknown:
-        names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
-        acc = ", ".join(accepted) if accepted else "(none)"
-        raise ValueError(f"unknown option(s) {names} for algorithm={algorithm!r}; accepted: {acc}")
-
-
-def check_k(k, n: int) -> int:
-    """``k`` must be an integer in ``[0, n]``; raises ValueError before any communication."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k={k!r} must be an integer in [0, {n}] (the number of elements to keep)")
-    if not 0 <= int(k) <= n:
-        raise ValueError(f"k={k} must be in [0, {n}] (the gradient has {n} elements)")
-    return int(k)
-
-
-def index_dtype(n: int):
-    """Indices travel as int32 when they fit (the papers' 2k-element COO volume), else int64."""
-    return np.int32 if n < 2**31 else np.int64
-
-
-def pack_sparse(idx: np.ndarray, val: np.ndarray, itype) -> np.ndarray:
-    """One contiguous byte buffer ``[indices as itype | values as float32]`` (one message)."""
-    idx = np.ascontiguousarray(idx, dtype=itype)
-    val = np.ascontiguousarray(val, dtype=np.float32)
-    return np.concatenate([idx.view(np.uint8), val.view(np.uint8)])
-
-
-def entry_bytes(itype) -> int:
-    return np.dtype(itype).itemsize + 4
-
-
-def unpack_sparse(buf: np.ndarray, itype) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of :func:`pack_sparse`: returns (int64 indices, float32 values)."""
-    buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
-    isz = np.dtype(itype).itemsize
-    m = buf.size // (isz + 4)
-    if m * (isz + 4) != buf.size:
-        raise RuntimeError(f"corrupt sparse message of {buf.size} bytes")
-    idx = buf[:m * isz].copy().view(itype).astype(np.int64)
-    val = buf[m * isz:].copy().view(np.float32)
-    return idx, val
+@dataclass
+class _GTopKPayload:
+    acc: np.ndarray
+    k: int
+    local_idx: np.ndarray
+    itype: type
+    wire: Wire
 
 
 # -- the ⊤ operation ------------------------------------------------------------------------
@@ -133,15 +104,16 @@ class GTopKAllreduce(Aggregator):
         reject_unknown_options("gtopk", unknown, ())
         self.last_info: dict = {}
 
-    def allreduce(self, comm, acc, k):
-        acc = check_acc(acc, check_k(k, np.size(acc)))
-        k = int(k)
-        n = acc.size
-        itype = index_dtype(n)
+    def encode(self, comm, acc, k, wire):
+        acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
-        local_idx = topk_indices(acc, k)
+        return _GTopKPayload(acc, k, topk_indices(acc, k), index_dtype(acc.size), wire)
+
+    def exchange(self, comm, payload):
+        acc, k, local_idx, itype, wire = payload.acc, payload.k, payload.local_idx, payload.itype, payload.wire
         cur_idx, cur_val = local_idx, acc[local_idx]
         rank, size = comm.rank, comm.size
+        loss = WireLoss()
         received = 0
         rounds = tree_schedule(size)
         active = True
@@ -150,21 +122,25 @@ class GTopKAllreduce(Aggregator):
                 break
             for receiver, sender in pairs:
                 if rank == sender:
-                    comm.send(pack_sparse(cur_idx, cur_val, itype), receiver, tag=TAG_GTOPK)
+                    message, decoded = pack_sparse(cur_idx, cur_val, itype, wire)
+                    loss.add(cur_idx, cur_val, decoded)
+                    comm.send(message, receiver, tag=TAG_GTOPK)
                     active = False
                 elif rank == receiver:
                     buf = comm.recv(sender, tag=TAG_GTOPK, dtype=np.uint8)
                     received += buf.nbytes
-                    r_idx, r_val = unpack_sparse(buf, itype)
+                    r_idx, r_val = unpack_sparse(buf, itype, wire)
                     cur_idx, cur_val = top_merge(r_idx, r_val, cur_idx, cur_val, k)  # recvs ⊤ sends
-        # Alg. 3 line 19: Bcast(sends, root=0); the entry count goes first (the result may hold < k)
+        # Alg. 3 line 19: Bcast(sends, root=0); its length goes first (the result may hold < k)
         if size > 1:
-            count = comm.bcast(np.array([cur_idx.size], dtype=np.int64) if rank == 0 else None, root=0,
-                               shape=(1,), dtype=np.int64)
-            m = int(count[0])
-            payload = comm.bcast(pack_sparse(cur_idx, cur_val, itype) if rank == 0 else None, root=0,
-                                 shape=(m * entry_bytes(itype),), dtype=np.uint8)
-            g_idx, g_val = unpack_sparse(payload, itype)
+            message = None
+            if rank == 0:
+                message, decoded = pack_sparse(cur_idx, cur_val, itype, wire)
+                loss.add(cur_idx, cur_val, decoded)
+            nbytes = comm.bcast(np.array([message.size], dtype=np.int64) if rank == 0 else None, root=0,
+                                shape=(1,), dtype=np.int64)
+            message = comm.bcast(message, root=0, shape=(int(nbytes[0]),), dtype=np.uint8)
+            g_idx, g_val = unpack_sparse(message, itype, wire)
         else:
             g_idx, g_val = cur_idx, cur_val.astype(np.float32, copy=False)
         # Alg. 3 lines 21-22 (gMask) and Alg. 4 line 10: Mask ∩ gMask leaves the residual
@@ -172,4 +148,4 @@ class GTopKAllreduce(Aggregator):
         self.last_info = {"rounds": len(rounds), "received_bytes": received, "local_count": int(local_idx.size),
                           "global_count": int(g_idx.size)}
         return AllreduceResult(indices=g_idx, values=g_val, contributed=contributed,
-                               sent_elements=int(local_idx.size))
+                               sent_elements=int(local_idx.size), loss=loss.restrict(g_idx))

@@ -15,8 +15,8 @@ One call (= one training iteration ``t``, counted from 1) runs Alg. 1:
   regions; the consensus is the average of these boundary vectors (one allreduce of P-1
   numbers, floored to integers).  Region ``i`` ``[b_i, b_{i+1})`` is reduced by rank ``i``.
 * line 8 -- **split and reduce** (§3.1.1, Fig. 2): each rank sends the local top-k entries of
-  region ``j`` to rank ``j``.  Message sizes are exchanged first (an alltoall of P counts) so
-  that receives can be posted non-blocking.  *Destination rotation*: at step ``s = 1..P-1``
+  region ``j`` to rank ``j``.  Message lengths are exchanged first (an alltoall of P numbers)
+  so that receives can be posted non-blocking.  *Destination rotation*: at step ``s = 1..P-1``
   rank ``r`` sends to ``(r+s) % P`` and receives from ``(r-s) % P``, so no rank is a hot spot.
   *Bucketing*: the steps are grouped into buckets of ``bucket_size`` peers whose messages are
   all in flight at once (``isend``/``irecv``); the local reduction of one bucket's data runs
@@ -46,22 +46,46 @@ Volume per rank: ``≈ 2k(P-1)/P`` (split and reduce, with balanced regions) + a
 ``2k(P-1)/P`` (data balancing, only when triggered) + ``≈ 2k(P-1)/P`` (ring allgatherv of
 the global top-k) ``≤ 6k(P-1)/P`` elements (Eq. 3) on steps that reuse the thresholds.  Steps
 that re-evaluate the global threshold add the all-gather of the reduced values (line 10).
+
+Wire (``wire_dtype``): every message carries its values encoded -- split-and-reduce parts,
+the reduced values all-gathered for the threshold, balancing parts and the final allgatherv.
+An owner adds the decoded parts to its own region's entries (full precision); whoever encodes
+a value that reaches the result keeps what the encoding lost (a sender for its local entries,
+a region's holder for the reduced sums it all-gathers).
+
+Phases: ``encode`` is lines 2-4 (local threshold and selection) and advances the iteration
+counter; ``exchange`` is lines 5-14.  State (``get_state``/``set_state``): the counter, the
+cached thresholds, the boundaries, and the ``(n, P)`` and ``k`` they belong to, so a run
+resumed between two re-evaluations reuses exactly the thresholds it would have reused.
 """
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..compressors import threshold_select
-from .base import Aggregator, AllreduceResult, check_acc
-from .gtopk import check_k, entry_bytes, index_dtype, pack_sparse, reject_unknown_options, unpack_sparse
+from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
+from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
 TAG_REDUCE = 7401
 TAG_BALANCE = 7402
 
 _OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor")
+
+
+@dataclass
+class _OkTopkPayload:
+    acc: np.ndarray
+    k: int
+    t: int
+    fresh: bool
+    repartition: bool
+    local_idx: np.ndarray
+    itype: type
+    wire: Wire
 
 
 def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
@@ -147,12 +171,39 @@ class OkTopkAllreduce(Aggregator):
         self.boundaries = None
         self.last_info: dict = {}
 
+    # -- explicit state ---------------------------------------------------------------------
+    def get_state(self):
+        """``t`` (the iteration counter), the layout and ``k`` the cache belongs to, the two
+        thresholds (NaN: none yet) and the region boundaries (empty: none yet)."""
+        none = float("nan")
+        return {"t": np.array([self._t], np.int64),
+                "layout": np.array(self._layout if self._layout is not None else (-1, -1), np.int64),
+                "k": np.array([-1 if self._k is None else self._k], np.int64),
+                "thresholds": np.array([none if self.local_threshold is None else self.local_threshold,
+                                        none if self.global_threshold is None else self.global_threshold],
+                                       np.float64),
+                "boundaries": (np.empty(0, np.int64) if self.boundaries is None
+                               else np.asarray(self.boundaries, np.int64).copy())}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.reset()
+        self._t = int(np.asarray(state["t"]).reshape(-1)[0])
+        layout = tuple(int(v) for v in np.asarray(state["layout"]).reshape(-1))
+        self._layout = None if layout[0] < 0 else layout
+        k = int(np.asarray(state["k"]).reshape(-1)[0])
+        self._k = None if k < 0 else k
+        local, glob = (float(v) for v in np.asarray(state["thresholds"], np.float64).reshape(-1))
+        self.local_threshold = None if np.isnan(local) else local
+        self.global_threshold = None if np.isnan(glob) else glob
+        bounds = np.asarray(state["boundaries"], np.int64).reshape(-1)
+        self.boundaries = bounds.copy() if bounds.size else None
+
     # -- Alg. 1 ---------------------------------------------------------------------------
-    def allreduce(self, comm, acc, k):
-        acc = check_acc(acc, check_k(k, np.size(acc)))
-        k = int(k)
-        n, rank, size = acc.size, comm.rank, comm.size
-        itype = index_dtype(n)
+    def encode(self, comm, acc, k, wire):
+        """Lines 2-4 (local threshold, local top-k by threshold) and the step's schedule."""
+        acc, k = check_acc(acc, k)
+        n, size = acc.size, comm.size
         if self._layout != (n, size):
             self.boundaries = None
             self.local_threshold = self.global_threshold = None
@@ -164,14 +215,19 @@ class OkTopkAllreduce(Aggregator):
         t = self._t
         fresh = (t - 1) % self.tau_prime == 0 or self.local_threshold is None or self.global_threshold is None
         repartition = (t - 1) % self.tau == 0 or self.boundaries is None
-
-        # lines 2-4: local threshold; local top-k by threshold
         if fresh:
             self.local_threshold = kth_largest_magnitude(acc, k)
         local_idx = threshold_select(acc, self.local_threshold, strict=False) if k > 0 else np.empty(0, np.int64)
+        return _OkTopkPayload(acc, k, t, fresh, repartition, local_idx, index_dtype(n), wire)
+
+    def exchange(self, comm, payload):
+        """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
+        acc, k, local_idx, itype, wire = payload.acc, payload.k, payload.local_idx, payload.itype, payload.wire
+        n, size = acc.size, comm.size
+        loss = WireLoss()
 
         # lines 5-7: space repartition (consensus = average of the local boundary vectors)
-        if repartition:
+        if payload.repartition:
             mine = local_boundaries(local_idx, n, size).astype(np.float64)
             avg = comm.allreduce(mine, op="sum") / size if size > 1 else mine
             inner = np.clip(np.floor(avg).astype(np.int64), 0, n)
@@ -179,12 +235,12 @@ class OkTopkAllreduce(Aggregator):
         bounds = self.boundaries
 
         # line 8: split and reduce
-        red_idx, red_val = self._split_and_reduce(comm, acc, local_idx, bounds, itype)
+        red_idx, red_val = self._split_and_reduce(comm, acc, local_idx, bounds, itype, wire, loss)
 
         # lines 9-12: global threshold (all-gather of the reduced values on re-evaluation steps)
-        if fresh:
-            all_vals = comm.allgather(red_val)
-            self.global_threshold = kth_largest_magnitude(np.concatenate(all_vals), k)
+        if payload.fresh:
+            gathered = [wire.decode(b, wire.entries(b.size)) for b in comm.allgather(wire.encode(red_val))]
+            self.global_threshold = kth_largest_magnitude(np.concatenate(gathered), k)
         if k == 0:
             keep = np.zeros(red_val.size, dtype=bool)
         elif self.global_threshold <= 0.0:
@@ -194,27 +250,37 @@ class OkTopkAllreduce(Aggregator):
         g_idx, g_val = red_idx[keep], red_val[keep]
 
         # line 13: balance and allgatherv
-        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, itype)
+        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, itype, wire, loss)
 
         # line 14: indexes = local ∩ global
         contributed = np.intersect1d(local_idx, u_idx, assume_unique=True)
-        self.last_info = {"step": t, "fresh_thresholds": bool(fresh), "repartitioned": bool(repartition),
-                          "balanced": bool(balanced), "local_count": int(local_idx.size),
-                          "global_count": int(u_idx.size), "local_threshold": float(self.local_threshold),
+        self.last_info = {"step": payload.t, "fresh_thresholds": bool(payload.fresh),
+                          "repartitioned": bool(payload.repartition), "balanced": bool(balanced),
+                          "local_count": int(local_idx.size), "global_count": int(u_idx.size),
+                          "local_threshold": float(self.local_threshold),
                           "global_threshold": float(self.global_threshold), "boundaries": bounds.copy()}
         return AllreduceResult(indices=u_idx, values=u_val, contributed=contributed,
-                               sent_elements=int(local_idx.size))
+                               sent_elements=int(local_idx.size), loss=loss.restrict(u_idx))
 
     # -- §3.1.1 ---------------------------------------------------------------------------
-    def _split_and_reduce(self, comm, acc, local_idx, bounds, itype):
-        """Returns this rank's region's reduced local top-k entries (ascending indices)."""
+    def _split_and_reduce(self, comm, acc, local_idx, bounds, itype, wire, loss):
+        """Returns this rank's region's reduced local top-k entries (ascending indices).  The
+        own region's entries go in at full precision, the others' decoded from the wire."""
         rank, size = comm.rank, comm.size
         cuts = np.searchsorted(local_idx, bounds)  # local_idx[cuts[j]:cuts[j+1]] lies in region j
         send_counts = np.diff(cuts).astype(np.int64)
-        if size > 1:
-            recv_counts = np.concatenate(comm.alltoall([send_counts[j:j + 1] for j in range(size)]))
+        messages = [None] * size
+        for dst in range(size):
+            c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
+            if dst != rank and c1 > c0:
+                part = local_idx[c0:c1]
+                messages[dst], decoded = pack_sparse(part, acc[part], itype, wire)
+                loss.add(part, acc[part], decoded)
+        send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
+        if size > 1:  # message lengths first, so that every receive can be posted at once
+            recv_bytes = np.concatenate(comm.alltoall([send_bytes[j:j + 1] for j in range(size)]))
         else:
-            recv_counts = send_counts.copy()
+            recv_bytes = send_bytes.copy()
         lo, hi = int(bounds[rank]), int(bounds[rank + 1])
         region = np.zeros(hi - lo, dtype=np.float32)
         touched = np.zeros(hi - lo, dtype=bool)
@@ -224,7 +290,6 @@ class OkTopkAllreduce(Aggregator):
             region[rel] += val
             touched[rel] = True
 
-        ebytes = entry_bytes(itype)
         steps = list(range(1, size))
         buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
         sends = []
@@ -235,34 +300,32 @@ class OkTopkAllreduce(Aggregator):
             posted = []
             for s in bucket:  # destination rotation (Fig. 2(b))
                 dst, src = (rank + s) % size, (rank - s) % size
-                if recv_counts[src] > 0:
-                    posted.append((src, comm.irecv(src, int(recv_counts[src]) * ebytes, tag=TAG_REDUCE,
-                                                   dtype=np.uint8)))
-                c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
-                if c1 > c0:
-                    part = local_idx[c0:c1]
-                    sends.append(comm.isend(pack_sparse(part, acc[part], itype), dst, tag=TAG_REDUCE))
+                if recv_bytes[src] > 0:
+                    posted.append((src, comm.irecv(src, int(recv_bytes[src]), tag=TAG_REDUCE, dtype=np.uint8)))
+                if messages[dst] is not None:
+                    sends.append(comm.isend(messages[dst], dst, tag=TAG_REDUCE))
             # overlap: reduce what is already here while this bucket is in flight
             if not own_reduced:
                 reduce_part(own, acc[own])
                 own_reduced = True
             if pending is not None:
                 for _src, req in pending:
-                    reduce_part(*unpack_sparse(req.wait(), itype))
+                    reduce_part(*unpack_sparse(req.wait(), itype, wire))
             pending = posted
         if not own_reduced:
             reduce_part(own, acc[own])
         if pending is not None:
             for _src, req in pending:
-                reduce_part(*unpack_sparse(req.wait(), itype))
+                reduce_part(*unpack_sparse(req.wait(), itype, wire))
         for req in sends:
             req.wait()
         rel = np.flatnonzero(touched)
         return rel.astype(np.int64) + lo, region[rel]
 
     # -- §3.1.2 ---------------------------------------------------------------------------
-    def _balance_and_allgatherv(self, comm, g_idx, g_val, itype):
-        """All ranks get the concatenation (rank order) of every rank's global top-k buffer."""
+    def _balance_and_allgatherv(self, comm, g_idx, g_val, itype, wire, loss):
+        """All ranks get the concatenation (rank order) of every rank's global top-k buffer.
+        Whoever encodes values (a balancing sender, a buffer's holder) keeps what that lost."""
         size, rank = comm.size, comm.rank
         if size == 1:
             return g_idx.astype(np.int64, copy=False), g_val.astype(np.float32, copy=False), False
@@ -271,17 +334,14 @@ class OkTopkAllreduce(Aggregator):
         balanced = total > 0 and counts.max() > self.balance_factor * (total / size)
         if balanced:
             starts, targets, moves = balance_plan(counts)
-            ebytes = entry_bytes(itype)
-            recvs = {}
-            for p in range(size):
-                if p != rank and moves[p, rank] > 0:
-                    recvs[p] = comm.irecv(p, int(moves[p, rank]) * ebytes, tag=TAG_BALANCE, dtype=np.uint8)
             sends = []
             for q in range(size):
                 if q != rank and moves[rank, q] > 0:
                     off = max(starts[rank], targets[q]) - starts[rank]
                     sl = slice(int(off), int(off + moves[rank, q]))
-                    sends.append(comm.isend(pack_sparse(g_idx[sl], g_val[sl], itype), q, tag=TAG_BALANCE))
+                    message, decoded = pack_sparse(g_idx[sl], g_val[sl], itype, wire)
+                    loss.add(g_idx[sl], g_val[sl], decoded)
+                    sends.append(comm.isend(message, q, tag=TAG_BALANCE))
             parts_idx, parts_val = [], []
             for p in range(size):  # the chunk in global order: pieces from lower ranks first
                 if moves[p, rank] == 0:
@@ -292,7 +352,7 @@ class OkTopkAllreduce(Aggregator):
                     parts_idx.append(g_idx[sl])
                     parts_val.append(g_val[sl])
                 else:
-                    i, v = unpack_sparse(recvs[p].wait(), itype)
+                    i, v = unpack_sparse(comm.recv(p, tag=TAG_BALANCE, dtype=np.uint8), itype, wire)
                     parts_idx.append(i)
                     parts_val.append(v)
             for req in sends:
@@ -301,8 +361,9 @@ class OkTopkAllreduce(Aggregator):
             mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
         else:
             mine_idx, mine_val = g_idx, g_val
-        gathered = comm.allgather(pack_sparse(mine_idx, mine_val, itype))
-        pieces = [unpack_sparse(b, itype) for b in gathered]
+        message, decoded = pack_sparse(mine_idx, mine_val, itype, wire)
+        loss.add(mine_idx, mine_val, decoded)
+        pieces = [unpack_sparse(b, itype, wire) for b in comm.allgather(message)]
         u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
         u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)
         return u_idx, u_val, bool(balanced)

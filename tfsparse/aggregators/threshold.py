@@ -13,22 +13,14 @@ Table 1): the payload is chosen by an *estimated* threshold instead of an exact 
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..compressors import DGCSampledThreshold, GaussianKThreshold
-from .gtopk import check_k, reject_unknown_options
+from .base import reject_unknown_options
 from .registry import register
 from .topk import AllgatherAggregator
 
 
-class _ThresholdAllgather(AllgatherAggregator):
-    def allreduce(self, comm, acc, k):
-        check_k(k, np.size(acc))
-        return super().allreduce(comm, acc, k)
-
-
 @register("dgc")
-class DGCAllgather(_ThresholdAllgather):
+class DGCAllgather(AllgatherAggregator):
     """DGC sampled-threshold selection + allgather (dragonn-wang2022 §2.3, App. B).
 
     Args:
@@ -36,6 +28,9 @@ class DGCAllgather(_ThresholdAllgather):
         (default 0.01, DGC's 1%).
       min_samples: lower bound on the sample size (default 1024; capped at n).
       seed: seed of the sampler (None: fresh entropy per instance).
+
+    State (``get_state``): the sampler's random generator, so a resumed run draws the same
+    samples as an uninterrupted one.
     """
 
     def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, **unknown):
@@ -45,7 +40,7 @@ class DGCAllgather(_ThresholdAllgather):
 
 
 @register("gaussiank")
-class GaussianKAllgather(_ThresholdAllgather):
+class GaussianKAllgather(AllgatherAggregator):
     """Gaussian-k threshold selection + allgather (oktopk-li2022 §2 and §5.4).
 
     Args:

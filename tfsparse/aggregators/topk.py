@@ -1,36 +1,59 @@
 """TopKAllReduce baseline (gtopk-ssgd-shi2019 §II-E, Alg. 1 lines 12-21).
 
 Every rank selects a sparse payload with its :class:`~tfsparse.compressors.Compressor`
-(exact local top-k by default), the (index, value) pairs are all-gathered and summed.
-Volume per rank ``2k(P-1)`` elements (Eq. 6).
+(exact local top-k by default), the (index, value) messages are all-gathered (one allgatherv
+of ``[indices | values]`` buffers) and summed in rank order.  Volume per rank ``2k(P-1)``
+elements (Eq. 6), values as ``wire_dtype``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..compressors import Compressor, TopK
+from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, sum_sparse
 from .registry import register
 
 
+@dataclass
+class _SparsePayload:
+    message: np.ndarray
+    indices: np.ndarray
+    itype: type
+    wire: Wire
+    loss: WireLoss
+
+
 @register("topk")
 class AllgatherAggregator(Aggregator):
-    """Compress locally, allgather (index, value) pairs, sum in rank order."""
+    """Compress locally, allgather (index, value) messages, sum in rank order."""
 
     def __init__(self, compressor: Compressor | None = None):
         self.compressor = compressor if compressor is not None else TopK()
 
-    def allreduce(self, comm, acc, k):
-        acc = check_acc(acc, k)
+    def encode(self, comm, acc, k, wire):
+        acc, k = check_acc(acc, k)
         idx, val = self.compressor.compress(acc, k)
         idx = np.asarray(idx, dtype=np.int64)
-        val = np.asarray(val, dtype=np.float32)
-        # indices travel as int32 when they fit (as in the papers' 2k volume), else int64
-        itype = np.int32 if acc.size < 2**31 else np.int64
-        all_idx = comm.allgather(idx.astype(itype))
-        all_val = comm.allgather(val)
-        g_idx, g_val = sum_sparse(all_idx, all_val)
-        return AllreduceResult(indices=g_idx, values=g_val, contributed=idx, sent_elements=int(idx.size))
+        itype = index_dtype(acc.size)
+        message, decoded = pack_sparse(idx, val, itype, wire)
+        loss = WireLoss()
+        loss.add(idx, val, decoded)
+        return _SparsePayload(message, idx, itype, wire, loss)
+
+    def exchange(self, comm, payload):
+        pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in comm.allgather(payload.message)]
+        g_idx, g_val = sum_sparse([p[0] for p in pieces], [p[1] for p in pieces])
+        return AllreduceResult(indices=g_idx, values=g_val, contributed=payload.indices,
+                               sent_elements=int(payload.indices.size), loss=payload.loss)
+
+    def get_state(self):
+        return self.compressor.get_state()
+
+    def set_state(self, state):
+        self.compressor.set_state(state)
 
     def __repr__(self):
         return f"{type(self).__name__}(compressor={self.compressor!r})"

@@ -153,6 +153,12 @@ class Communicator(ABC):
         if self.size > 1:
             self._barrier()
 
+    def duplicate(self) -> "Communicator":
+        """A communicator over the same ranks whose traffic never mixes with this one's
+        (``MPI_Comm_dup``), with its own byte counters.  Collective: every rank calls it, in
+        the same order.  The exchange's communication thread talks over one."""
+        return self._duplicate()
+
     # -- point to point ---------------------------------------------------
     def _check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
@@ -206,6 +212,10 @@ class Communicator(ABC):
 
     @abstractmethod
     def _barrier(self):
+        """Transport primitive, implemented by each backend."""
+
+    @abstractmethod
+    def _duplicate(self):
         """Transport primitive, implemented by each backend."""
 
     @abstractmethod

@@ -30,7 +30,7 @@ def horovod_available() -> bool:
 class HorovodCommunicator(Communicator):
     name = "horovod"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, prefix: str = "tfsparse"):
         import horovod.tensorflow as hvd
         import tensorflow as tf
         from mpi4py import MPI
@@ -41,13 +41,21 @@ class HorovodCommunicator(Communicator):
         self._hvd, self._tf = hvd, tf
         self._p2p = MPICommunicator(world)
         super().__init__(hvd.rank(), hvd.size())
+        self._prefix = prefix
         self._seq = 0
+        self._dups = 0
         self._ops = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
 
     def _name(self, what):
         # Horovod matches eager collectives across ranks by name: name them by call order.
         self._seq += 1
-        return f"tfsparse.{what}.{self._seq}"
+        return f"{self._prefix}.{what}.{self._seq}"
+
+    def _duplicate(self):
+        # Horovod's collectives are told apart by name (their own prefix); point-to-point
+        # messages go over a duplicate of the MPI world.
+        self._dups += 1
+        return HorovodCommunicator(self._p2p.comm.Dup(), prefix=f"{self._prefix}.d{self._dups}")
 
     def _allreduce(self, x, op):
         hvd, tf = self._hvd, self._tf

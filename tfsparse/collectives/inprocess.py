@@ -28,22 +28,29 @@ class InProcessWorld:
             raise ValueError(f"size={size} must be >= 1")
         self.size = size
         self.timeout = timeout
-        self._barrier = threading.Barrier(size, timeout=timeout)
-        self._board: list = [None] * size
+        self._channels: dict = {}
         self._queues: dict = {}
         self._lock = threading.Lock()
         self.comms = [InProcessCommunicator(self, r) for r in range(size)]
 
-    def _queue(self, src, dst, tag):
+    def _queue(self, channel, src, dst, tag):
         with self._lock:
-            return self._queues.setdefault((src, dst, tag), queue.Queue())
+            return self._queues.setdefault((channel, src, dst, tag), queue.Queue())
 
-    def exchange(self, rank, item):
-        """Every rank posts ``item``; every rank gets the list of all items."""
-        self._board[rank] = item
-        self._barrier.wait()
-        items = list(self._board)
-        self._barrier.wait()
+    def _channel(self, channel):
+        with self._lock:
+            if channel not in self._channels:
+                self._channels[channel] = (threading.Barrier(self.size, timeout=self.timeout), [None] * self.size)
+            return self._channels[channel]
+
+    def exchange(self, rank, item, channel=()):
+        """Every rank posts ``item``; every rank gets the list of all items (per channel: a
+        duplicated communicator has its own)."""
+        barrier, board = self._channel(channel)
+        board[rank] = item
+        barrier.wait()
+        items = list(board)
+        barrier.wait()
         return items
 
     def run(self, fn, *args):
@@ -55,40 +62,52 @@ class InProcessWorld:
 class InProcessCommunicator(Communicator):
     name = "inprocess"
 
-    def __init__(self, world: InProcessWorld, rank: int):
+    def __init__(self, world: InProcessWorld, rank: int, channel: tuple = ()):
         super().__init__(rank, world.size)
         self.world = world
+        self.channel = channel
+        self._dups = 0
+
+    def _duplicate(self):
+        self._dups += 1
+        return InProcessCommunicator(self.world, self.rank, self.channel + (self._dups,))
+
+    def _exchange(self, item):
+        # post a private copy: the caller may reuse its buffer while others still read the board
+        item = [np.array(b, copy=True) for b in item] if isinstance(item, list) else \
+            (None if item is None else np.array(item, copy=True))
+        return self.world.exchange(self.rank, item, self.channel)
 
     def _allreduce(self, x, op):
-        items = self.world.exchange(self.rank, x)
+        items = self._exchange(x)
         out = items[0].copy()
         for other in items[1:]:
             out = _REDUCE[op](out, other)
         return out
 
     def _allgather(self, x):
-        return [a.copy() for a in self.world.exchange(self.rank, x)]
+        return [a.copy() for a in self._exchange(x)]
 
     def _bcast(self, x, root, shape, dtype):
-        items = self.world.exchange(self.rank, x)
+        items = self._exchange(x)
         return np.array(items[root], dtype=dtype, copy=True).reshape(shape)
 
     def _alltoall(self, blocks):
-        items = self.world.exchange(self.rank, blocks)
+        items = self._exchange(blocks)
         return [items[src][self.rank].copy() for src in range(self.size)]
 
     def _barrier(self):
-        self.world.exchange(self.rank, None)
+        self._exchange(None)
 
     def _send(self, x, dest, tag):
-        self.world._queue(self.rank, dest, tag).put(x.copy())
+        self.world._queue(self.channel, self.rank, dest, tag).put(x.copy())
 
     def _isend(self, x, dest, tag):
         self._send(x, dest, tag)
         return Request(lambda: None)
 
     def _recv(self, source, tag, dtype):
-        got = self.world._queue(source, self.rank, tag).get(timeout=self.world.timeout)
+        got = self.world._queue(self.channel, source, self.rank, tag).get(timeout=self.world.timeout)
         return np.asarray(got, dtype=dtype).reshape(-1)
 
     def _irecv(self, source, count, tag, dtype):

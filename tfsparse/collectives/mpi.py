@@ -69,6 +69,9 @@ class MPICommunicator(Communicator):
     def _barrier(self):
         self.comm.Barrier()
 
+    def _duplicate(self):
+        return MPICommunicator(self.comm.Dup())
+
     def _send(self, x, dest, tag):
         self.comm.Send(x, dest=dest, tag=tag)
 

@@ -5,7 +5,7 @@
 * :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
-* :class:`ModelCheckpoint` — rank 0 writes; the file holds every rank's residual.
+* :class:`ModelCheckpoint` — rank 0 writes; the file holds every rank's exchange state.
 * :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
 """
 from __future__ import annotations
@@ -17,10 +17,13 @@ from .. import runtime
 
 
 def find_exchange(model):
-    """The GradientExchange that trains ``model`` (its optimizer's, else its strategy's), or None."""
+    """The GradientExchange that trains ``model`` -- its optimizer's (looking through wrappers
+    that expose ``inner_optimizer``, such as LossScaleOptimizer), else its strategy's -- or None."""
     opt = getattr(model, "optimizer", None)
-    if opt is not None and hasattr(opt, "exchange"):
-        return opt.exchange
+    while opt is not None:
+        if hasattr(opt, "exchange"):
+            return opt.exchange
+        opt = getattr(opt, "inner_optimizer", None)
     strategy = getattr(model, "distribute_strategy", None)
     return getattr(strategy, "exchange", None)
 
@@ -123,10 +126,8 @@ class StepCountCheck(keras.callbacks.Callback):
     every rank if they differ (instead of hanging in a collective)."""
 
     def on_train_begin(self, logs=None):
-        from ..strategies.sparse_strategy import check_step_counts
-
         steps = self.params.get("steps")
-        check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
+        runtime.check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
 
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
@@ -170,12 +171,16 @@ for _hook in _HOOKS:
 
 class ModelCheckpoint(_RankZeroOnly):
     """``keras.callbacks.ModelCheckpoint`` for multi-process training: rank 0 writes, and the
-    file holds **every rank's** residual (error feedback is per rank).
+    file holds **every rank's** exchange state -- residual (error feedback is per rank) and
+    the aggregators' state (Ok-Topk's thresholds and boundaries, DGC's random generator, the
+    round counter) -- so training resumes exactly where it stopped.
 
-    Must be passed on every rank (it gathers the residuals collectively before each save
+    Must be passed on every rank (it gathers the states collectively before each save
     point); takes the same arguments as ``keras.callbacks.ModelCheckpoint``.  On load,
-    each rank restores its own residual (with a different world size, each rank gets the
-    mean of the saved residuals, preserving the total pending update).
+    each rank restores its own state (with a different world size, each rank gets the
+    mean of the saved residuals, preserving the total pending update, and rank 0's
+    aggregator state).  Both routes: the state is saved with a ``DistributedOptimizer``, or
+    with the ``SparseStrategy`` the model was built in (load the file inside its scope).
     """
 
     def __init__(self, filepath, save_freq="epoch", **kwargs):
@@ -184,9 +189,9 @@ class ModelCheckpoint(_RankZeroOnly):
         self._batches = 0
 
     def _gather(self):
-        opt = getattr(self.model, "optimizer", None)
-        if hasattr(opt, "gather_residuals"):
-            opt.gather_residuals()
+        exchange = find_exchange(self.model)
+        if exchange is not None:
+            exchange.gather_state()
 
     def on_train_batch_end(self, batch, logs=None):
         if isinstance(self.save_freq, int):

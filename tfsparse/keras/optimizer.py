@@ -6,11 +6,14 @@ that exchanges gradients across ranks before the wrapped optimizer applies them.
 >>> model.compile(optimizer=opt, loss=...)
 >>> model.fit(x, y, callbacks=[tfsparse.keras.callbacks.BroadcastInitialState()])
 
-The residual (error feedback) is an optimizer variable, so ``model.save`` /
-``ModelCheckpoint`` store it and loading restores it.  Without a strategy the
-summed gradient is divided by the world size (Horovod-style averaging); inside a
-:class:`~tfsparse.SparseStrategy` scope Keras already scales the loss by 1/P, and
-the strategy's own all-reduce is bypassed.
+One exchange per model: the wrapper owns a :class:`~tfsparse.exchange.GradientExchange`
+(error feedback, buckets, wire, communication thread) and saves its state -- every rank's
+residual and the aggregators' state -- with the optimizer, so ``model.save`` /
+``ModelCheckpoint`` store it and loading restores it.  Without a strategy the summed gradient
+is divided by the world size (Horovod-style averaging).  Inside a
+:class:`~tfsparse.SparseStrategy` scope the wrapper and the strategy share one exchange: the
+strategy's, or -- when the wrapper is given settings of its own -- the wrapper's, which the
+strategy then runs; Keras scales the loss by 1/P there.
 """
 from __future__ import annotations
 
@@ -19,12 +22,17 @@ import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
-from ..exchange import GradientExchange, check_float_variables, validate_config
+from ..exchange import GradientExchange, check_float_variables
 
-_ALL_RESIDUALS = "tfsparse_residuals_all_ranks"
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
+_DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None}
+
+
+def _strategy_exchange():
+    """The exchange of the tf.distribute strategy in scope, when it has one (SparseStrategy)."""
+    return getattr(tf.distribute.get_strategy(), "exchange", None)
 
 
 @keras.saving.register_keras_serializable(package="tfsparse")
@@ -33,31 +41,40 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     Args:
       inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the update.
-      algorithm: aggregator name (``"dense"``, ``"topk"``, ...).
-      density: fraction of gradient elements each rank sends, in (0, 1].
+      algorithm: aggregator name (``"dense"``, ``"topk"``, ...); default ``"topk"``, or the
+        strategy's inside a SparseStrategy scope.
+      density: fraction of gradient elements each rank sends, in (0, 1]; default 0.01 (or
+        the strategy's).
+      wire_dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`).
+      bucket_bytes: ``None`` (one fused bucket), θ bytes, or 0 (:mod:`tfsparse.plan`).
+      plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
       communicator: transport (default: ``tfsparse.init()``'s world).
-      algorithm_options: dict of options for the aggregator.
+      **algorithm_options: options of the algorithm (``tau=...`` for ``oktopk``, ...).
+
+    Every argument is validated here, before any communication.
     """
 
-    def __init__(self, inner_optimizer, algorithm: str = "topk", density: float = 0.01, *,
-                 communicator=None, algorithm_options: dict | None = None, name: str | None = None,
-                 **kwargs):
+    def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
+                 wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, communicator=None,
+                 name: str | None = None, algorithm_options: dict | None = None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"inner_optimizer must be a keras.optimizers.Optimizer instance, got "
                              f"{type(inner_optimizer).__name__}; e.g. DistributedOptimizer(keras.optimizers.SGD(0.1))")
-        validate_config(algorithm, density)
         for arg, default in _BASE_DEFAULTS.items():
             if arg in kwargs and kwargs.pop(arg) != default:
                 raise ValueError(f"DistributedOptimizer does not take `{arg}`; set it on the inner optimizer")
-        if kwargs:
-            raise ValueError(f"DistributedOptimizer got unexpected arguments: {sorted(kwargs)}")
+        options = {**(algorithm_options or {}), **kwargs}
+        given = {k: v for k, v in (("algorithm", algorithm), ("density", density), ("wire_dtype", wire_dtype),
+                                   ("bucket_bytes", bucket_bytes), ("plan", plan)) if v is not None}
+        shared = _strategy_exchange()
+        if shared is not None and not given and not options and communicator is None:
+            exchange = shared  # inside a SparseStrategy, no settings of its own: the strategy's exchange
+        else:
+            exchange = GradientExchange(**{**_DEFAULTS, **given}, communicator=communicator, **options)
+        exchange.owner = "optimizer"  # saved with the optimizer, not with the strategy
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(inner_optimizer).__name__}")
         self.inner_optimizer = inner_optimizer
-        self.algorithm_options = dict(algorithm_options or {})
-        self.exchange = GradientExchange(algorithm, density, communicator=communicator,
-                                         **self.algorithm_options)
-        self.residual = None
-        self._gathered_residuals = None
+        self.exchange = exchange
 
     @property
     def algorithm(self) -> str:
@@ -67,12 +84,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def density(self) -> float:
         return self.exchange.density
 
+    @property
+    def residual(self):
+        """This rank's residual (numpy, over all gradients), or None before the first step."""
+        return self.exchange.residual
+
     def build(self, var_list):
         check_float_variables(var_list)
-        n = sum(int(np.prod(v.shape, dtype=np.int64)) for v in var_list)
-        if self.exchange.uses_memory:
-            self.residual = self.add_variable(shape=(n,), initializer="zeros", dtype="float32",
-                                              aggregation="none", name="residual")
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
@@ -91,19 +109,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             missing = [getattr(v, "path", v.name) for g, v in zip(grads, variables) if g is None]
             raise ValueError(f"gradients are missing for {missing}: every rank must send the same "
                              f"gradients each step; mark unused variables trainable=False")
-        from ..strategies.sparse_strategy import SparseStrategy
-
-        strategy = tf.distribute.get_strategy()
-        in_sparse = isinstance(strategy, SparseStrategy)
-        summed = self.exchange([g for g, _ in pairs], self.residual)
-        if not in_sparse:
-            p = float(self.exchange.comm.size)
-            summed = [s / tf.cast(p, s.dtype) for s in summed]
-        if in_sparse:
-            with strategy.extended.passthrough():
-                self.inner_optimizer.apply(summed, trainable_variables)
-        else:
-            self.inner_optimizer.apply(summed, trainable_variables)
+        if _strategy_exchange() is not None:
+            # under SparseStrategy its all-reduce runs this optimizer's exchange (found on the
+            # call stack), and Keras scales the loss by 1/P
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return
+        summed = self.exchange([g for g, _ in pairs], names=[getattr(v, "path", v.name) for _, v in pairs])
+        p = float(self.exchange.comm.size)
+        self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise ValueError("DistributedOptimizer exchanges gradients with a stateful collective and "
@@ -128,43 +141,36 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    # -- checkpoints: every rank's residual -------------------------------
-    def gather_residuals(self):
-        """Collective (all ranks): gathers every rank's residual to this object, so that a
-        checkpoint written by rank 0 holds all of them.  Called by
-        ``tfsparse.keras.callbacks.ModelCheckpoint`` before it saves."""
-        if self.residual is None:
-            return None
-        comm = self.exchange.comm
-        parts = comm.allgather(np.asarray(self.residual.numpy(), dtype=np.float32))
-        self._gathered_residuals = np.stack(parts)
-        return self._gathered_residuals
-
+    # -- checkpoints: every rank's exchange state ---------------------------
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        if self._gathered_residuals is not None:
-            store[_ALL_RESIDUALS] = self._gathered_residuals
+        for key, value in self.exchange.checkpoint_entries().items():
+            store[key] = value
 
     def load_own_variables(self, store):
         keys = list(store.keys())
-        plain = {k: store[k] for k in keys if k != _ALL_RESIDUALS}
+        plain = {k: store[k] for k in keys if not self._is_exchange_key(k)}
         super().load_own_variables(plain)
-        if _ALL_RESIDUALS in keys and self.residual is not None:
-            every = np.asarray(store[_ALL_RESIDUALS], dtype=np.float32)
-            comm = self.exchange.comm
-            if every.shape[0] == comm.size:
-                self.residual.assign(every[comm.rank])
-            else:
-                # a different world size: keep the total pending update, spread evenly
-                self.residual.assign(every.sum(axis=0) / comm.size)
+        self.exchange.restore_checkpoint({k: store[k] for k in keys if self._is_exchange_key(k)})
+
+    @staticmethod
+    def _is_exchange_key(key) -> bool:
+        from ..exchange import CHECKPOINT_PREFIX
+
+        return str(key).startswith(CHECKPOINT_PREFIX)
 
     def get_config(self):
+        ex = self.exchange
+        plan = ex.plan.config()
         return {
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
-            "algorithm": self.exchange.algorithm,
-            "density": self.exchange.density,
-            "algorithm_options": dict(self.algorithm_options),
+            "algorithm": ex.algorithm,
+            "density": ex.density,
+            "wire_dtype": ex.wire.name,
+            "bucket_bytes": plan.get("bucket_bytes"),
+            "plan": plan["plan"],  # a PerTensorPlan's assign function is code: not part of the config
+            "algorithm_options": dict(ex.options),
         }
 
     @classmethod

@@ -60,7 +60,7 @@ def _size(x: tf.Tensor) -> int:
 
 def _check_graph():
     if not tf.executing_eagerly():
-        from ..strategies._tf_private import reject_xla
+        from .._tf_private import reject_xla
 
         reject_xla("tfsparse.ops")
 

@@ -7,13 +7,22 @@ one call.  :class:`SparseExtended` overrides
 
 * ``_num_replicas_in_sync`` — the world size, so Keras scales the loss by 1/P and
   the SUM of the exchange is the mean gradient;
-* ``_batch_reduce_to`` — the :class:`~tfsparse.exchange.GradientExchange`;
+* ``_batch_reduce_to`` — the :class:`~tfsparse.exchange.GradientExchange` (the model's one
+  exchange: that of the ``DistributedOptimizer`` applying the gradients, else the
+  strategy's own);
 * ``_create_variable`` — every variable created in the scope starts from rank 0's
   value (a broadcast: variable creation in the scope is a collective);
 * ``_experimental_distribute_dataset`` — returns the dataset unchanged (each rank
   feeds its own shard) and records its length for the step-count agreement;
 * ``_call_for_each_replica`` — after every train/test step, averages the metric
-  states across ranks, so every rank logs the same loss and metrics.
+  states across ranks, so every rank logs the same loss and metrics.  The averaging runs on
+  the exchange's communication thread, after the step's gradient buckets and over the same
+  communicator, fused with the first step's step-count agreement into one allreduce.
+
+The strategy is also a Keras saveable: a model built in its scope saves the exchange's state
+(every rank's residual, the aggregators' state) in its ``.keras`` file, and loading the file
+in the scope restores it -- unless a ``DistributedOptimizer`` owns the exchange, which then
+saves it itself.
 """
 from __future__ import annotations
 
@@ -24,14 +33,12 @@ import numpy as np
 import tensorflow as tf
 
 from .. import runtime
-from ..exchange import GradientExchange, check_float_variables, validate_config
-from ._tf_private import OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps, reject_xla
+from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps,
+                           keras_optimizer_apply, reject_xla)
+from ..exchange import GradientExchange, check_float_variables
+from ..runtime import StepCountMismatch, check_step_counts  # noqa: F401  (StepCountMismatch: public here too)
 
 _SYNCED_STEPS = ("train_step", "test_step")
-
-
-class StepCountMismatch(RuntimeError):
-    """Ranks were given different numbers of batches (they would hang in a collective)."""
 
 
 class SparseExtended(OneDeviceExtended):
@@ -39,9 +46,7 @@ class SparseExtended(OneDeviceExtended):
         super().__init__(container, device)
         self.exchange = exchange
         self._metric_vars: list = []
-        self._passthrough = threading.local()
         self._pending_steps = None
-        self.residual = None
 
     # -- world ------------------------------------------------------------
     @property
@@ -71,42 +76,18 @@ class SparseExtended(OneDeviceExtended):
         return dataset
 
     # -- gradient exchange ------------------------------------------------
-    @contextlib.contextmanager
-    def passthrough(self):
-        """Inside, ``all_reduce`` returns its inputs: gradients were already exchanged
-        (by a ``tfsparse.keras.DistributedOptimizer``)."""
-        depth = getattr(self._passthrough, "depth", 0)
-        self._passthrough.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._passthrough.depth = depth
-
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [v for v, _ in value_destination_pairs]
-        if getattr(self._passthrough, "depth", 0):
-            return values
         check_float_variables(values)
-        residual = None
-        if self.exchange.uses_memory:
-            residual = self._residual_for(values)
-        reduced = self.exchange(values, residual)
+        optimizers, names = keras_optimizer_apply(len(values))
+        # the model's one exchange: its DistributedOptimizer's, else the strategy's
+        exchange = next((o.exchange for o in optimizers if isinstance(getattr(o, "exchange", None), GradientExchange)),
+                        self.exchange)
+        reduced = exchange(values, names=names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             p = float(self.exchange.comm.size)
             reduced = [r / tf.cast(p, r.dtype) for r in reduced]
         return reduced
-
-    def _residual_for(self, values):
-        n = sum(int(v.shape.num_elements()) for v in values)
-        if self.residual is None:
-            with tf.init_scope():
-                self.residual = tf.Variable(tf.zeros([n], tf.float32), trainable=False,
-                                            name="tfsparse_residual")
-        elif int(self.residual.shape[0]) != n:
-            raise ValueError(f"SparseStrategy keeps one residual for one model's gradients "
-                             f"({int(self.residual.shape[0])} elements) but got gradients of {n} elements; "
-                             f"use one SparseStrategy per model, or tfsparse.keras.DistributedOptimizer")
-        return self.residual
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # strategy.reduce(...) of a non-gradient value: dense, deterministic allreduce.
@@ -156,23 +137,18 @@ class SparseExtended(OneDeviceExtended):
         return tf.nest.pack_sequence_as(outputs, flat)
 
     def _sync_np(self, packed):
-        comm = self.exchange.comm
         steps, self._pending_steps = self._pending_steps, None
-        if steps is not None:
-            check_step_counts(comm, steps)
-        return comm.allreduce(packed) / comm.size
 
+        def average(comm):
+            if steps is None:
+                return comm.allreduce(packed) / comm.size
+            # the step-count agreement rides along: equal counts <=> P * sum(s^2) == (sum s)^2
+            total = comm.allreduce(np.concatenate([packed, [steps, float(steps) ** 2]]))
+            if comm.size * total[-1] != total[-2] ** 2:
+                check_step_counts(comm, steps)
+            return total[:-2] / comm.size
 
-def check_step_counts(comm, steps: int) -> None:
-    """All ranks compare their number of batches; raises on every rank if they differ."""
-    got = comm.allgather(np.array([steps], dtype=np.int64))
-    counts = [int(g[0]) for g in got]
-    if len(set(counts)) > 1:
-        raise StepCountMismatch(
-            f"ranks were given different numbers of batches per epoch: {counts} (rank: batches). "
-            f"Every collective step needs all ranks, so this would hang. Give every rank the same number "
-            f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
-            f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
+        return self.exchange.run_collective(average)
 
 
 def _broadcast_initial_value(comm, kwargs):
@@ -191,7 +167,7 @@ def _broadcast_initial_value(comm, kwargs):
     return kwargs
 
 
-class SparseStrategy(OneDeviceStrategy):
+class SparseStrategy(OneDeviceStrategy, KerasSaveable):
     """Data-parallel strategy with sparse gradient exchange, one process per replica.
 
     >>> strategy = tfsparse.SparseStrategy(algorithm="topk", density=0.01)
@@ -200,21 +176,29 @@ class SparseStrategy(OneDeviceStrategy):
     >>> model.fit(x_shard, y_shard, epochs=5)
 
     Args:
-      algorithm: aggregator name; ``tfsparse.collectives.available_aggregators()``.
+      algorithm: aggregator name; ``tfsparse.aggregators.available_aggregators()``.
       density: fraction of gradient elements each rank sends per step, in (0, 1].
+      wire_dtype: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or ``"int8"``
+        (:mod:`tfsparse.wire`).
+      bucket_bytes: ``None`` (one fused bucket, default), θ bytes (GradientFlow's lazy
+        allreduce) or 0 (one bucket per tensor); see :mod:`tfsparse.plan`.
+      plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
         when GPUs are visible, else ``/cpu:0``).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
-      **options: algorithm options (see each aggregator).
+      **algorithm_options: algorithm options (see each aggregator).
 
-    Use as ``with strategy.scope():`` or directly ``with strategy:``.
+    Every argument is validated before any communication.  Use as ``with strategy.scope():``
+    or directly ``with strategy:``.
     """
 
-    def __init__(self, algorithm: str = "topk", density: float = 0.01, *, device: str | None = None,
-                 communicator=None, **options):
-        validate_config(algorithm, density)
-        comm = communicator if communicator is not None else runtime.init()
-        exchange = GradientExchange(algorithm, density, communicator=comm, **options)
+    def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
+                 bucket_bytes: int | None = None, plan=None, device: str | None = None, communicator=None,
+                 **algorithm_options):
+        exchange = GradientExchange(algorithm, density, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
+                                    plan=plan, communicator=communicator, **algorithm_options)
+        if communicator is None:
+            runtime.init()  # after validation: nothing communicates before the arguments are checked
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = f"/gpu:{runtime.local_rank() % len(gpus)}" if gpus else "/cpu:0"
@@ -223,18 +207,15 @@ class SparseStrategy(OneDeviceStrategy):
 
     @property
     def exchange(self) -> GradientExchange:
+        """The strategy's gradient exchange: the one every model trained in its scope uses,
+        unless the model's optimizer is a ``DistributedOptimizer`` with settings of its own."""
         return self.extended.exchange
 
     @property
     def residual(self):
-        """This rank's residual (a ``tf.Variable``, created at the first traced step), or None.
-
-        With a plain Keras optimizer it is owned by the strategy: save it with
-        ``tf.train.Checkpoint(residual=strategy.residual)``.  For residuals inside Keras
-        model files, compile with ``tfsparse.keras.DistributedOptimizer`` (also inside the
-        scope) and use ``tfsparse.keras.callbacks.ModelCheckpoint``.
-        """
-        return self.extended.residual
+        """This rank's residual (numpy, over the whole layout), or None before the first step
+        or when no residual is kept.  It is part of Keras model files (see the class doc)."""
+        return self.exchange.residual
 
     @property
     def algorithm(self) -> str:
@@ -243,6 +224,19 @@ class SparseStrategy(OneDeviceStrategy):
     @property
     def density(self) -> float:
         return self.exchange.density
+
+    # -- Keras saving: the exchange's state in the model file ---------------
+    def _obj_type(self):
+        return "Layer"  # Keras' saving walks this object's own attributes as it does a layer's
+
+    def save_own_variables(self, store):
+        if self.exchange.owner is None:
+            for key, value in self.exchange.checkpoint_entries().items():
+                store[key] = value
+
+    def load_own_variables(self, store):
+        if self.exchange.owner is None:
+            self.exchange.restore_checkpoint(store)
 
     def scope(self):
         """Like ``tf.distribute.Strategy.scope()``, with a clear error for an optimizer

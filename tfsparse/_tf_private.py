@@ -1,8 +1,10 @@
-"""The only module that touches TensorFlow's private distribute API.
+"""The only module that touches TensorFlow's and Keras' private APIs.
 
 SparseStrategy subclasses ``OneDeviceStrategy``/``OneDeviceExtended`` (one device
-per process) and overrides a handful of hooks.  Those are private TF APIs, so
-they are imported here alone, behind a version check.
+per process) and overrides a handful of hooks; it is a Keras ``KerasSaveable`` so that
+Keras model files hold the exchange's state; the exchange refuses XLA and reads, at trace
+time, which variables Keras' optimizer is reducing.  Those are private APIs, so they are
+imported here alone, behind a version check.
 """
 from __future__ import annotations
 
@@ -43,6 +45,37 @@ def reject_xla(what: str) -> None:
             f"jit_compile=True is not supported with tfsparse: {what} runs MPI from Python "
             f"(tf.numpy_function), which XLA cannot compile. Use model.compile(..., jit_compile=False) "
             f"(the default under a distribution strategy and on CPU).")
+
+
+def keras_optimizer_apply(count: int, max_depth: int = 40):
+    """``(optimizers, names)`` for the gradient all-reduce Keras is running right now: the
+    optimizers whose ``apply`` is on the call stack (innermost first: a wrapper such as
+    DistributedOptimizer comes after the optimizer it wraps), and the paths of the ``count``
+    variables being applied (None if not found).  Read-only stack inspection: Keras'
+    ``all_reduce`` passes the gradients alone."""
+    import sys
+
+    optimizers, names = [], None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "apply":
+            owner = frame.f_locals.get("self")
+            variables = frame.f_locals.get("trainable_variables")
+            if hasattr(owner, "iterations"):
+                optimizers.append(owner)
+            if names is None and isinstance(variables, (list, tuple)) and len(variables) == count \
+                    and all(hasattr(v, "path") for v in variables):
+                names = [str(v.path) for v in variables]
+        frame = frame.f_back
+    return optimizers, names
+
+
+try:  # Keras' base class of everything its saving library walks (private in Keras 3)
+    from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+except ImportError:  # pragma: no cover - a Keras without it: strategy state is not saved
+    KerasSaveable = object
 
 
 def keras_epoch_steps(max_depth: int = 8):

@@ -1,0 +1,326 @@
+"""The exchange pipeline on in-process worlds (threads): every algorithm x wire dtype x plan
+against the reference computed from all ranks' inputs (tests/exchange_ref.py), exact byte
+accounting per wire, the communication thread's ordering and overlap, explicit state
+(bit-identical resume), and argument validation before any communication."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from exchange_ref import reference_run
+from tfsparse.aggregators import get_aggregator
+from tfsparse.collectives import CommThread, Communicator, InProcessWorld
+from tfsparse.exchange import GradientExchange
+
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+WIRES = ("float32", "float16", "bfloat16", "int8")
+PLANS = {"fused": {}, "buckets": {"bucket_bytes": 2000}, "per_tensor": {"plan": "per_tensor"}}
+OPTIONS = {"dgc": {"seed": 5}, "oktopk": {"tau": 2, "tau_prime": 2}}
+SHAPES = [(40, 30), (30,), (30, 20), (20,), (25, 8)]
+STEPS, DENSITY = 3, 0.05
+
+
+def grads_of(rank: int, step: int) -> list[np.ndarray]:
+    """Gradient-like tensors: heavy-tailed noise plus a signal shared by the ranks."""
+    out = []
+    for i, shape in enumerate(SHAPES):
+        rng = np.random.default_rng([rank, step, i])
+        shared = np.random.default_rng([999, i]).standard_normal(shape)
+        out.append((rng.laplace(size=shape) + 0.5 * shared * (1 + step)).astype(np.float32))
+    return out
+
+
+def flat(arrays):
+    return np.concatenate([np.asarray(a).ravel() for a in arrays])
+
+
+def run(P, algorithm, wire, plan):
+    def fn(comm):
+        ex = GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm, **PLANS[plan],
+                              **OPTIONS.get(algorithm, {}))
+        steps = []
+        for s in range(STEPS):
+            before = ex.total.bytes_sent
+            out = ex.exchange_numpy(grads_of(comm.rank, s))
+            steps.append({"out": flat(out), "residual": ex.residual, "bytes": ex.total.bytes_sent - before,
+                          "infos": [dict(getattr(a, "last_info", {})) for a in ex.aggregators]})
+        ex.close()
+        return steps, [(b.start, b.stop) for b in ex.buckets]
+
+    return InProcessWorld(P, timeout=60).run(fn)
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_exchange_equals_reference(P, algorithm, wire, plan):
+    got = run(P, algorithm, wire, plan)
+    buckets = got[0][1]
+    assert len(buckets) == {"fused": 1, "buckets": 2, "per_tensor": len(SHAPES)}[plan]
+    grads = [[flat(grads_of(r, s)) for r in range(P)] for s in range(STEPS)]
+    infos = [got[0][0][s]["infos"] for s in range(STEPS)]
+    want = reference_run(algorithm, wire, buckets, grads, DENSITY, infos, OPTIONS.get(algorithm))
+    for s in range(STEPS):
+        result, residuals = want[s]
+        for r in range(P):
+            step = got[r][0][s]
+            np.testing.assert_array_equal(step["out"], got[0][0][s]["out"])  # bit-identical on every rank
+            np.testing.assert_allclose(step["out"], result, rtol=2e-5, atol=2e-5)
+            np.testing.assert_array_equal(np.flatnonzero(step["out"]), np.flatnonzero(result))
+            if residuals is None:
+                assert step["residual"] is None
+            else:
+                np.testing.assert_allclose(step["residual"], residuals[r], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_dense_bytes_follow_the_wire_exactly(P):
+    """Ring volume 2n(P-1)/P values per rank: float16/bfloat16 send exactly half the bytes of
+    float32; int8 a quarter plus one float32 scale per 4096-value chunk of every message."""
+    n = 4096 * 6  # divisible by P: the formula is exact
+    got = {}
+    for wire in WIRES:
+        def fn(comm, wire=wire):
+            ex = GradientExchange("dense", 1.0, wire_dtype=wire, communicator=comm)
+            ex.exchange_numpy(np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32))
+            ex.close()
+            return ex.total.bytes_sent
+
+        got[wire] = InProcessWorld(P).run(fn)
+    assert got["float32"] == [2 * 4 * n * (P - 1) // P] * P
+    assert got["float16"] == got["bfloat16"] == [b // 2 for b in got["float32"]]
+    block = n // P
+    assert got["int8"] == [2 * (P - 1) * (block + 4 * -(-block // 4096))] * P
+
+
+@pytest.mark.parametrize("wire,value_bytes", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("int8", 1)])
+def test_sparse_bytes_follow_the_wire_exactly(wire, value_bytes):
+    """topk: each rank's k (index, value) pairs reach the P-1 others (ring allgather): int32
+    indices plus the wire's values (int8: plus one scale per message)."""
+    P, n, k = 3, 1000, 20
+
+    def fn(comm):
+        ex = GradientExchange("topk", k / n, wire_dtype=wire, communicator=comm)
+        ex.exchange_numpy(np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32))
+        ex.close()
+        return ex.total.bytes_sent
+
+    scale = 4 if wire == "int8" else 0
+    assert InProcessWorld(P).run(fn) == [(P - 1) * (k * (4 + value_bytes) + scale)] * P
+
+
+def test_float16_overflow_is_scaled_and_kept():
+    """A gradient beyond float16's range travels scaled (never Inf); what the wire lost stays
+    in the residual, so applied + residual == sent."""
+    big = np.array([3e6, -7e5, 1.0, 1e-9], np.float32)
+
+    def fn(comm):
+        ex = GradientExchange("dense", 1.0, wire_dtype="float16", communicator=comm)
+        out = ex.exchange_numpy(big * (comm.rank + 1))
+        ex.close()
+        return out, ex.residual
+
+    res = InProcessWorld(2).run(fn)
+    out = res[0][0]
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, big * 3, rtol=2e-3, atol=1e-6)  # 1e-9 underflows: kept below
+    total = out.astype(np.float64) + res[0][1] + res[1][1]
+    np.testing.assert_allclose(total, big.astype(np.float64) * 3, rtol=1e-6)
+
+
+# -- explicit state ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("wire", ["float32", "int8"])
+def test_state_resume_is_bit_identical(algorithm, wire):
+    """get_state after 3 rounds (Ok-Topk: between re-evaluations, tau'=4), set_state on a new
+    exchange: the next rounds equal an uninterrupted run's bit for bit."""
+    P = 3
+    opts = {"dgc": {"seed": None}, "oktopk": {"tau": 3, "tau_prime": 4}}.get(algorithm, {})
+
+    def fn(comm):
+        live = GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, communicator=comm, **opts)
+        for s in range(3):
+            live.exchange_numpy(grads_of(comm.rank, s))
+        state = live.get_state()
+        resumed = GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, communicator=comm, **opts)
+        resumed.set_state(state)  # before the first round: applied when the layout is known
+        a = [flat(live.exchange_numpy(grads_of(comm.rank, s))) for s in range(3, 7)]
+        b = [flat(resumed.exchange_numpy(grads_of(comm.rank, s))) for s in range(3, 7)]
+        live.close()
+        resumed.close()
+        return a, b, live.get_state(), resumed.get_state(), state
+
+    for a, b, sa, sb, state in InProcessWorld(P).run(fn):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        assert sorted(sa) == sorted(sb)
+        for key in sa:
+            np.testing.assert_array_equal(sa[key], sb[key])
+        assert int(state["round"][0]) == 3 and state["sizes"].tolist() == [1200, 30, 600, 20, 200]
+        if algorithm == "oktopk":
+            assert int(state["bucket0.t"][0]) == 3 and np.isfinite(state["bucket0.thresholds"]).all()
+        if algorithm == "dgc":
+            assert state["bucket0.rng"].dtype == np.uint64
+
+
+def test_state_rejects_another_layout():
+    ex = GradientExchange("topk", 0.1, communicator=InProcessWorld(1).comms[0])
+    ex.exchange_numpy([np.ones(5, np.float32), np.ones(3, np.float32)])
+    with pytest.raises(ValueError, match=r"sizes \[4\].*this model's are \[5, 3\]"):
+        ex.set_state({"sizes": np.array([4]), "residual": np.zeros(4, np.float32)})
+    with pytest.raises(ValueError, match="was built for gradients"):
+        ex.exchange_numpy([np.ones(4, np.float32)])
+
+
+def test_gather_and_checkpoint_entries():
+    P = 3
+
+    def fn(comm):
+        ex = GradientExchange("oktopk", 0.1, communicator=comm)
+        ex.exchange_numpy(grads_of(comm.rank, 0))
+        stacked = ex.gather_state()
+        entries = ex.checkpoint_entries()
+        fresh = GradientExchange("oktopk", 0.1, communicator=comm)
+        assert fresh.restore_checkpoint({k: v for k, v in entries.items()}) if comm.rank == 0 else True
+        ex.close()
+        return stacked, entries, ex.get_state(), fresh.get_state()
+
+    out = InProcessWorld(P).run(fn)
+    stacked, entries, own, restored = out[0]
+    assert stacked["residual"].shape == (P, 2050)
+    assert entries["tfsparse.ranks"].tolist() == [0, 1, 2]  # rank 0 kept every rank's rows
+    for key in own:
+        np.testing.assert_array_equal(restored[key], own[key])
+    assert out[1][1]["tfsparse.ranks"].tolist() == [1]  # the others: their own row only
+    for r in range(P):
+        np.testing.assert_array_equal(stacked["residual"][r], out[r][2]["residual"])
+
+
+# -- the communication thread ----------------------------------------------------------------
+
+def test_comm_thread_runs_in_submission_order_and_reports_errors():
+    th = CommThread()
+    seen = []
+    futs = [th.submit(lambda i=i: (time.sleep(0.01 * (5 - i)), seen.append(i))) for i in range(5)]
+    for f in futs:
+        f.result(timeout=5)
+    assert seen == [0, 1, 2, 3, 4]
+    bad = th.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.result(timeout=5)
+    assert th.run(lambda: threading.current_thread().name) == "tfsparse-comm"
+    th.close()
+
+
+def test_buckets_reach_the_wire_in_order_whatever_order_they_are_encoded_in():
+    """TensorFlow may run the per-bucket start ops in any order: the exchange still hands the
+    buckets to the communication thread in bucket order, the same on every rank."""
+    P = 3
+
+    def fn(comm):
+        ex = GradientExchange("topk", 0.1, bucket_bytes=0, communicator=comm)
+        grads = grads_of(comm.rank, 0)
+        ex.exchange_numpy(grads)  # builds
+        order = list(range(len(ex.buckets)))
+        np.random.default_rng(comm.rank).shuffle(order)
+        buckets = ex._buckets
+        index = None
+        for b in order:  # a different encode order on every rank
+            spec = buckets[b].spec
+            index = ex._start_bucket(buckets[b], grads[spec.first:spec.last])
+        out = {b.spec.index: ex._finish_bucket(b, index) for b in buckets}
+        ex.close()
+        return flat(out[b] for b in sorted(out, key=lambda b: -b))
+
+    res = InProcessWorld(P, timeout=20).run(fn)
+    for r in res[1:]:
+        np.testing.assert_array_equal(r, res[0])
+
+
+def test_encoding_overlaps_the_wire():
+    """While bucket i is on the wire, bucket i+1 is encoded: with a slow wire and a slow
+    encoder, a round of B buckets takes about B*max(...) rather than B*(encode + wire)."""
+
+    class Slow(Communicator):  # a one-rank-per-call fake: every collective takes 50 ms
+        def __init__(self, rank=0, size=2):
+            super().__init__(rank, size)
+
+        def _allreduce(self, x, op):
+            time.sleep(0.05)
+            return x * 2
+
+        def _duplicate(self):
+            return Slow(self.rank, self.size)
+
+        _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = None
+
+    class SlowEncode(type(get_aggregator("dense"))):
+        def encode(self, comm, acc, k=None, wire=None):
+            time.sleep(0.05)
+            return super().encode(comm, acc, k, wire)
+
+    ex = GradientExchange("dense", 1.0, bucket_bytes=0, communicator=Slow())
+    grads = [np.ones(10, np.float32) for _ in range(6)]
+    ex.exchange_numpy(grads)
+    for b in ex._buckets:
+        b.aggregator = SlowEncode()
+    t0 = time.perf_counter()
+    out = ex.exchange_numpy(grads)
+    wall = time.perf_counter() - t0
+    ex.close()
+    assert all(np.array_equal(o, g * 2) for o, g in zip(out, grads))
+    assert wall < 6 * 0.1 * 0.8, wall  # serial would be 0.6 s; overlapped about 0.35 s
+    assert ex.total.comm_seconds > 0.25 and ex.total.encode_seconds > 0.25
+
+
+def test_a_round_can_finish_later():
+    def fn(comm):
+        ex = GradientExchange("topk", 0.1, communicator=comm)
+        rnd = ex.start(grads_of(comm.rank, 0))
+        busy = sum(i * i for i in range(20000))  # the next step's compute would run here
+        with pytest.raises(RuntimeError, match="started again before its round 0 finished"):
+            ex.start(grads_of(comm.rank, 1))
+        out = rnd.wait()
+        ex.close()
+        return flat(out), busy
+
+    res = InProcessWorld(2).run(fn)
+    np.testing.assert_array_equal(res[0][0], res[1][0])
+
+
+# -- validation, before any communication ------------------------------------------------------
+
+class NoTalk(Communicator):
+    """Fails on any communication: proves the errors come first."""
+
+    def __init__(self):
+        super().__init__(0, 4)
+
+    def _fail(self, *a, **k):
+        raise AssertionError("communication happened before argument validation")
+
+    _allreduce = _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = _duplicate = _fail
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"algorithm": "top-k"}, ["algorithm='top-k' is not supported", "'topk'", "'gtopk'"]),
+    ({"density": 0}, ["density=0", "(0, 1]"]),
+    ({"wire_dtype": "fp16"}, ["wire_dtype='fp16' is not supported", "'float16'", "'bfloat16'", "'int8'"]),
+    ({"wire_dtype": 16}, ["wire_dtype=16 is not supported"]),
+    ({"bucket_bytes": -5}, ["bucket_bytes=-5", "integer >= 0"]),
+    ({"bucket_bytes": "4MB"}, ["bucket_bytes='4MB'"]),
+    ({"plan": "layerwise"}, ["plan='layerwise' is not supported", "'per_tensor'"]),
+    ({"algorithm": "oktopk", "tau": 0}, ["tau=0", ">= 1"]),
+    ({"algorithm": "oktopk", "taus": 3}, ["taus=3", "accepted", "tau_prime"]),
+    ({"algorithm": "dense", "tau": 3}, ["invalid options for algorithm='dense'"]),
+])
+def test_bad_arguments_fail_before_communication(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        GradientExchange(**{"algorithm": "topk", "density": 0.1, **kwargs}, communicator=NoTalk())
+    for w in words:
+        assert w in str(e.value), str(e.value)

@@ -1,0 +1,124 @@
+"""The typed wire (tfsparse.wire): encodings, byte counts, float16 overflow, non-finite values,
+sparse messages and the record of what the wire lost."""
+import numpy as np
+import pytest
+
+from tfsparse.wire import (INT8_CHUNK, WireLoss, available_wires, get_wire, index_dtype, pack_sparse,
+                           unpack_sparse)
+
+WIRES = ("float32", "float16", "bfloat16", "int8")
+
+
+def data(n=10_000, seed=0):
+    return (np.random.default_rng(seed).standard_normal(n) * np.logspace(-6, 2, n)).astype(np.float32)
+
+
+def test_registered_and_bad_name():
+    assert available_wires() == WIRES
+    with pytest.raises(ValueError) as e:
+        get_wire("fp8")
+    assert "wire_dtype='fp8' is not supported" in str(e.value)
+    for w in WIRES:
+        assert repr(w) in str(e.value)
+
+
+@pytest.mark.parametrize("name", WIRES)
+@pytest.mark.parametrize("n", [0, 1, 7, INT8_CHUNK, INT8_CHUNK + 3, 10_000])
+def test_roundtrip_sizes_and_determinism(name, n):
+    w = get_wire(name)
+    x = data(n)
+    buf, dec = w.roundtrip(x)
+    assert buf.dtype == np.uint8 and buf.size == w.nbytes(n)  # no overflow here: nominal size
+    assert w.entries(buf.size) == n
+    np.testing.assert_array_equal(w.decode(buf, n), dec)
+    if name != "int8":  # 16-bit values re-encode exactly (int8 re-quantizes)
+        np.testing.assert_array_equal(w.decode(w.encode(dec), n), dec)
+    assert dec.dtype == np.float32 and dec.shape == (n,)
+
+
+def test_definitions():
+    x = data()
+    np.testing.assert_array_equal(get_wire("float32").roundtrip(x)[1], x)
+    np.testing.assert_array_equal(get_wire("float16").roundtrip(x)[1], x.astype(np.float16).astype(np.float32))
+    # bfloat16: the high 16 bits of each float32 (truncation toward zero)
+    want = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    np.testing.assert_array_equal(get_wire("bfloat16").roundtrip(x)[1], want)
+    assert np.all(np.abs(get_wire("bfloat16").roundtrip(x)[1]) <= np.abs(x))
+    # int8: per chunk, q = rint(x * 127 / max|x|), value = q * max|x| / 127
+    dec = get_wire("int8").roundtrip(x)[1]
+    for c in range(0, x.size, INT8_CHUNK):
+        chunk = x[c:c + INT8_CHUNK]
+        amax = np.abs(chunk).max()
+        q = np.clip(np.rint(chunk * (np.float32(127) / amax)), -127, 127)
+        np.testing.assert_array_equal(dec[c:c + INT8_CHUNK], (q * (amax / np.float32(127))).astype(np.float32))
+        assert np.abs(dec[c:c + INT8_CHUNK] - chunk).max() <= amax / 254 * 1.0001
+
+
+def test_float16_overflow_is_scaled_not_inf():
+    w = get_wire("float16")
+    x = np.array([1e6, -3e5, 1.0, 65504.0, 1e-3], np.float32)
+    buf = w.encode(x)
+    assert buf.size == 2 * x.size + 1  # one scale byte, an odd length tells the receiver
+    dec = w.decode(buf, x.size)
+    assert np.all(np.isfinite(dec))
+    np.testing.assert_allclose(dec, x, rtol=1e-3, atol=0.1)
+    assert w.entries(buf.size) == x.size and w.entries(buf.size + 4 * x.size, 4) == x.size
+    e = int(buf[-1])
+    assert np.float32(1e6) / 2 ** e <= 65504 < np.float32(1e6) / 2 ** (e - 1)
+    # genuine infinities and NaN travel as they are, without scaling
+    y = np.array([np.inf, -np.inf, np.nan, 2.0], np.float32)
+    buf = w.encode(y)
+    assert buf.size == 8
+    dec = w.decode(buf, 4)
+    assert dec[0] == np.inf and dec[1] == -np.inf and np.isnan(dec[2]) and dec[3] == 2.0
+
+
+def test_non_finite_values():
+    nan_low_payload = np.array([0x7F800001], np.uint32).view(np.float32)  # truncation alone would give Inf
+    x = np.concatenate([np.array([np.inf, -np.inf, np.nan, 3.0], np.float32), nan_low_payload])
+    dec = get_wire("bfloat16").roundtrip(x)[1]
+    assert dec[0] == np.inf and dec[1] == -np.inf and np.isnan(dec[2]) and dec[3] == 3.0 and np.isnan(dec[4])
+    # int8 cannot carry them: the chunk decodes to NaN (the receivers see the bad gradient)
+    y = np.zeros(INT8_CHUNK + 5, np.float32)
+    y[3], y[-1] = np.inf, 1.0
+    dec = get_wire("int8").roundtrip(y)[1]
+    assert np.isnan(dec[:INT8_CHUNK]).all() and dec[-1] == 1.0
+
+
+@pytest.mark.parametrize("name", WIRES)
+@pytest.mark.parametrize("itype", [np.int32, np.int64])
+def test_sparse_messages(name, itype):
+    w = get_wire(name)
+    idx = np.array([0, 5, 9, 2**20], np.int64)
+    val = np.array([1.5, -2.0, 1e-4, 7.0], np.float32)
+    buf, dec = pack_sparse(idx, val, itype, w)
+    assert buf.size == idx.size * np.dtype(itype).itemsize + w.nbytes(idx.size)
+    i2, v2 = unpack_sparse(buf, itype, w)
+    np.testing.assert_array_equal(i2, idx)
+    np.testing.assert_array_equal(v2, dec)
+    e_idx, e_val = unpack_sparse(pack_sparse(idx[:0], val[:0], itype, w)[0], itype, w)
+    assert e_idx.size == 0 and e_val.size == 0
+    with pytest.raises(RuntimeError, match="corrupt"):
+        unpack_sparse(buf[:-2] if name != "float16" else buf[:-3], itype, w)
+
+
+def test_index_dtype():
+    assert index_dtype(2**31 - 1) == np.int32 and index_dtype(2**31) == np.int64
+
+
+def test_wire_loss_restrict_and_apply():
+    loss = WireLoss()
+    x = np.array([1.1, 2.2, 3.3], np.float32)
+    loss.add(np.array([2, 5, 9]), x, x)  # the very same array: lossless, nothing recorded
+    assert not loss
+    loss.add(np.array([2, 5, 9]), x, np.float32(1.0) * np.round(x))
+    loss.add(slice(0, 3), x, np.zeros(3, np.float32))
+    kept = loss.restrict(np.array([1, 2, 9]))
+    r = np.zeros(10, np.float32)
+    kept.apply_to(r)
+    want = np.zeros(10, np.float32)
+    want[[2, 9]] += x[[0, 2]] - np.round(x[[0, 2]])
+    want[[1, 2]] += x[[1, 2]]
+    np.testing.assert_allclose(r, want, rtol=1e-6)
+    assert loss.restrict(None) is loss
+    assert not loss.restrict(np.empty(0, np.int64))

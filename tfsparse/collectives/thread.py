@@ -1,0 +1,72 @@
+"""The communication thread: one dedicated thread per exchange that runs all of its collectives.
+
+MPI collectives must be called in the same order on every rank.  An exchange therefore hands
+every communicating job to one thread (funnelled), which runs them strictly in submission
+order, while the caller's thread goes on encoding the next bucket -- so the selection and
+encoding of bucket ``i + 1`` overlap the wire time of bucket ``i``, and a round can be started
+in one training step and finished in the next.
+
+The thread talks over its own communicator (:meth:`~tfsparse.collectives.Communicator.duplicate`),
+so collectives other code runs on the world communicator from other threads (a callback's
+broadcast, say) can never interleave with the exchange's.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+_STOP = object()
+
+
+class CommThread:
+    """Runs submitted jobs one at a time, in submission order, on a daemon thread."""
+
+    def __init__(self, name: str = "tfsparse-comm"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._closed = False
+        self.busy_seconds = 0.0
+        self._thread.start()
+
+    def submit(self, fn, *args, future: Future | None = None) -> Future:
+        """Queues ``fn(*args)``; the returned future (``future``, when given) holds its result
+        (or its exception)."""
+        if self._closed:
+            raise RuntimeError("the communication thread was closed")
+        fut = future if future is not None else Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def run(self, fn, *args):
+        """Runs ``fn(*args)`` after every job submitted so far and returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        return self.submit(fn, *args).result()
+
+    def _loop(self):
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            t0 = time.perf_counter()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits for this job
+                fut.set_exception(e)
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stops the thread after the jobs already submitted."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(_STOP)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

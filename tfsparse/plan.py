@@ -1,0 +1,255 @@
+"""Gradient layout and exchange plans: which gradients travel together, in which order, how.
+
+The exchange captures a :class:`Layout` when it first sees the gradients (at trace time in
+TensorFlow): each gradient's name, shape and dtype, in the optimizer's variable order, and the
+offsets of a fused float32 vector holding them all.  A **plan** maps the layout to
+:class:`Bucket` s -- contiguous runs of tensors, each exchanged with its own aggregator
+instance (its own state), its own ``k = ceil(density * bucket size)`` and its own slice of
+the residual.  Buckets are exchanged one after another, in bucket order, on the exchange's
+communication thread.
+
+==================  =====================================================================
+plan                buckets
+==================  =====================================================================
+``"fused"``         one bucket holding every gradient (the default; one sparse allreduce
+                    per step over the whole model, as the seeds' papers do)
+``"buckets"``       GradientFlow's lazy allreduce (gradientflow-sun2019 §3.1): walking the
+(``bucket_bytes``)  tensors in the order back-propagation produces them (last layer first,
+                    "from tensor-m to tensor-1"), consecutive tensors are packed until the
+                    bucket holds at least θ = ``bucket_bytes`` bytes of float32 gradient
+                    ("until the total size of waited tensors is greater than a given
+                    threshold θ"); ``bucket_bytes=0`` makes every tensor its own bucket, as
+                    Horovod's ``HOROVOD_FUSION_THRESHOLD=0`` turns fusion off
+``"per_tensor"``    one bucket per tensor (last layer first), each with the exchange's
+                    settings or what ``PerTensorPlan(assign)`` chooses for it -- the plan a
+                    cost model fills in (DRAGONN's per-tensor choice, dragonn-wang2022 §3.3)
+==================  =====================================================================
+
+Bucket 0 holds the last tensors of the layout, so in a training step the first gradients
+back-propagation finishes are the first to travel.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One gradient: its name (the variable's path when known), shape and dtype."""
+
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Layout:
+    """The gradients of one model, in order, and their offsets in the fused float32 vector."""
+
+    def __init__(self, specs):
+        self.specs = tuple(specs)
+        if not self.specs:
+            raise ValueError("a gradient layout needs at least one tensor")
+        self.sizes = np.array([s.size for s in self.specs], dtype=np.int64)
+        self.offsets = np.concatenate(([0], np.cumsum(self.sizes))).astype(np.int64)
+        self.n = int(self.offsets[-1])
+
+    @classmethod
+    def of(cls, arrays, names=None) -> "Layout":
+        """The layout of a list of arrays (or of one flat array)."""
+        names = names if names is not None else [f"gradient_{i}" for i in range(len(arrays))]
+        return cls(TensorSpec(str(nm), tuple(int(d) for d in np.shape(a)), np.asarray(a).dtype.name)
+                   for nm, a in zip(names, arrays))
+
+    def __len__(self):
+        return len(self.specs)
+
+    def __eq__(self, other):
+        return isinstance(other, Layout) and [(s.name, s.shape) for s in self.specs] == \
+            [(s.name, s.shape) for s in other.specs]
+
+    def __hash__(self):
+        return hash(tuple((s.name, s.shape) for s in self.specs))
+
+    def same_shapes(self, other: "Layout") -> bool:
+        return [s.shape for s in self.specs] == [s.shape for s in other.specs]
+
+    def describe(self, limit: int = 6) -> str:
+        items = [f"{s.name}{list(s.shape)}" for s in self.specs[:limit]]
+        more = f", ... ({len(self.specs)} tensors)" if len(self.specs) > limit else ""
+        return ", ".join(items) + more
+
+    def __repr__(self):
+        return f"Layout({self.describe()}; n={self.n})"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors ``[first, last)`` of a layout, elements ``[start, stop)`` of its fused vector.
+
+    ``algorithm``, ``density``, ``wire_dtype`` and ``options`` override the exchange's
+    settings for this bucket (``None``: the exchange's)."""
+
+    index: int
+    first: int
+    last: int
+    start: int
+    stop: int
+    algorithm: str | None = None
+    density: float | None = None
+    wire_dtype: str | None = None
+    options: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def _bucket(layout: Layout, index: int, first: int, last: int, **overrides) -> Bucket:
+    return Bucket(index, first, last, int(layout.offsets[first]), int(layout.offsets[last]), **overrides)
+
+
+class Plan:
+    """Maps a :class:`Layout` to buckets.  Subclasses implement :meth:`buckets`."""
+
+    name = "base"
+
+    def buckets(self, layout: Layout) -> list[Bucket]:
+        raise TypeError(f"{type(self).__name__} does not define buckets()")
+
+    def config(self) -> dict:
+        """What identifies this plan (compared across ranks, saved in configs)."""
+        return {"plan": self.name}
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.config() == self.config()
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(sorted(self.config().items()))))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "plan")
+        return f"{type(self).__name__}({args})"
+
+
+class FusedPlan(Plan):
+    """Every gradient in one bucket (today's behaviour of most systems, and the default)."""
+
+    name = "fused"
+
+    def buckets(self, layout):
+        return [_bucket(layout, 0, 0, len(layout))]
+
+
+class BucketPlan(Plan):
+    """GradientFlow's lazy allreduce (gradientflow-sun2019 §3.1) with threshold θ = ``bucket_bytes``.
+
+    Walks the tensors last to first and closes a bucket as soon as it holds at least
+    ``bucket_bytes`` bytes (4 per element); ``bucket_bytes=0`` gives one bucket per tensor.
+    """
+
+    name = "buckets"
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        if self.bucket_bytes is None:
+            raise ValueError("plan='buckets' needs bucket_bytes= (a number of bytes >= 0), e.g. 4 << 20")
+
+    def config(self):
+        return {"plan": self.name, "bucket_bytes": self.bucket_bytes}
+
+    def buckets(self, layout):
+        out = []
+        last = len(layout)
+        acc = 0
+        for i in range(len(layout) - 1, -1, -1):
+            acc += int(layout.sizes[i]) * _FLOAT32_BYTES
+            if acc >= self.bucket_bytes or i == 0:
+                out.append(_bucket(layout, len(out), i, last))
+                last, acc = i, 0
+        return out
+
+
+class PerTensorPlan(Plan):
+    """One bucket per tensor, last tensor first.
+
+    Args:
+      assign: ``None`` (every tensor with the exchange's settings), a dict
+        ``{tensor name: overrides}`` or a callable ``assign(spec) -> overrides or None``, where
+        ``overrides`` is a dict with any of ``algorithm``, ``density``, ``wire_dtype`` and
+        ``options`` (the algorithm's options).  This is where a cost model (DRAGONN's α-β
+        choice per tensor) fills in the plan.
+    """
+
+    name = "per_tensor"
+    _KEYS = ("algorithm", "density", "wire_dtype", "options")
+
+    def __init__(self, assign=None):
+        if assign is not None and not callable(assign) and not isinstance(assign, dict):
+            raise ValueError(f"assign={assign!r} must be None, a dict {{tensor name: overrides}} or a callable "
+                             f"spec -> overrides")
+        self.assign = assign
+
+    def config(self):
+        return {"plan": self.name, "assign": None if self.assign is None else repr(self.assign)}
+
+    def _overrides(self, spec: TensorSpec) -> dict:
+        if self.assign is None:
+            return {}
+        got = self.assign.get(spec.name) if isinstance(self.assign, dict) else self.assign(spec)
+        got = dict(got or {})
+        unknown = sorted(set(got) - set(self._KEYS))
+        if unknown:
+            raise ValueError(f"per-tensor overrides {unknown} for tensor {spec.name!r} are not supported; "
+                             f"accepted: {', '.join(self._KEYS)}")
+        got["options"] = dict(got.get("options") or {})
+        return got
+
+    def buckets(self, layout):
+        return [_bucket(layout, b, i, i + 1, **self._overrides(layout.specs[i]))
+                for b, i in enumerate(range(len(layout) - 1, -1, -1))]
+
+
+_PLANS = {"fused": FusedPlan, "buckets": BucketPlan, "per_tensor": PerTensorPlan}
+
+
+def available_plans() -> tuple[str, ...]:
+    return tuple(_PLANS)
+
+
+def check_bucket_bytes(bucket_bytes):
+    if bucket_bytes is None:
+        return None
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be None (one fused bucket) or an integer >= 0 "
+                         f"(GradientFlow's lazy-allreduce threshold θ in bytes; 0: one bucket per tensor), "
+                         f"e.g. bucket_bytes=4 << 20")
+    return int(bucket_bytes)
+
+
+def make_plan(plan=None, bucket_bytes=None) -> Plan:
+    """The plan for ``plan`` (a name or a :class:`Plan`) and ``bucket_bytes``; ValueError on
+    anything else, naming the argument, the value and the accepted values."""
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    if isinstance(plan, Plan):
+        if bucket_bytes is not None and plan != BucketPlan(bucket_bytes):
+            raise ValueError(f"bucket_bytes={bucket_bytes!r} conflicts with plan={plan!r}; give one of them")
+        return plan
+    if plan is None:
+        return FusedPlan() if bucket_bytes is None else BucketPlan(bucket_bytes)
+    if not isinstance(plan, str) or plan not in _PLANS:
+        raise ValueError(f"plan={plan!r} is not supported; accepted: "
+                         f"{', '.join(repr(p) for p in _PLANS)} or a tfsparse.plan.Plan instance")
+    if plan == "buckets":
+        return BucketPlan(bucket_bytes)
+    if bucket_bytes is not None:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} only applies to plan='buckets' (got plan={plan!r})")
+    return _PLANS[plan]()
