@@ -167,6 +167,8 @@ class DGCSampledThreshold(Compressor):
 
     def set_state(self, state: dict) -> None:
         super().set_state(state)
+        if not state:  # nothing saved: keep drawing from the current generator
+            return
         w = [int(v) for v in np.asarray(state["rng"], dtype=np.uint64).reshape(-1)]
         if len(w) != 6:
             raise ValueError(f"DGC sampler state must hold 6 words, got {len(w)}")

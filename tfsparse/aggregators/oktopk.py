@@ -188,6 +188,8 @@ class OkTopkAllreduce(Aggregator):
     def set_state(self, state):
         super().set_state(state)
         self.reset()
+        if not state:  # nothing saved: start afresh
+            return
         self._t = int(np.asarray(state["t"]).reshape(-1)[0])
         layout = tuple(int(v) for v in np.asarray(state["layout"]).reshape(-1))
         self._layout = None if layout[0] < 0 else layout

@@ -1,0 +1,45 @@
+"""Worker: every algorithm x wire dtype x plan through GradientExchange on real MPI ranks
+(numpy only), a few rounds each; saves every round's result, residual, bytes and the Ok-Topk
+thresholds, for tests/test_exchange_mpi.py to check against tests/exchange_ref.py."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from mpi_harness import save_result  # noqa: E402
+from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of  # noqa: E402
+from tfsparse.collectives import MPICommunicator  # noqa: E402
+from tfsparse.exchange import GradientExchange  # noqa: E402
+
+
+def main():
+    comm = MPICommunicator()
+    out = {}
+    for algorithm in ALGOS:
+        for wire in WIRES:
+            for plan in PLANS:
+                key = f"{algorithm}/{wire}/{plan}"
+                ex = GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm, **PLANS[plan],
+                                      **OPTIONS.get(algorithm, {}))
+                meta = {"bytes": [], "infos": []}
+                for s in range(STEPS):
+                    before = ex.total.bytes_sent
+                    out[f"{key}/out{s}"] = flat(ex.exchange_numpy(grads_of(comm.rank, s)))
+                    res = ex.residual
+                    out[f"{key}/res{s}"] = np.zeros(0, np.float32) if res is None else res
+                    meta["bytes"].append(int(ex.total.bytes_sent - before))
+                    meta["infos"].append([{k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                           for k, v in getattr(a, "last_info", {}).items()} for a in ex.aggregators])
+                meta["buckets"] = [(b.start, b.stop) for b in ex.buckets]
+                out[f"{key}/meta"] = json.dumps(meta)
+                ex.close()
+    out["P"] = comm.size
+    out["tensorflow_imported"] = "tensorflow" in sys.modules
+    save_result(comm.rank, **out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Worker: for each case, an uninterrupted model.fit of E1 + E2 epochs, and the same training
+interrupted after E1 epochs -- tfsparse.keras.callbacks.ModelCheckpoint written by rank 0,
+keras.models.load_model on every rank (inside a new SparseStrategy scope for the strategy
+route), E2 more epochs.  Saves both final weights and the restored exchange state.
+
+argv: directory JSON   (a list of cases {"algo", "route", "wire", "bucket_bytes", "options",
+      "drop_state"}; drop_state restores the residuals alone, a control)
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import keras
+
+import tfsparse
+from mpi_harness import save_result
+from tfsparse.keras.callbacks import BroadcastInitialState, ModelCheckpoint, find_exchange
+
+ckdir, cases = sys.argv[1], json.loads(sys.argv[2])
+comm = tfsparse.init(backend="mpi")
+rank = comm.rank
+rng = np.random.default_rng(rank)
+x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)  # 6 steps per epoch
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+E1, E2 = 2, 2
+
+
+def build():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh"),
+                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
+
+
+def fit(model, epochs, callbacks=()):
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def settings(case):
+    return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
+                bucket_bytes=case.get("bucket_bytes"), **case.get("options", {}))
+
+
+def fresh(case):
+    """A compiled model of this case's route (strategy: its own new strategy)."""
+    if case["route"] == "strategy":
+        strategy = tfsparse.SparseStrategy(**settings(case))
+        with strategy.scope():
+            model = build()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
+        return model, []
+    model = build()
+    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **settings(case)),
+                  LOSS)
+    return model, [BroadcastInitialState()]
+
+
+def load(case, path):
+    if case["route"] == "strategy":
+        with tfsparse.SparseStrategy(**settings(case)).scope():
+            return keras.models.load_model(path)
+    return keras.models.load_model(path)
+
+
+flat = lambda m: np.concatenate([w.ravel() for w in m.get_weights()])  # noqa: E731
+out = {}
+for i, case in enumerate(cases):
+    key = f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}:{case.get('bucket_bytes')}" + \
+        (":drop_state" if case.get("drop_state") else "")
+    live, cbs = fresh(case)
+    fit(live, E1 + E2, cbs)
+    first, cbs = fresh(case)
+    path = os.path.join(ckdir, f"case{i}.keras")
+    fit(first, E1, cbs + [ModelCheckpoint(path)])
+    saved = find_exchange(first).get_state()
+    comm.barrier()  # rank 0 has written the file
+    restored = load(case, path)
+    ex = find_exchange(restored)
+    state = ex.get_state()  # pending until the first step builds the exchange
+    if case.get("drop_state"):  # a control: restore the residuals but not the aggregators' state
+        ex.set_state({k: v for k, v in state.items() if not k.startswith("bucket")})
+    fit(restored, E2)
+    out[f"{key}/live"] = flat(live)
+    out[f"{key}/resumed"] = flat(restored)
+    out[f"{key}/json"] = {"same_state": sorted(saved) == sorted(state) and
+                          all(np.array_equal(saved[k], state[k]) for k in saved),
+                          "state_keys": sorted(saved), "algorithm": ex.algorithm, "wire": ex.wire_dtype,
+                          "owner": ex.owner}
+save_result(rank, **{k: v for k, v in out.items() if isinstance(v, np.ndarray)},
+            cases={k: v for k, v in out.items() if k.endswith("/json")}, files=sorted(os.listdir(ckdir)))
