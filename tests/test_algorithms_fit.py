@@ -14,6 +14,7 @@ ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
 SPARSE = ALGOS[1:]
 DENSITY = 0.05
 EPOCHS = 30  # long enough that every algorithm has converged on digits
+HALF_WIRES = ("float16", "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,10 @@ def fits():
     runs = [{"algo": a, "route": "strategy", "epochs": EPOCHS, "density": DENSITY} for a in ALGOS]
     runs += [{"algo": a, "route": "optimizer", "epochs": 2, "density": DENSITY} for a in SPARSE]
     runs += [{"algo": "gtopk", "route": "optimizer", "epochs": 5, "density": DENSITY, "schedule": True}]
+    runs += [{"algo": a, "route": "strategy", "epochs": EPOCHS, "density": DENSITY, "wire": w}
+             for a in ("dense", "topk") for w in HALF_WIRES]
+    runs += [{"algo": "oktopk", "route": "optimizer", "epochs": 2, "density": DENSITY, "wire": "int8",
+              "bucket_bytes": 1024}]
     results, text = mpirun(4, "fit_worker.py", json.dumps(runs), timeout=480)
     for key, run in results[0]["runs"].items():  # shown with pytest -s
         print(f"{key:<26} accuracy {run['accuracy']:.4f}  bytes/step {run['comm_bytes']:9.1f}  "
@@ -51,6 +56,29 @@ def test_distributed_optimizer_route(fits, algo):
         run = r["runs"][f"{algo}/optimizer"]
         assert run["identical"] and run["accuracy"] > 0.5
         assert 0 < run["density"] < 0.5
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", HALF_WIRES)
+@pytest.mark.parametrize("algo", ["dense", "topk"])
+def test_half_precision_wire_accuracy_within_one_point(fits, algo, wire):
+    """GradientFlow's fp16 / Pipe-SGD's 16-bit truncation on the wire: digits accuracy within
+    1 point of the float32 wire, half the bytes per step, replicas identical."""
+    results, _ = fits
+    runs = results[0]["runs"]
+    f32, half = runs[f"{algo}/strategy"], runs[f"{algo}/strategy+{wire}"]
+    assert half["accuracy"] >= f32["accuracy"] - 0.01, (algo, wire, half["accuracy"], f32["accuracy"])
+    assert half["comm_bytes"] == pytest.approx(f32["comm_bytes"] * (0.5 if algo == "dense" else 0.75), rel=0.02)
+    for r in results:
+        assert r["runs"][f"{algo}/strategy+{wire}"]["identical"]
+
+
+@pytest.mark.mpi
+def test_int8_wire_and_buckets_through_the_optimizer(fits):
+    results, _ = fits
+    for r in results:
+        run = r["runs"]["oktopk/optimizer+int8+b1024"]
+        assert run["identical"] and run["accuracy"] > 0.5
 
 
 @pytest.mark.mpi

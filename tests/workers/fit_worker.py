@@ -2,7 +2,8 @@
 
 Usage: fit_worker.py SPEC_JSON
   SPEC_JSON: a list of runs ``{"algo": NAME, "route": "strategy"|"optimizer", "epochs": E,
-  "density": D, "schedule": bool}``; ``schedule`` adds DensitySchedule() (gTop-k's warm-up).
+  "density": D, "schedule": bool, "wire": W, "bucket_bytes": B}``; ``schedule`` adds
+  DensitySchedule() (gTop-k's warm-up), ``wire``/``bucket_bytes`` the exchange's options.
 Saves, per run ``<algo>/<route>[+schedule]``: test accuracy, whether all ranks' weights are
 identical, mean bytes per step, the achieved density and the density set at each epoch.
 """
@@ -51,25 +52,27 @@ class RecordDensity(keras.callbacks.Callback):
 out = {}
 for run in runs:
     algo, route, epochs, density = run["algo"], run["route"], int(run["epochs"]), float(run["density"])
+    options = {"wire_dtype": run.get("wire", "float32"), "bucket_bytes": run.get("bucket_bytes")}
     t0 = time.time()
     record = RecordDensity()
     cbs = ([DensitySchedule()] if run.get("schedule") else []) + [record, CommunicationStats()]
     if route == "strategy":
-        strategy = tfsparse.SparseStrategy(algorithm=algo, density=density)
+        strategy = tfsparse.SparseStrategy(algorithm=algo, density=density, **options)
         with strategy.scope():
             model = build()
             model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, metrics=["accuracy"])
     else:
         model = build()
         opt = tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), algorithm=algo,
-                                                  density=density)
+                                                  density=density, **options)
         model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
         cbs = [BroadcastInitialState()] + cbs + [MetricAverage()]
     hist = model.fit(xs, ys, epochs=epochs, batch_size=32, callbacks=cbs, verbose=0)
     ev = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)
     w = np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
     allw = comm.allgather(w.astype(np.float64))
-    key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "")
+    key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "") + \
+        (f"+{run['wire']}" if run.get("wire") else "") + (f"+b{run['bucket_bytes']}" if "bucket_bytes" in run else "")
     out[key] = {"accuracy": float(ev["accuracy"]), "identical": all(np.array_equal(allw[0], a) for a in allw),
                 "comm_bytes": float(np.mean(hist.history["comm_bytes"])),
                 "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
