@@ -128,3 +128,78 @@ def test_launcher_builds_mpirun_command():
         build_command(0, ["python"])
     with pytest.raises(ValueError, match="no command"):
         build_command(2, [])
+
+
+# -- one exchange per model, the same options everywhere ---------------------------------------
+
+class NoTalk(tfsparse.collectives.Communicator):
+    """Fails on any communication: the argument errors must come first."""
+
+    def __init__(self):
+        super().__init__(0, 3)
+
+    def _fail(self, *a, **k):
+        raise AssertionError("communication happened before argument validation")
+
+    _allreduce = _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = _duplicate = _fail
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(wire_dtype="half"), ["wire_dtype='half' is not supported", "'float16'", "'bfloat16'", "'int8'"]),
+    (dict(bucket_bytes=-1), ["bucket_bytes=-1", "integer >= 0"]),
+    (dict(plan="layers"), ["plan='layers' is not supported", "'fused'", "'buckets'", "'per_tensor'"]),
+    (dict(plan="per_tensor", bucket_bytes=64), ["bucket_bytes=64 only applies to plan='buckets'"]),
+    (dict(algorithm="oktopk", tau_prime=0), ["tau_prime=0", ">= 1"]),
+    (dict(algorithm="gtopk", tau=3), ["tau=3", "gtopk"]),
+])
+def test_same_options_everywhere_validated_before_communication(kwargs, words):
+    for make in (lambda: tfsparse.SparseStrategy(communicator=NoTalk(), **kwargs),
+                 lambda: DistributedOptimizer(keras.optimizers.SGD(), communicator=NoTalk(), **kwargs)):
+        with pytest.raises(ValueError) as e:
+            make()
+        for w in words:
+            assert w in str(e.value), str(e.value)
+
+
+def test_distributed_optimizer_shares_or_brings_the_one_exchange():
+    strategy = tfsparse.SparseStrategy("topk", 0.2, wire_dtype="float16", bucket_bytes=0, communicator=solo())
+    with strategy.scope():
+        shared = DistributedOptimizer(keras.optimizers.SGD(0.1))
+        own = DistributedOptimizer(keras.optimizers.SGD(0.1), "dense", 1.0, wire_dtype="bfloat16",
+                                   communicator=solo())
+    assert shared.exchange is strategy.exchange and shared.exchange.owner == "optimizer"
+    assert shared.algorithm == "topk" and shared.exchange.wire_dtype == "float16"
+    assert own.exchange is not strategy.exchange and own.exchange.wire_dtype == "bfloat16"
+    x, y = data()
+    with strategy.scope():
+        model = small_model()
+        model.compile(own, LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert own.exchange.total.steps == 4 and strategy.exchange.total.steps == 0  # the model's one exchange
+    assert [s.name for s in own.exchange.layout.specs] == [v.path for v in model.trainable_variables]
+
+
+def test_layout_plan_and_names_captured_at_trace_time():
+    strategy = tfsparse.SparseStrategy("topk", 0.2, bucket_bytes=64, communicator=solo())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), LOSS)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ex = strategy.exchange
+    assert [s.name for s in ex.layout.specs] == [v.path for v in model.trainable_variables]
+    assert [s.shape for s in ex.layout.specs] == [(8, 6), (6,), (6, 3), (3,)]
+    # lazy allreduce, last layer first: (6,3)+(3,) = 84 B >= 64; (6,) alone is 24 B; then (8,6)
+    assert [(b.first, b.last) for b in ex.buckets] == [(2, 4), (0, 2)]
+    assert ex.total.steps == 4 and ex.residual.shape == (8 * 6 + 6 + 6 * 3 + 3,)
+
+
+def test_optimizer_config_carries_every_option():
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.25), "oktopk", 0.05, wire_dtype="int8", bucket_bytes=4096,
+                               tau=16, communicator=solo())
+    cfg = opt.get_config()
+    assert {k: cfg[k] for k in ("algorithm", "density", "wire_dtype", "bucket_bytes", "plan")} == \
+        {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "bucket_bytes": 4096, "plan": "buckets"}
+    assert cfg["algorithm_options"] == {"tau": 16}
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert again.exchange.config() == opt.exchange.config()
