@@ -66,6 +66,7 @@ FORMULA = {"dense": "2n(P-1)/P", "topk": "2k(P-1)", "gtopk": "4k log2 P @root", 
 
 def worker(args) -> None:
     sys.path.insert(0, str(REPO))
+    from tfsparse import aggregators as A
     from tfsparse import collectives as C
 
     comm = C.MPICommunicator()
@@ -73,7 +74,7 @@ def worker(args) -> None:
     n, k = args.n, max(1, math.ceil(args.density * args.n))
     rows = []
     for algo in args.algorithms:
-        agg = C.get_aggregator(algo)
+        agg = A.get_aggregator(algo)
         per_step = []
         for s in range(args.steps):
             acc = np.random.default_rng([rank, s, 2024]).standard_normal(n, dtype=np.float32)

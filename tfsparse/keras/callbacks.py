@@ -1,7 +1,7 @@
 """Keras callbacks for multi-process training.
 
 * :class:`BroadcastInitialState` — start every rank from rank 0's weights and optimizer state.
-* :class:`CommunicationStats` — ``comm_bytes`` and ``density`` in each epoch's logs.
+* :class:`CommunicationStats` — bytes, density and phase times of the exchange in each epoch's logs.
 * :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
@@ -75,8 +75,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
 
 class CommunicationStats(keras.callbacks.Callback):
-    """Adds ``comm_bytes`` (mean bytes this rank sent per step for the gradient exchange)
-    and ``density`` (achieved fraction of gradient elements sent) to each epoch's logs.
+    """Adds to each epoch's logs, per step of the gradient exchange on this rank:
+    ``comm_bytes`` (mean bytes sent), ``density`` (achieved fraction of gradient elements
+    sent), and where the time went -- ``encode_ms`` (error feedback, selection, encoding, on
+    the training thread), ``comm_ms`` (the collectives, on the communication thread) and
+    ``decode_ms`` (dense result and residual update, on the communication thread).
 
     Put it before History/TensorBoard users in the callback list so they see the keys.
     """
@@ -90,18 +93,23 @@ class CommunicationStats(keras.callbacks.Callback):
         ex = find_exchange(self.model)
         if ex is None or logs is None:
             return
-        logs["comm_bytes"] = float(ex.stats.bytes_per_step)
-        logs["density"] = float(ex.stats.density)
+        st = ex.stats
+        steps = max(st.steps, 1)
+        logs["comm_bytes"] = float(st.bytes_per_step)
+        logs["density"] = float(st.density)
+        logs["encode_ms"] = 1e3 * st.encode_seconds / steps
+        logs["comm_ms"] = 1e3 * st.comm_seconds / steps
+        logs["decode_ms"] = 1e3 * st.decode_seconds / steps
 
 
 class MetricAverage(keras.callbacks.Callback):
     """Averages the numeric epoch logs (and evaluate's logs) across ranks.
 
-    ``comm_bytes`` and ``density`` (from CommunicationStats) stay per rank, as under
+    What CommunicationStats adds (bytes, density, phase times) stays per rank, as under
     SparseStrategy.
     """
 
-    PER_RANK = ("comm_bytes", "density")
+    PER_RANK = ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms")
 
     def _average(self, logs):
         if not logs:

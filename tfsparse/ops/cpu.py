@@ -22,7 +22,9 @@ Table 1).  Every kernel here therefore makes one streaming pass in the common ca
   small inputs or dense k (k > n/64), it finds the exact k-th key by radix select
   (histograms of 11 + 10 + 10 key bits) and writes the top-k in one count + write.
 
-Inputs below :data:`PARALLEL_MIN` elements run on the calling thread only.
+Inputs below :data:`PARALLEL_MIN` elements run on the calling thread only.  Every kernel
+releases the GIL (``nogil``), so the exchange's communication thread keeps running Python
+(packing, MPI calls) while a bucket is being selected.
 """
 from __future__ import annotations
 
@@ -108,7 +110,7 @@ def _count_ge(xu, b0, b1, klo):
     return c
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _select_ge(xu, x, klo, st_idx, st_val):
     """Indices (ascending) and values of the elements with ``key >= klo``.
 
@@ -171,7 +173,7 @@ def _select_ge(xu, x, klo, st_idx, st_val):
     return out_idx, out_val
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _radix_hist(xu, shift, nbits, prefix, nthreads):
     """Histogram of the digit ``(key >> shift) & (2**nbits - 1)`` over the keys whose bits
     above the digit equal ``prefix`` (all keys on the first level, ``shift + nbits == 31``)."""
@@ -210,7 +212,7 @@ def _radix_hist(xu, shift, nbits, prefix, nthreads):
     return hist
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _radix_select(xu, k, nthreads):
     """Exact k-th largest key ``t`` and ``r``, how many of the keys equal to ``t`` the top-k
     takes: three histogram passes over the 11 + 10 + 10 bits of the key."""
@@ -228,7 +230,7 @@ def _radix_select(xu, k, nthreads):
     return prefix, need
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _select_top(xu, x, t, r, k):
     """The top-k given its exact k-th key ``t`` and tie quota ``r``: every key above ``t`` and
     the first ``r`` keys equal to ``t`` (index order), written once in index order.  Two
@@ -272,7 +274,7 @@ def _select_top(xu, x, t, r, k):
     return out_idx, out_val
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _keys_of(val):
     u = val.view(np.uint32)
     keys = np.empty(u.size, np.int64)
@@ -281,14 +283,14 @@ def _keys_of(val):
     return keys
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _kth_key(keys, k):
     """k-th largest (1-based) of an int64 key array (``keys`` is not modified)."""
     m = keys.size
     return np.partition(keys, m - k)[m - k]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _sample_keys(xu, s, step, a, b):
     """Keys at ``s`` stratified sample positions (one hashed position per stratum, see
     :func:`tfsparse.ops._common.sample_step`)."""
@@ -303,7 +305,7 @@ def _sample_keys(xu, s, step, a, b):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _take_topk(cand_idx, cand_val, k, t):
     """The top-k among candidates (ascending indices) that hold every key ``>= t``, ``t`` the
     exact k-th largest key: all keys above ``t``, then ties at ``t`` by lowest index."""
@@ -326,7 +328,7 @@ def _take_topk(cand_idx, cand_val, k, t):
     return out_idx, out_val
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _lower_key(xu, s, step, kp, a, b):
     """A key that is <= the k-th largest key with high probability (rank ``kp`` of ``s`` samples)."""
     return _kth_key(_sample_keys(xu, s, step, a, b), kp)
@@ -334,7 +336,7 @@ def _lower_key(xu, s, step, kp, a, b):
 
 # ----------------------------------------------------------------------------- hashing
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _hash_select(xu, x, tkey, a, b, m):
     """DRAGONN Alg. 1 with atomic max per slot (deterministic: the largest index wins)."""
     n = xu.size
@@ -369,7 +371,7 @@ def _hash_select(xu, x, tkey, a, b, m):
 
 # ----------------------------------------------------------------------------- decoding
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _scatter_add(out, idx, val, nblocks):
     """``out[idx] += val`` in payload order; block ``b`` of the output is owned by one thread
     (each scans all payload entries, so every element is summed in payload order)."""
@@ -385,7 +387,7 @@ def _scatter_add(out, idx, val, nblocks):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _index_range(idx):
     mx = -1
     for j in range(idx.size):
@@ -395,7 +397,7 @@ def _index_range(idx):
 
 # ----------------------------------------------------------------------------- quantization
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _max_key(xu):
     n = xu.size
     nch = (n + _CH - 1) // _CH
@@ -407,21 +409,21 @@ def _max_key(xu):
     return min(part.max(), _NANK)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _quantize(x, inv, q):
     for i in prange(x.size):
         q[i] = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
     return q
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _dequantize(q, scale, out):
     for i in prange(q.size):
         out[i] = np.float32(q[i]) * scale
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _truncate_fp16(xu, out):
     """float32 bits -> IEEE binary16 bits, rounding toward zero (drops mantissa bits)."""
     for i in prange(xu.size):
@@ -454,7 +456,7 @@ def _abs_sum32(x, b0, b1):
     return s
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc"})
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc"})
 def _chunk_l1(x, chunk, out):
     """float32 sums of 256-element blocks (vectorised: 8 elements per lane) added in float64."""
     n = x.size
