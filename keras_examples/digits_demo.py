@@ -1,6 +1,7 @@
 """Sparse data-parallel training demo on scikit-learn's bundled digits data (offline).
 
     tfsparse-run -np 4 python keras_examples/digits_demo.py [--algorithms dense,topk] [--density 0.01]
+        [--wire float16] [--bucket-bytes 65536]
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
@@ -52,6 +53,9 @@ def main():
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--wire", default="float32", help="wire_dtype: float32, float16, bfloat16 or int8")
+    parser.add_argument("--bucket-bytes", type=int, default=None,
+                        help="lazy-allreduce threshold in bytes (default: one fused bucket)")
     args = parser.parse_args()
 
     tfsparse.init()
@@ -65,7 +69,8 @@ def main():
 
     rows = []
     for algorithm in args.algorithms.split(","):
-        strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density)
+        strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
+                                           bucket_bytes=args.bucket_bytes)
         with strategy.scope():
             model = build_model()
             model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
@@ -84,7 +89,8 @@ def main():
 
     if rank == 0:
         print(f"\n{size} processes, digits ({len(x_train)} train / {len(x_test)} test), "
-              f"{args.epochs} epochs, batch {args.batch_size}/rank")
+              f"{args.epochs} epochs, batch {args.batch_size}/rank, wire {args.wire}, "
+              f"{'one fused bucket' if args.bucket_bytes is None else f'buckets of {args.bucket_bytes} B'}")
         print(f"{'algorithm':<12}{'accuracy':>10}{'bytes/step':>14}{'density':>10}{'step ms':>10}")
         for algorithm, acc, nbytes, dens, ms in rows:
             print(f"{algorithm:<12}{acc:>10.4f}{nbytes:>14.0f}{dens:>10.4f}{ms:>10.1f}")
