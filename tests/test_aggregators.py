@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import refs
-from tfsparse import collectives as C
+from fakes import NoTalk
 from tfsparse import aggregators as A
 from tfsparse.aggregators.gtopk import top_merge, tree_schedule
 from tfsparse.wire import pack_sparse, unpack_sparse
@@ -404,18 +404,6 @@ def test_threshold_select_edge_cases():
 
 
 # -- bad input ---------------------------------------------------------------------------
-
-class NoTalk(C.Communicator):
-    """A communicator that fails on any communication: proves errors come first."""
-
-    def __init__(self):
-        super().__init__(0, 4)
-
-    def _fail(self, *a, **k):
-        raise AssertionError("communication happened before argument validation")
-
-    _allreduce = _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = _duplicate = _fail
-
 
 @pytest.mark.parametrize("name,opts,words", [
     ("gtopk", {"tau": 3}, ["tau=3", "gtopk"]),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from exchange_ref import reference_run
+from fakes import NoTalk
 from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import CommThread, Communicator, InProcessWorld
 from tfsparse.exchange import GradientExchange
@@ -294,18 +295,6 @@ def test_a_round_can_finish_later():
 
 
 # -- validation, before any communication ------------------------------------------------------
-
-class NoTalk(Communicator):
-    """Fails on any communication: proves the errors come first."""
-
-    def __init__(self):
-        super().__init__(0, 4)
-
-    def _fail(self, *a, **k):
-        raise AssertionError("communication happened before argument validation")
-
-    _allreduce = _allgather = _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = _duplicate = _fail
-
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"algorithm": "top-k"}, ["algorithm='top-k' is not supported", "'topk'", "'gtopk'"]),

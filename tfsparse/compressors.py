@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .state import Stateful
+
 _M64 = (1 << 64) - 1
 
 
-class Compressor:
+class Compressor(Stateful):
     """Base class; subclasses implement :meth:`compress`."""
 
     name = "base"
@@ -20,14 +22,6 @@ class Compressor:
         """Returns (indices, values) of the entries to send."""
         raise TypeError(f"{type(self).__name__} does not define compress()")
 
-    def get_state(self) -> dict:
-        """What this compressor carries between calls (``{name: numpy array}``)."""
-        return {}
-
-    def set_state(self, state: dict) -> None:
-        unknown = sorted(set(state) - set(self.get_state()))
-        if unknown:
-            raise ValueError(f"state keys {unknown} do not belong to compressor {self.name!r}")
 
     def __repr__(self):
         return f"{type(self).__name__}()"

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..collectives.communicator import Communicator
+from ..state import Stateful
 from ..wire import FLOAT32, Wire, WireLoss
 
 
@@ -60,11 +61,12 @@ class AllreduceResult:
         return out
 
 
-class Aggregator:
+class Aggregator(Stateful):
     """Base class.  Subclasses set ``name`` and implement :meth:`encode` and :meth:`exchange`.
 
     ``uses_memory``: whether error feedback applies (False for lossless dense; a lossy wire
-    turns it on in the exchange, which keeps what the wire lost).
+    turns it on in the exchange, which keeps what the wire lost).  State between calls:
+    :class:`~tfsparse.state.Stateful` (``get_state``/``set_state``).
     """
 
     name = "base"
@@ -81,17 +83,6 @@ class Aggregator:
     def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:
         """``exchange(comm, encode(comm, acc, k, wire))``."""
         return self.exchange(comm, self.encode(comm, acc, k, wire))
-
-    # -- explicit state -------------------------------------------------------------------
-    def get_state(self) -> dict:
-        """What this aggregator carries between calls, as ``{name: numpy array}`` (a copy)."""
-        return {}
-
-    def set_state(self, state: dict) -> None:
-        """Restores :meth:`get_state`'s output (e.g. from a checkpoint)."""
-        unknown = sorted(set(state) - set(self.get_state()))
-        if unknown:
-            raise ValueError(f"state keys {unknown} do not belong to algorithm={self.name!r}")
 
     def reset(self) -> None:
         """Forgets cached state (thresholds, boundaries)."""

@@ -270,7 +270,6 @@ class OkTopkAllreduce(Aggregator):
         own region's entries go in at full precision, the others' decoded from the wire."""
         rank, size = comm.rank, comm.size
         cuts = np.searchsorted(local_idx, bounds)  # local_idx[cuts[j]:cuts[j+1]] lies in region j
-        send_counts = np.diff(cuts).astype(np.int64)
         messages = [None] * size
         for dst in range(size):
             c0, c1 = int(cuts[dst]), int(cuts[dst + 1])

@@ -18,7 +18,6 @@ strategy then runs; Keras scales the loss by 1/P there.
 from __future__ import annotations
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 

@@ -26,9 +26,6 @@ saves it itself.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import numpy as np
 import tensorflow as tf
 
