@@ -91,11 +91,15 @@ def test_sparse_messages(name, itype):
     w = get_wire(name)
     idx = np.array([0, 5, 9, 2**20], np.int64)
     val = np.array([1.5, -2.0, 1e-4, 7.0], np.float32)
-    buf, dec = pack_sparse(idx, val, itype, w)
+    buf, lost = pack_sparse(idx, val, itype, w)
     assert buf.size == idx.size * np.dtype(itype).itemsize + w.nbytes(idx.size)
     i2, v2 = unpack_sparse(buf, itype, w)
     np.testing.assert_array_equal(i2, idx)
-    np.testing.assert_array_equal(v2, dec)
+    np.testing.assert_array_equal(v2, w.roundtrip(val)[1])
+    if name == "float32":
+        assert lost is None
+    else:
+        np.testing.assert_array_equal(lost, val - v2)
     e_idx, e_val = unpack_sparse(pack_sparse(idx[:0], val[:0], itype, w)[0], itype, w)
     assert e_idx.size == 0 and e_val.size == 0
     with pytest.raises(RuntimeError, match="corrupt"):
@@ -106,13 +110,35 @@ def test_index_dtype():
     assert index_dtype(2**31 - 1) == np.int32 and index_dtype(2**31) == np.int64
 
 
+@pytest.mark.parametrize("name", WIRES)
+def test_encode_with_loss(name):
+    """loss = value - decode(encode(value)), in one pass; 0 where a value is NaN/Inf."""
+    w = get_wire(name)
+    x = data(9000, seed=5)
+    x[[7, 8]] = [np.inf, np.nan]
+    buf, loss = w.encode_with_loss(x)
+    np.testing.assert_array_equal(buf, w.encode(x))
+    if name == "float32":
+        assert loss is None
+        return
+    dec = w.decode(buf, x.size)
+    finite = np.isfinite(x) & np.isfinite(dec)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(loss[finite], (x - dec)[finite])
+    assert loss[7] == 0 and loss[8] == 0 and np.isfinite(loss).all()
+    big = data(100, seed=6)
+    big[3] = 3e6  # a scaled float16 message: the loss of the scaled encoding
+    buf, loss = w.encode_with_loss(big)
+    np.testing.assert_allclose(loss, big - w.decode(buf, big.size), rtol=0, atol=0)
+
+
 def test_wire_loss_restrict_and_apply():
     loss = WireLoss()
     x = np.array([1.1, 2.2, 3.3], np.float32)
-    loss.add(np.array([2, 5, 9]), x, x)  # the very same array: lossless, nothing recorded
+    loss.add(np.array([2, 5, 9]), None)  # a lossless wire: nothing recorded
     assert not loss
-    loss.add(np.array([2, 5, 9]), x, np.float32(1.0) * np.round(x))
-    loss.add(slice(0, 3), x, np.zeros(3, np.float32))
+    loss.add(np.array([2, 5, 9]), x - np.round(x))
+    loss.add(slice(0, 3), x)
     kept = loss.restrict(np.array([1, 2, 9]))
     r = np.zeros(10, np.float32)
     kept.apply_to(r)
@@ -122,3 +148,38 @@ def test_wire_loss_restrict_and_apply():
     np.testing.assert_allclose(r, want, rtol=1e-6)
     assert loss.restrict(None) is loss
     assert not loss.restrict(np.empty(0, np.int64))
+
+
+@pytest.mark.parametrize("name", WIRES)
+def test_decode_into_accumulates(name):
+    w = get_wire(name)
+    x = data(9000, seed=3)
+    if name == "float16":
+        x[5] = 1e7  # a scaled message takes the same path
+    buf = w.encode(x)
+    base = data(9000, seed=4)
+    out = base.copy()
+    w.decode_into(buf, x.size, out, accumulate=True)
+    np.testing.assert_array_equal(out, base + w.decode(buf, x.size))
+    w.decode_into(buf, x.size, out)
+    np.testing.assert_array_equal(out, w.decode(buf, x.size))
+
+
+def test_half_encoding_is_numpys_round_to_nearest_even():
+    """Every float16 value, every midpoint between two of them, the overflow edge, subnormals."""
+    f = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    f = f[np.isfinite(f)]
+    f = np.sort(f)
+    mids = (f[:-1].astype(np.float64) + np.diff(f.astype(np.float64)) / 2).astype(np.float32)
+    edge = np.array([65504, 65519.996, 65520, 1e9, 2**-24, 2**-25, 1.5 * 2**-25, 2**-26, 2**-14], np.float32)
+    x = np.concatenate([f, mids, edge, -edge])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    from tfsparse.ops import cpu
+
+    codes, loss, over = cpu.half_encode(x)
+    got = cpu.decode16_into(codes, cpu.HALF_TABLE, np.empty(x.size, np.float32))
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(loss[finite], (x - want)[finite])
+    np.testing.assert_array_equal(got, want)
+    assert over == int(np.sum(np.isinf(want)))

@@ -33,6 +33,11 @@ wire's loss like any other rounding.
 that reach the global result.  Decoding is deterministic, and every rank decodes the same
 bytes, so all ranks get bit-identical results.
 
+Encoding and decoding run as Numba CPU kernels (:mod:`tfsparse.ops.cpu`: one pass each,
+decoding straight into the receiver's accumulator); they give exactly numpy's
+``astype(float16)`` and the definitions above (tests/test_wire.py).  Messages are host
+buffers: the payload is on the host when it goes to MPI.
+
 Non-finite values: ``float16``/``bfloat16`` carry ±Inf and NaN (a NaN stays a NaN: the
 truncation keeps a quiet-NaN bit).  ``int8`` cannot: a chunk holding a non-finite value gets
 a non-finite scale and decodes to NaN (:func:`tfsparse.ops.quantize_int8`'s rule), so the
@@ -77,6 +82,13 @@ def _f32(values) -> np.ndarray:
     return np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
 
 
+def _kernels():
+    """The Numba CPU codec kernels (imported on first use: numba is not needed for float32)."""
+    from .ops import cpu
+
+    return cpu
+
+
 class Wire:
     """One value encoding.  Subclasses implement :meth:`encode`, :meth:`decode` and
     :meth:`entries`; ``value_bytes`` is the nominal size of one value on the wire."""
@@ -87,7 +99,13 @@ class Wire:
 
     def encode(self, values) -> np.ndarray:
         """float32 values -> one ``uint8`` buffer."""
-        raise TypeError(f"{type(self).__name__} does not define encode()")
+        return self.encode_with_loss(values)[0]
+
+    def encode_with_loss(self, values) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(encode(values), values - decode(encode(values)))`` in one pass; the loss is 0
+        where a value is NaN/Inf (it travels as it is, or poisons its int8 chunk), None for a
+        lossless wire."""
+        raise TypeError(f"{type(self).__name__} does not define encode_with_loss()")
 
     def decode(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` float32 values held by ``buf`` (a whole encoded block)."""
@@ -102,8 +120,17 @@ class Wire:
         """Bytes of ``count`` encoded values (without the rare float16 scale byte)."""
         return int(count) * self.value_bytes
 
+    def decode_into(self, buf: np.ndarray, count: int, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
+        """``out[:] = decode(buf)`` or, with ``accumulate``, ``out += decode(buf)`` (one pass
+        where the codec has a kernel for it)."""
+        if accumulate:
+            out += self.decode(buf, count)
+        else:
+            out[:] = self.decode(buf, count)
+        return out
+
     def roundtrip(self, values) -> tuple[np.ndarray, np.ndarray]:
-        """``(encode(values), decode(encode(values)))``."""
+        """``(encode(values), decode(encode(values)))``: what a receiver reads."""
         buf = self.encode(values)
         return buf, self.decode(buf, np.size(values))
 
@@ -121,8 +148,8 @@ class Float32(Wire):
     value_bytes = 4
     lossy = False
 
-    def encode(self, values):
-        return _f32(values).view(np.uint8)
+    def encode_with_loss(self, values):
+        return _f32(values).view(np.uint8), None
 
     def decode(self, buf, count):
         return np.ascontiguousarray(buf, dtype=np.uint8)[:4 * count].view(np.float32)
@@ -133,9 +160,6 @@ class Float32(Wire):
             raise _corrupt(self, nbytes, index_bytes)
         return m
 
-    def roundtrip(self, values):
-        values = _f32(values)
-        return values.view(np.uint8), values
 
 
 @register_wire
@@ -143,28 +167,38 @@ class Float16(Wire):
     name = "float16"
     value_bytes = 2
 
-    def encode(self, values):
+    def encode_with_loss(self, values):
         values = _f32(values)
-        with np.errstate(over="ignore"):
-            half = values.astype(np.float16)
-        if not np.isinf(half).any():
-            return half.view(np.uint8)
+        codes, loss, overflowed = _kernels().half_encode(values)
+        if not overflowed:
+            return codes.view(np.uint8), loss
         finite = np.isfinite(values)
-        if not np.isinf(half[finite]).any():  # only genuine infinities: nothing to scale
-            return half.view(np.uint8)
         amax = float(np.abs(values[finite]).max())
         e = 1
         while np.float32(amax) / np.float32(2.0 ** e) > _F16_MAX:
             e += 1
-        half = (values / np.float32(2.0 ** e)).astype(np.float16)
-        return np.concatenate([half.view(np.uint8), np.array([e], np.uint8)])
+        codes, _, _ = _kernels().half_encode(values / np.float32(2.0 ** e))
+        buf = np.concatenate([codes.view(np.uint8), np.array([e], np.uint8)])
+        with np.errstate(invalid="ignore"):
+            loss = np.where(finite, values - self.decode(buf, values.size), np.float32(0.0))
+        return buf, loss.astype(np.float32, copy=False)
 
     def decode(self, buf, count):
-        buf = np.ascontiguousarray(buf, dtype=np.uint8)
-        out = buf[:2 * count].view(np.float16).astype(np.float32)
-        if buf.size == 2 * count + 1:
-            out *= np.float32(2.0 ** int(buf[-1]))
-        return out
+        return self.decode_into(buf, count, np.empty(int(count), np.float32))
+
+    def decode_into(self, buf, count, out, accumulate=False):
+        k = _kernels()
+        buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        codes = buf[:2 * count].view(np.uint16)
+        if buf.size == 2 * count + 1:  # scaled: decode, then multiply by 2**e
+            value = k.decode16_into(codes, k.HALF_TABLE, np.empty(int(count), np.float32))
+            value *= np.float32(2.0 ** int(buf[-1]))
+            if accumulate:
+                out += value
+            else:
+                out[:] = value
+            return out
+        return k.decode16_into(codes, k.HALF_TABLE, out, accumulate)
 
     def entries(self, nbytes, index_bytes=0):
         m, rem = divmod(int(nbytes) - (int(nbytes) & 1), index_bytes + 2)
@@ -178,17 +212,17 @@ class BFloat16(Wire):
     name = "bfloat16"
     value_bytes = 2
 
-    def encode(self, values):
-        bits = _f32(values).view(np.uint32)
-        hi = (bits >> np.uint32(16)).astype(np.uint16)
-        nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        if nan.any():  # a NaN whose payload sits in the low bits would truncate to Inf
-            hi[nan] |= np.uint16(0x0040)
-        return hi.view(np.uint8)
+    def encode_with_loss(self, values):
+        codes, loss = _kernels().bfloat16_encode(_f32(values))
+        return codes.view(np.uint8), loss
 
     def decode(self, buf, count):
-        hi = np.ascontiguousarray(buf, dtype=np.uint8)[:2 * count].view(np.uint16)
-        return (hi.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return self.decode_into(buf, count, np.empty(int(count), np.float32))
+
+    def decode_into(self, buf, count, out, accumulate=False):
+        k = _kernels()
+        codes = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)[:2 * count].view(np.uint16)
+        return k.decode16_into(codes, k.BF16_TABLE, out, accumulate)
 
     def entries(self, nbytes, index_bytes=0):
         m, rem = divmod(int(nbytes), index_bytes + 2)
@@ -208,30 +242,19 @@ class Int8(Wire):
     def nbytes(self, count):
         return int(count) + 4 * (-(-int(count) // INT8_CHUNK))
 
-    def encode(self, values):
-        x = _f32(values)
-        m = x.size
-        chunks = -(-m // INT8_CHUNK)
-        pad = np.zeros(chunks * INT8_CHUNK, np.float32)
-        pad[:m] = x
-        blocks = pad.reshape(chunks, INT8_CHUNK)
-        amax = np.max(np.abs(blocks), axis=1) if chunks else np.zeros(0, np.float32)
-        scale = (amax / np.float32(127.0)).astype(np.float32)
-        ok = np.isfinite(amax) & (amax > 0)
-        inv = np.zeros(chunks, np.float32)
-        inv[ok] = np.float32(127.0) / amax[ok]
-        with np.errstate(invalid="ignore"):
-            q = np.clip(np.rint(blocks * inv[:, None]), -127, 127)
-        q[~ok] = 0
-        return np.concatenate([q.astype(np.int8).reshape(-1)[:m].view(np.uint8), scale.view(np.uint8)])
+    def encode_with_loss(self, values):
+        q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
+        return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
 
     def decode(self, buf, count):
-        buf = np.ascontiguousarray(buf, dtype=np.uint8)
-        chunks = -(-count // INT8_CHUNK)
-        q = buf[:count].view(np.int8).astype(np.float32)
-        scale = buf[count:count + 4 * chunks].copy().view(np.float32)
-        with np.errstate(invalid="ignore"):
-            return q * np.repeat(scale, INT8_CHUNK)[:count]
+        return self.decode_into(buf, count, np.empty(int(count), np.float32))
+
+    def decode_into(self, buf, count, out, accumulate=False):
+        buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        chunks = -(-int(count) // INT8_CHUNK)
+        q = buf[:count].view(np.int8)
+        scales = buf[count:count + 4 * chunks].view(np.float32)
+        return _kernels().dequantize_int8_chunks_into(q, scales, INT8_CHUNK, out, accumulate)
 
     def entries(self, nbytes, index_bytes=0):
         # nbytes = m * (index_bytes + 1) + 4 * q with q = ceil(m / C) chunks: try the few q near
@@ -255,12 +278,12 @@ def index_dtype(n: int):
     return np.int32 if n < 2**31 else np.int64
 
 
-def pack_sparse(idx, val, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
-    """One message ``[indices as itype | values encoded by wire]``; returns ``(buffer, decoded)``
-    where ``decoded`` is what every receiver will read (``val`` itself for float32)."""
-    enc, decoded = wire.roundtrip(val)
+def pack_sparse(idx, val, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray | None]:
+    """One message ``[indices as itype | values encoded by wire]``; returns ``(buffer, loss)``
+    where ``loss`` is what the encoding lost on each value (None for float32)."""
+    enc, loss = wire.encode_with_loss(val)
     idx = np.ascontiguousarray(idx, dtype=itype).reshape(-1)
-    return np.concatenate([idx.view(np.uint8), enc]), decoded
+    return np.concatenate([idx.view(np.uint8), enc]), loss
 
 
 def unpack_sparse(buf, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
@@ -283,19 +306,17 @@ class WireLoss:
     """This rank's record of ``value - decode(encode(value))`` for the values it encoded.
 
     ``where`` is an int64 index array or a ``slice`` of the exchanged vector.  Aggregators
-    record every encoding they perform (:meth:`add`) and keep, at the end of the exchange, the
-    losses of the values that reached the global result (:meth:`restrict`); the memory adds
-    them to the residual.  Nothing is recorded for a lossless wire.
+    record every encoding they perform (:meth:`add`, with :meth:`Wire.encode_with_loss`'s loss)
+    and keep, at the end of the exchange, the losses of the values that reached the global
+    result (:meth:`restrict`); the memory adds them to the residual.  Nothing is recorded for
+    a lossless wire.
     """
 
     def __init__(self):
         self.parts: list = []
 
-    def add(self, where, values, decoded) -> None:
-        if decoded is values:
-            return
-        loss = np.asarray(values, np.float32) - decoded
-        if loss.any():
+    def add(self, where, loss) -> None:
+        if loss is not None:
             self.parts.append((where, loss))
 
     def restrict(self, g_idx) -> "WireLoss":

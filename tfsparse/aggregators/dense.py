@@ -51,8 +51,8 @@ class DenseAllreduce(Aggregator):
                 blocks.append(None)
                 continue
             block = slice(int(offs[j]), int(offs[j + 1]))
-            buf, decoded = wire.roundtrip(acc[block])
-            loss.add(block, acc[block], decoded)
+            buf, lost = wire.encode_with_loss(acc[block])
+            loss.add(block, lost)
             blocks.append(buf)
         return _DensePayload(acc, wire, counts, blocks, loss)
 
@@ -68,12 +68,15 @@ class DenseAllreduce(Aggregator):
         received = comm.alltoall(blocks)
         mine = np.zeros(int(counts[rank]), np.float32)
         for src in range(size):  # rank order: the same float32 rounding on every owner
-            mine += acc[own] if src == rank else wire.decode(received[src], int(counts[rank]))
-        buf, decoded = wire.roundtrip(mine)
+            if src == rank:
+                mine += acc[own]
+            else:
+                wire.decode_into(received[src], int(counts[rank]), mine, accumulate=True)
+        buf, lost = wire.encode_with_loss(mine)
         loss = payload.loss
-        loss.add(own, mine, decoded)
+        loss.add(own, lost)
         parts = comm.allgather(buf)
         total = np.empty(acc.size, np.float32)
         for j in range(size):
-            total[int(offs[j]):int(offs[j + 1])] = wire.decode(parts[j], int(counts[j]))
+            wire.decode_into(parts[j], int(counts[j]), total[int(offs[j]):int(offs[j + 1])])
         return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size, loss=loss)

@@ -122,8 +122,8 @@ class GTopKAllreduce(Aggregator):
                 break
             for receiver, sender in pairs:
                 if rank == sender:
-                    message, decoded = pack_sparse(cur_idx, cur_val, itype, wire)
-                    loss.add(cur_idx, cur_val, decoded)
+                    message, lost = pack_sparse(cur_idx, cur_val, itype, wire)
+                    loss.add(cur_idx, lost)
                     comm.send(message, receiver, tag=TAG_GTOPK)
                     active = False
                 elif rank == receiver:
@@ -135,8 +135,8 @@ class GTopKAllreduce(Aggregator):
         if size > 1:
             message = None
             if rank == 0:
-                message, decoded = pack_sparse(cur_idx, cur_val, itype, wire)
-                loss.add(cur_idx, cur_val, decoded)
+                message, lost = pack_sparse(cur_idx, cur_val, itype, wire)
+                loss.add(cur_idx, lost)
             nbytes = comm.bcast(np.array([message.size], dtype=np.int64) if rank == 0 else None, root=0,
                                 shape=(1,), dtype=np.int64)
             message = comm.bcast(message, root=0, shape=(int(nbytes[0]),), dtype=np.uint8)

@@ -275,8 +275,8 @@ class OkTopkAllreduce(Aggregator):
             c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
             if dst != rank and c1 > c0:
                 part = local_idx[c0:c1]
-                messages[dst], decoded = pack_sparse(part, acc[part], itype, wire)
-                loss.add(part, acc[part], decoded)
+                messages[dst], lost = pack_sparse(part, acc[part], itype, wire)
+                loss.add(part, lost)
         send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
         if size > 1:  # message lengths first, so that every receive can be posted at once
             recv_bytes = np.concatenate(comm.alltoall([send_bytes[j:j + 1] for j in range(size)]))
@@ -340,8 +340,8 @@ class OkTopkAllreduce(Aggregator):
                 if q != rank and moves[rank, q] > 0:
                     off = max(starts[rank], targets[q]) - starts[rank]
                     sl = slice(int(off), int(off + moves[rank, q]))
-                    message, decoded = pack_sparse(g_idx[sl], g_val[sl], itype, wire)
-                    loss.add(g_idx[sl], g_val[sl], decoded)
+                    message, lost = pack_sparse(g_idx[sl], g_val[sl], itype, wire)
+                    loss.add(g_idx[sl], lost)
                     sends.append(comm.isend(message, q, tag=TAG_BALANCE))
             parts_idx, parts_val = [], []
             for p in range(size):  # the chunk in global order: pieces from lower ranks first
@@ -362,8 +362,8 @@ class OkTopkAllreduce(Aggregator):
             mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
         else:
             mine_idx, mine_val = g_idx, g_val
-        message, decoded = pack_sparse(mine_idx, mine_val, itype, wire)
-        loss.add(mine_idx, mine_val, decoded)
+        message, lost = pack_sparse(mine_idx, mine_val, itype, wire)
+        loss.add(mine_idx, lost)
         pieces = [unpack_sparse(b, itype, wire) for b in comm.allgather(message)]
         u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
         u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)

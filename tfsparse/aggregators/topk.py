@@ -38,9 +38,9 @@ class AllgatherAggregator(Aggregator):
         idx, val = self.compressor.compress(acc, k)
         idx = np.asarray(idx, dtype=np.int64)
         itype = index_dtype(acc.size)
-        message, decoded = pack_sparse(idx, val, itype, wire)
+        message, lost = pack_sparse(idx, val, itype, wire)
         loss = WireLoss()
-        loss.add(idx, val, decoded)
+        loss.add(idx, lost)
         return _SparsePayload(message, idx, itype, wire, loss)
 
     def exchange(self, comm, payload):

@@ -424,6 +424,117 @@ def _dequantize(q, scale, out):
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _half_rne(xu, x, table, out, loss):
+    """float32 bits -> IEEE binary16 bits, round to nearest even (numpy's ``astype(float16)``),
+    and ``loss = x - decoded`` (0 for NaN/Inf, which travel as they are); returns how many
+    finite values overflowed to Inf."""
+    over = 0
+    for i in prange(xu.size):
+        u = np.int64(xu[i])
+        sign = (u >> 16) & 0x8000
+        a = u & _ABS
+        if a > _INFK:                        # NaN: quiet, keep the top payload bits
+            h = 0x7E00 | ((a >> 13) & 0x3FF)
+        elif a >= 0x477FF000:                # >= 65520 rounds to Inf
+            h = 0x7C00
+            if a < _INFK:
+                over += 1
+        elif a >= 0x38800000:                # normal half: rebias, round 13 bits to nearest even
+            h = (a - (112 << 23) + 0xFFF + ((a >> 13) & 1)) >> 13
+        elif a >= 0x33000000:                # subnormal half (2**-25 <= |x| < 2**-14)
+            shift = 126 - (a >> 23)
+            m = (a & 0x7FFFFF) | 0x800000
+            q = m >> shift
+            rem = m & ((np.int64(1) << shift) - 1)
+            halfway = np.int64(1) << (shift - 1)
+            if rem > halfway or (rem == halfway and (q & 1) == 1):
+                q += 1
+            h = q
+        else:                                # rounds to zero
+            h = 0
+        code = np.uint16(sign | h)
+        out[i] = code
+        loss[i] = np.float32(0.0) if a >= _INFK or h == 0x7C00 else x[i] - table[code]
+    return over
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16_truncate(xu, x, table, out, loss):
+    """float32 bits -> their high 16 bits (bfloat16 by truncation; a NaN stays a NaN), and
+    ``loss = x - decoded`` (the dropped low bits; 0 for NaN/Inf)."""
+    for i in prange(xu.size):
+        u = np.int64(xu[i])
+        h = u >> 16
+        if (u & _ABS) >= _INFK:
+            if (u & _ABS) > _INFK:
+                h |= 0x40
+            loss[i] = np.float32(0.0)
+            out[i] = np.uint16(h)
+        else:
+            code = np.uint16(h)
+            out[i] = code
+            loss[i] = x[i] - table[code]
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _lookup_into(codes, table, out, accumulate):
+    """``out[i] (+)= table[codes[i]]``: 16-bit decoding through a 65536-entry table."""
+    if accumulate:
+        for i in prange(codes.size):
+            out[i] += table[codes[i]]
+    else:
+        for i in prange(codes.size):
+            out[i] = table[codes[i]]
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _quantize_chunks(x, chunk, q, scales, loss):
+    """Per chunk: ``scale = max|x| / 127``, ``q = clip(rint(x * (127 / max|x|)), -127, 127)``;
+    a chunk holding NaN/Inf (or only zeros) gets ``q = 0`` and a NaN/Inf (or zero) scale.
+    ``loss = x - q * scale`` (0 in a non-finite chunk: it decodes to NaN everywhere)."""
+    n = x.size
+    for c in prange(scales.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        amax = np.float32(0.0)
+        nan = False
+        for i in range(lo, hi):
+            a = abs(x[i])
+            if a != a:
+                nan = True
+            elif a > amax:
+                amax = a
+        scales[c] = np.float32(np.nan) if nan else np.float32(amax / np.float32(127.0))
+        if nan or amax == np.inf or amax == 0:
+            for i in range(lo, hi):
+                q[i] = 0
+                loss[i] = np.float32(0.0)
+        else:
+            inv = np.float32(np.float32(127.0) / amax)
+            scale = scales[c]
+            for i in range(lo, hi):
+                code = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
+                q[i] = code
+                loss[i] = x[i] - np.float32(code) * scale
+    return q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _dequantize_chunks_into(q, scales, chunk, out, accumulate):
+    n = q.size
+    for c in prange(scales.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        s = scales[c]
+        for i in range(lo, hi):
+            v = np.float32(q[i]) * s
+            out[i] = out[i] + v if accumulate else v
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _truncate_fp16(xu, out):
     """float32 bits -> IEEE binary16 bits, rounding toward zero (drops mantissa bits)."""
     for i in prange(xu.size):
@@ -651,6 +762,57 @@ def truncate_fp16(x):
         return _truncate_fp16(x.view(np.uint32), np.empty(x.size, np.uint16)).view(np.float16)
 
 
+# -- wire codecs (host side: the payload is on the host when it goes to MPI) ---------------
+
+HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+BF16_TABLE = (np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def half_encode(x):
+    """float32 -> IEEE binary16 codes (uint16), round to nearest even; ``(codes, loss,
+    overflowed)``: ``loss = x - decoded`` (0 where x is NaN/Inf or overflowed) and how many
+    finite values became Inf."""
+    x = as_f32(x)
+    out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    with _threads_for(x.size):
+        over = _half_rne(x.view(np.uint32), x, HALF_TABLE, out, loss)
+    return out, loss, int(over)
+
+
+def bfloat16_encode(x):
+    """float32 -> bfloat16 codes (uint16) by truncation (the high 16 bits; NaN stays NaN);
+    ``(codes, loss)`` with ``loss = x - decoded`` (0 where x is NaN/Inf)."""
+    x = as_f32(x)
+    out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    with _threads_for(x.size):
+        _bf16_truncate(x.view(np.uint32), x, BF16_TABLE, out, loss)
+    return out, loss
+
+
+def decode16_into(codes, table, out, accumulate=False):
+    """``out (+)= table[codes]`` for uint16 ``codes`` (``HALF_TABLE`` or ``BF16_TABLE``)."""
+    with _threads_for(codes.size):
+        return _lookup_into(codes, table, out, bool(accumulate))
+
+
+def quantize_int8_chunks(x, chunk):
+    """Per-chunk :func:`quantize_int8`: ``(q int8[n], scales float32[ceil(n / chunk)], loss)``
+    with ``loss = x - q * scale`` (0 in chunks holding NaN/Inf)."""
+    x = as_f32(x)
+    chunk = C.check_chunk(chunk)
+    q, loss = np.empty(x.size, np.int8), np.empty(x.size, np.float32)
+    scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
+    with _threads_for(x.size):
+        _quantize_chunks(x, chunk, q, scales, loss)
+    return q, scales, loss
+
+
+def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
+    """``out (+)= q * scale`` of each chunk."""
+    with _threads_for(q.size):
+        return _dequantize_chunks_into(q, scales, int(chunk), out, bool(accumulate))
+
+
 def chunk_l1_norms(x, chunk=32768):
     x = as_f32(x)
     chunk = C.check_chunk(chunk)
@@ -671,5 +833,10 @@ def warmup() -> None:
     scatter_add(x.size, i, v)
     scatter_add(x.size, i.astype(np.int32), v)
     dequantize_int8(*quantize_int8(x))
+    codes, _, _ = half_encode(x)
+    decode16_into(codes, HALF_TABLE, np.empty(x.size, np.float32))
+    decode16_into(bfloat16_encode(x)[0], BF16_TABLE, np.zeros(x.size, np.float32), accumulate=True)
+    q, scales, _ = quantize_int8_chunks(x, 4096)
+    dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)
