@@ -1,0 +1,64 @@
+"""Imports point downward only: every tfsparse module imports (at module level or lazily inside
+a function) only modules of its own layer or of the layers below it."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "tfsparse"
+
+# bottom to top; a module may import anything in its own layer or below
+LAYERS = [
+    {"_tf_private", "ops", "state"},
+    {"wire"},
+    {"collectives"},
+    {"compressors", "memory", "runtime", "data"},
+    {"aggregators"},
+    {"plan"},
+    {"exchange"},
+    {"strategies", "keras", "run"},
+]
+LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def top_of(module: str) -> str | None:
+    """``tfsparse.x.y`` -> ``x`` (the package's first-level part), else None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "tfsparse" and len(parts) > 1 else None
+
+
+def imports_of(path: Path):
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    here = list(rel.parts)
+    if here[-1] == "__init__":
+        here = here[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = here[:len(here) - node.level + (1 if path.name == "__init__.py" else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:  # from . import a, b
+                    for alias in node.names:
+                        yield f"{mod}.{alias.name}"
+                    continue
+                yield mod
+            else:
+                yield node.module
+
+
+MODULES = sorted(p for p in PKG.rglob("*.py") if p.name != "__init__.py" or p.parent != PKG)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_point_downward(path):
+    own = top_of(".".join(("tfsparse",) + path.relative_to(PKG).with_suffix("").parts))
+    assert own in LEVEL, f"{path}: add its layer to LAYERS"
+    for target in imports_of(path):
+        other = top_of(target)
+        if other is None or other == own:
+            continue
+        assert other in LEVEL, f"{path} imports {target}: unknown layer"
+        assert LEVEL[other] <= LEVEL[own], f"{path.relative_to(PKG)} ({own}) imports {target} ({other}), a layer above"
