@@ -264,7 +264,7 @@ class GradientExchange:
     def config(self) -> dict:
         """Every setting, as plain values (for configs and cross-rank comparison)."""
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire.name,
-                **{k: v for k, v in self.plan.config().items()}, **self.options}
+                **self.plan.config(), **self.options}
 
     def k_for(self, n: int, density: float | None = None, aggregator=None) -> int:
         """The ``k`` of a bucket of ``n`` elements (``n`` for dense)."""

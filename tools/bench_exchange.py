@@ -12,7 +12,8 @@ included) on fresh N(0, 1) gradients; a round is timed from a barrier to its res
 Reported per configuration: the median over steps of the slowest rank's round time, the phase
 times of the exchange's own counters (``encode``: error feedback + selection + encoding on the
 caller's thread; ``comm``: the collectives on the communication thread; ``decode``: dense
-result + residual update), and the bytes one rank sent per round.  Every rank's Numba kernels
+result + residual update), and the bytes one rank sent per round.  Phases run on two threads
+and overlap from one bucket to the next, so their sum can exceed the round's wall time.  Every rank's Numba kernels
 get ``cpu_count // P`` threads (several ranks on one node must not oversubscribe the cores).
 
 The job takes the tests' MPI lock (``/tmp/tfsparse-mpi.lock``): one MPI job at a time.  Output:
@@ -118,13 +119,17 @@ def run_job(args) -> list[dict]:
         return json.loads(out.read_text())
 
 
+def short_plan(plan: str) -> str:
+    return f"θ={int(plan.split(':')[1]) / 2**20:g}MB" if plan.startswith("buckets:") else plan
+
+
 def plot(rows, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['algorithm']}\n{r['wire']}\n{r['plan']}" for r in rows]
+    labels = [f"{r['algorithm']}\n{r['wire']}\n{short_plan(r['plan'])}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 5))
     bottom = np.zeros(len(rows))
@@ -158,11 +163,16 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="", help="appended to the machine description (e.g. the link)")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=str(REPO / "results" / "bench_exchange.json"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing --out JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.plot_only:
+        saved = json.loads(Path(args.out).read_text())
+        plot(saved["rows"], Path(args.out).with_suffix(".png"), f"tools/bench_exchange.py: {saved['machine']}")
         return 0
     n = sum(int(np.prod(s)) for s in mlp_shapes(args.scale))
     rows = run_job(args)
