@@ -90,8 +90,8 @@ def _kernels():
 
 
 class Wire:
-    """One value encoding.  Subclasses implement :meth:`encode`, :meth:`decode` and
-    :meth:`entries`; ``value_bytes`` is the nominal size of one value on the wire."""
+    """One value encoding.  Subclasses implement :meth:`encode_with_loss`, :meth:`decode_into`
+    and :meth:`entries`; ``value_bytes`` is the nominal size of one value on the wire."""
 
     name = "base"
     value_bytes = 4
@@ -109,7 +109,7 @@ class Wire:
 
     def decode(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` float32 values held by ``buf`` (a whole encoded block)."""
-        raise TypeError(f"{type(self).__name__} does not define decode()")
+        return self.decode_into(buf, count, np.empty(int(count), np.float32))
 
     def entries(self, nbytes: int, index_bytes: int = 0) -> int:
         """How many entries a message of ``nbytes`` holds, each an ``index_bytes`` index plus
@@ -121,13 +121,8 @@ class Wire:
         return int(count) * self.value_bytes
 
     def decode_into(self, buf: np.ndarray, count: int, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
-        """``out[:] = decode(buf)`` or, with ``accumulate``, ``out += decode(buf)`` (one pass
-        where the codec has a kernel for it)."""
-        if accumulate:
-            out += self.decode(buf, count)
-        else:
-            out[:] = self.decode(buf, count)
-        return out
+        """``out[:] = decode(buf)`` or, with ``accumulate``, ``out += decode(buf)``, in one pass."""
+        raise TypeError(f"{type(self).__name__} does not define decode_into()")
 
     def roundtrip(self, values) -> tuple[np.ndarray, np.ndarray]:
         """``(encode(values), decode(encode(values)))``: what a receiver reads."""
@@ -153,6 +148,13 @@ class Float32(Wire):
 
     def decode(self, buf, count):
         return np.ascontiguousarray(buf, dtype=np.uint8)[:4 * count].view(np.float32)
+
+    def decode_into(self, buf, count, out, accumulate=False):
+        if accumulate:
+            out += self.decode(buf, count)
+        else:
+            out[:] = self.decode(buf, count)
+        return out
 
     def entries(self, nbytes, index_bytes=0):
         m, rem = divmod(int(nbytes), index_bytes + 4)
@@ -182,9 +184,6 @@ class Float16(Wire):
         with np.errstate(invalid="ignore"):
             loss = np.where(finite, values - self.decode(buf, values.size), np.float32(0.0))
         return buf, loss.astype(np.float32, copy=False)
-
-    def decode(self, buf, count):
-        return self.decode_into(buf, count, np.empty(int(count), np.float32))
 
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
@@ -216,9 +215,6 @@ class BFloat16(Wire):
         codes, loss = _kernels().bfloat16_encode(_f32(values))
         return codes.view(np.uint8), loss
 
-    def decode(self, buf, count):
-        return self.decode_into(buf, count, np.empty(int(count), np.float32))
-
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
         codes = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)[:2 * count].view(np.uint16)
@@ -245,9 +241,6 @@ class Int8(Wire):
     def encode_with_loss(self, values):
         q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
         return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
-
-    def decode(self, buf, count):
-        return self.decode_into(buf, count, np.empty(int(count), np.float32))
 
     def decode_into(self, buf, count, out, accumulate=False):
         buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
