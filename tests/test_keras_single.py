@@ -125,8 +125,12 @@ def test_communication_stats_callback_adds_logs():
 def test_launcher_builds_mpirun_command():
     from tfsparse.run import build_command
 
+    import shutil
+
     cmd, env = build_command(4, ["python", "train.py"])
-    assert cmd[1:3] == ["-np", "4"] and "--oversubscribe" in cmd and cmd[-2:] == ["python", "train.py"]
+    assert cmd[1:3] == ["-np", "4"] and "--oversubscribe" in cmd and cmd[-1] == "train.py"
+    # the program is resolved on the caller's PATH (mpirun would put its own bin/ first)
+    assert cmd[-2] == shutil.which("python")
     assert "--bind-to" in cmd
     with pytest.raises(ValueError, match="-np 0"):
         build_command(0, ["python"])

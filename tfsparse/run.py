@@ -39,7 +39,11 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
         if var in env:
             cmd += ["-x", var]
     cmd += shlex.split(mpi_args)
-    cmd += command
+    # mpirun started by its absolute path acts as if given --prefix and puts its own bin/ first
+    # on the ranks' PATH (/usr/bin/python3 instead of the caller's python3): resolve the program
+    # against the caller's PATH here
+    program = command[0] if os.sep in command[0] else (shutil.which(command[0]) or command[0])
+    cmd += [program, *command[1:]]
     return cmd, env
 
 
