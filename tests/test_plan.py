@@ -72,6 +72,10 @@ def test_per_tensor_with_assignments():
     assert [b.algorithm for b in by_name] == [None, None, None, None, "gtopk"]
     with pytest.raises(ValueError, match="per-tensor overrides .*'k'.*accepted: algorithm, density"):
         PerTensorPlan(lambda spec: {"k": 3}).buckets(lay)
+    with pytest.raises(ValueError, match="per-tensor overrides .*'k'"):  # a dict is checked at once
+        PerTensorPlan({"t0": {"k": 3}})
+    with pytest.raises(ValueError, match=r"assigns \['t9'\], which are not among the gradients"):
+        PerTensorPlan({"t9": {"algorithm": "dense"}}).buckets(lay)
 
 
 def test_make_plan_and_validation():

@@ -183,3 +183,19 @@ def test_half_encoding_is_numpys_round_to_nearest_even():
     np.testing.assert_array_equal(loss[finite], (x - want)[finite])
     np.testing.assert_array_equal(got, want)
     assert over == int(np.sum(np.isinf(want)))
+
+
+def test_int8_chunk_with_a_tiny_maximum():
+    """max|x| below 127 / FLT_MAX: the codes are still right (the ratio is taken in float64)."""
+    x = np.array([3e-38, 0.0, -1e-38, 1.5e-38], np.float32)
+    dec = get_wire("int8").roundtrip(x)[1]
+    np.testing.assert_allclose(dec, x, rtol=0.01, atol=3e-38 / 127)
+    assert dec[1] == 0.0
+
+
+@pytest.mark.parametrize("name", WIRES)
+def test_short_buffers_are_refused(name):
+    w = get_wire(name)
+    buf = w.encode(data(100))
+    with pytest.raises(RuntimeError, match="corrupt"):
+        w.decode(buf[:w.nbytes(100) - 3], 100)

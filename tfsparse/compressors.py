@@ -161,7 +161,8 @@ class DGCSampledThreshold(Compressor):
 
     def set_state(self, state: dict) -> None:
         super().set_state(state)
-        if not state:  # nothing saved: keep drawing from the current generator
+        if not state:  # nothing saved: start afresh, from the seed
+            self._rng = np.random.default_rng(self.seed)
             return
         w = [int(v) for v in np.asarray(state["rng"], dtype=np.uint64).reshape(-1)]
         if len(w) != 6:

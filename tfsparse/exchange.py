@@ -29,11 +29,13 @@ every rank into Keras checkpoints by ``tfsparse.keras.callbacks.ModelCheckpoint`
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -109,8 +111,8 @@ class ExchangeStats:
 class _Inline:
     """Runs jobs at once on the calling thread (a world of one rank has nothing to overlap)."""
 
-    def submit(self, fn, *args, future=None):
-        future = future or Future()
+    def submit(self, fn, *args):
+        future = Future()
         try:
             future.set_result(fn(*args))
         except BaseException as e:
@@ -213,11 +215,9 @@ class GradientExchange:
         self._round = 0  # rounds completed
         self._pending_state: dict | None = None
         self._gathered: dict | None = None
-        self._order = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._next_job = 0
-        self._held: dict = {}
         self._round_t0: dict = {}
+        self._failed: BaseException | None = None
         self.owner = None  # "optimizer" when a tfsparse.keras.DistributedOptimizer holds it
         self.stats = ExchangeStats()
         self.total = ExchangeStats()  # never reset: whole-run totals
@@ -225,7 +225,8 @@ class GradientExchange:
     # -- configuration ----------------------------------------------------
     @property
     def comm(self):
-        """The world communicator (counts the bytes of everything but the exchange's rounds)."""
+        """The world communicator.  The exchange's own traffic goes over a duplicate of it and
+        is counted in :attr:`stats` / :attr:`total` (the rounds' bytes)."""
         if self._comm is None:
             from . import runtime
 
@@ -288,13 +289,16 @@ class GradientExchange:
         buckets = []
         for spec in self.plan.buckets(layout):
             algorithm = spec.algorithm or self.algorithm
-            options = {**(self.options if algorithm == self.algorithm else {}), **spec.options}
+            options = copy.deepcopy({**(self.options if algorithm == self.algorithm else {}), **spec.options})
             density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
             buckets.append(_BucketState(spec, get_aggregator(algorithm, **options),
                                         get_wire(spec.wire_dtype or self.wire.name), density))
         comm = self.comm
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
-        self._runner = CommThread() if comm.size > 1 else _Inline()
+        # a thread of its own only where the transport allows calls from several threads
+        # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
+        self._runner = CommThread() if comm.size > 1 and comm.thread_safe else _Inline()
+        weakref.finalize(self, self._runner.close)
         self.layout = layout
         self._buckets = buckets
         if self._pending_state is not None:
@@ -324,11 +328,18 @@ class GradientExchange:
         return Round(self, index, flat)
 
     def _start_bucket(self, b: _BucketState, arrays) -> int:
+        if self._failed is not None:
+            raise RuntimeError(f"this exchange failed in an earlier round ({type(self._failed).__name__}: "
+                               f"{self._failed}); the ranks are out of step, restart training") from self._failed
         if b.futures:
             raise RuntimeError(f"bucket {b.spec.index} of the exchange was started again before its round "
                                f"{min(b.futures)} finished; wait() for a round before starting the next")
-        t0 = time.perf_counter()
         index = b.rounds
+        if b.spec.index and self._buckets[b.spec.index - 1].rounds != index + 1:
+            # collectives must run in the same order on every rank: bucket order, always
+            raise RuntimeError(f"bucket {b.spec.index} was started before bucket {b.spec.index - 1} of the same "
+                               f"round; buckets start in bucket order")
+        t0 = time.perf_counter()
         if b.spec.index == 0:
             self._round_t0[index] = t0
         off = 0
@@ -343,21 +354,8 @@ class GradientExchange:
             for s in (self.stats, self.total):
                 s.encode_seconds += dt
         b.rounds += 1
-        b.futures[index] = self._submit(index * len(self._buckets) + b.spec.index, self._run_bucket, b, payload)
+        b.futures[index] = self._runner.submit(self._run_bucket, b, payload)
         return index
-
-    def _submit(self, seq: int, fn, *args) -> Future:
-        """Hands job ``seq`` to the communication thread once jobs ``0 .. seq-1`` have been:
-        collectives run in the same order on every rank whatever order TensorFlow ran the
-        encoders in."""
-        future = Future()
-        with self._order:
-            self._held[seq] = (future, fn, args)
-            while self._next_job in self._held:
-                fut, f, a = self._held.pop(self._next_job)
-                self._runner.submit(f, *a, future=fut)
-                self._next_job += 1
-        return future
 
     def _run_bucket(self, b: _BucketState, payload) -> _Outcome:
         """The communication thread's job for one bucket."""
@@ -373,8 +371,12 @@ class GradientExchange:
                         time.perf_counter() - t1)
 
     def _finish_bucket(self, b: _BucketState, index: int) -> np.ndarray:
-        future = b.futures.pop(index)
-        out = future.result()
+        try:
+            out = b.futures[index].result()
+        except BaseException as e:
+            self._failed = e
+            raise
+        del b.futures[index]
         last = b.spec.index == len(self._buckets) - 1
         with self._stats_lock:
             t0 = self._round_t0.pop(index, None) if last else None
@@ -393,7 +395,7 @@ class GradientExchange:
         return out.dense
 
     def run_collective(self, fn):
-        """Runs ``fn(comm)`` on the communication thread, after the rounds already started,
+        """Runs ``fn(comm)`` on the communication thread, after the buckets already started,
         over the exchange's communicator, and returns its result (e.g. the per-step metric
         averaging, so that it never interleaves with the gradient collectives)."""
         if self._runner is None:
@@ -416,12 +418,21 @@ class GradientExchange:
                 out[b.spec.start:b.spec.stop] = b.residual
         return out
 
+    def _check_idle(self, what: str) -> None:
+        busy = sorted(b.spec.index for b in self._buckets if b.futures)
+        if busy:
+            raise RuntimeError(f"{what} while a round is in flight (buckets {busy}); wait() for it first: the "
+                               f"state must not mix two rounds")
+
     def get_state(self) -> dict:
-        """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout),
-        ``residual`` (when kept) and ``bucket<i>.<key>`` for every bucket aggregator's state."""
+        """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets``
+        (the plan's element ranges), ``residual`` (when kept) and ``bucket<i>.<key>`` for every
+        bucket aggregator's state.  Not while a round is in flight."""
         if not self._buckets:
             return dict(self._pending_state or {})
-        state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy()}
+        self._check_idle("get_state()")
+        state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
+                 "buckets": np.array([[b.spec.start, b.spec.stop] for b in self._buckets], np.int64)}
         residual = self.residual
         if residual is not None:
             state["residual"] = residual
@@ -436,10 +447,16 @@ class GradientExchange:
         if not self._buckets:
             self._pending_state = state
             return
+        self._check_idle("set_state()")
         sizes = state.get("sizes")
         if sizes is not None and not np.array_equal(np.asarray(sizes, np.int64).reshape(-1), self.layout.sizes):
             raise ValueError(f"the saved exchange state belongs to gradients of sizes {np.asarray(sizes).tolist()}, "
                              f"this model's are {self.layout.sizes.tolist()}")
+        buckets = state.get("buckets")
+        mine = [[b.spec.start, b.spec.stop] for b in self._buckets]
+        if buckets is not None and np.asarray(buckets).reshape(-1, 2).tolist() != mine:
+            raise ValueError(f"the saved exchange state belongs to buckets {np.asarray(buckets).tolist()}, this "
+                             f"exchange's plan ({self.plan!r}) makes {mine}; use the plan it was saved with")
         if "round" in state:
             self._round = int(state["round"].reshape(-1)[0])
         residual = state.get("residual")
@@ -456,6 +473,7 @@ class GradientExchange:
         keys = sorted(state)
         mine = np.concatenate([np.ascontiguousarray(state[k]).reshape(-1).view(np.uint8) for k in keys]) \
             if keys else np.empty(0, np.uint8)
+        self._check_idle("gather_state()")
         parts = self.run_collective(lambda c: c.allgather(mine))
         if any(p.size != mine.size for p in parts):
             raise RuntimeError(f"ranks hold exchange states of different sizes ({[p.size for p in parts]} bytes)")
@@ -466,15 +484,16 @@ class GradientExchange:
             stacked[k] = np.stack([p[off:off + nb].view(v.dtype).reshape(v.shape) for p in parts])
             off += nb
         if self.comm.rank == 0:
-            self._gathered = stacked
+            self._gathered = (self._round, stacked)
         return stacked
 
     def checkpoint_entries(self) -> dict:
         """What a Keras checkpoint stores: the states gathered from every rank (when
-        :meth:`gather_state` ran for this save), else this rank's own; ``tfsparse.ranks``
+        :meth:`gather_state` ran since the last round), else this rank's own; ``tfsparse.ranks``
         says whose rows these are."""
-        if self._gathered is not None:
-            rows, self._gathered = self._gathered, None
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None and gathered[0] == self._round:
+            rows = gathered[1]
             ranks = np.arange(self.comm.size, dtype=np.int64)
         elif not self._buckets and not self._pending_state:
             return {}  # never used: nothing to save
@@ -487,9 +506,11 @@ class GradientExchange:
 
     def restore_checkpoint(self, entries) -> bool:
         """Restores :meth:`checkpoint_entries` (a mapping, e.g. a Keras weights store); returns
-        whether there was anything to restore.  Each rank takes its own row.  Saved from a
-        different number of ranks (or from one rank alone): the residuals are summed and
-        spread evenly (the total pending update is kept), the aggregator states are rank 0's."""
+        whether there was anything to restore.  Each rank takes its own row.  A file without
+        every rank's row (another number of ranks, or saved without
+        ``tfsparse.keras.callbacks.ModelCheckpoint``'s gather): the saved residuals are summed and
+        spread evenly over the ranks (the pending update they hold is kept) and every rank takes
+        the first row's aggregator state (so that all ranks keep one schedule); a warning says so."""
         keys = [k for k in entries.keys() if k.startswith(CHECKPOINT_PREFIX)]
         if CHECKPOINT_PREFIX + "ranks" not in keys:
             return False
@@ -499,6 +520,12 @@ class GradientExchange:
         if ranks == list(range(size)):
             state = {k: v[rank] for k, v in rows.items()}
         else:
+            import warnings
+
+            warnings.warn(f"the checkpoint holds the exchange state of ranks {ranks}, this job has {size} ranks: "
+                          f"the saved residuals are spread evenly and rank {ranks[0]}'s aggregator state is used on "
+                          f"every rank (save with tfsparse.keras.callbacks.ModelCheckpoint to keep every rank's)",
+                          RuntimeWarning, stacklevel=2)
             state = {k: v[0] for k, v in rows.items()}
             if "residual" in rows:
                 state["residual"] = (rows["residual"].astype(np.float64).sum(axis=0) / size).astype(np.float32)

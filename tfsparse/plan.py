@@ -197,6 +197,18 @@ class PerTensorPlan(Plan):
             raise ValueError(f"assign={assign!r} must be None, a dict {{tensor name: overrides}} or a callable "
                              f"spec -> overrides")
         self.assign = assign
+        if isinstance(assign, dict):  # what can be checked before the layout is known
+            for name, overrides in assign.items():
+                self._check(str(name), overrides)
+
+    def _check(self, name: str, overrides) -> dict:
+        got = dict(overrides or {})
+        unknown = sorted(set(got) - set(self._KEYS))
+        if unknown:
+            raise ValueError(f"per-tensor overrides {unknown} for tensor {name!r} are not supported; "
+                             f"accepted: {', '.join(self._KEYS)}")
+        got["options"] = dict(got.get("options") or {})
+        return got
 
     def config(self):
         return {"plan": self.name, "assign": None if self.assign is None else repr(self.assign)}
@@ -205,15 +217,15 @@ class PerTensorPlan(Plan):
         if self.assign is None:
             return {}
         got = self.assign.get(spec.name) if isinstance(self.assign, dict) else self.assign(spec)
-        got = dict(got or {})
-        unknown = sorted(set(got) - set(self._KEYS))
-        if unknown:
-            raise ValueError(f"per-tensor overrides {unknown} for tensor {spec.name!r} are not supported; "
-                             f"accepted: {', '.join(self._KEYS)}")
-        got["options"] = dict(got.get("options") or {})
-        return got
+        return self._check(spec.name, got)
 
     def buckets(self, layout):
+        if isinstance(self.assign, dict):
+            names = {s.name for s in layout.specs}
+            missing = sorted(set(self.assign) - names)
+            if missing:
+                raise ValueError(f"PerTensorPlan assigns {missing}, which are not among the gradients: "
+                                 f"{layout.describe(limit=12)}")
         return [_bucket(layout, b, i, i + 1, **self._overrides(layout.specs[i]))
                 for b, i in enumerate(range(len(layout) - 1, -1, -1))]
 

@@ -20,10 +20,10 @@ name          encoding of ``m`` float32 values                 bytes            
               sent with it
 ============  ==============================================  =======================  ======
 
-**float16 overflow** (|x| > 65504 would become Inf): the message is *scaled*, never sent as
-Inf.  When a finite value of a message does not fit, every value of that message is divided by
-``2**e`` (the smallest ``e`` that makes the largest one fit) and ``e`` travels as one extra
-byte at the end; an odd length tells the receiver.  Messages that fit cost exactly ``2m``
+**float16 overflow** (a finite value of magnitude 65520 or more would round to Inf): the
+message is *scaled*, never sent as Inf.  When a finite value of a message does not fit, every
+value of that message is divided by ``2**e`` (the smallest ``e`` that brings the largest to at
+most 65504) and ``e`` travels as one extra byte at the end; an odd length tells the receiver.  Messages that fit cost exactly ``2m``
 bytes, so a dense float16 exchange sends exactly half the bytes of float32.  Scaling by a
 power of two adds no rounding of its own; the values that then underflow are part of the
 wire's loss like any other rounding.
@@ -124,6 +124,13 @@ class Wire:
         """``out[:] = decode(buf)`` or, with ``accumulate``, ``out += decode(buf)``, in one pass."""
         raise TypeError(f"{type(self).__name__} does not define decode_into()")
 
+    def _block(self, buf, count: int) -> np.ndarray:
+        """``buf`` as flat bytes, checked to hold ``count`` encoded values."""
+        buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        if buf.size < self.nbytes(count):
+            raise _corrupt(self, buf.size, 0)
+        return buf
+
     def roundtrip(self, values) -> tuple[np.ndarray, np.ndarray]:
         """``(encode(values), decode(encode(values)))``: what a receiver reads."""
         buf = self.encode(values)
@@ -147,7 +154,7 @@ class Float32(Wire):
         return _f32(values).view(np.uint8), None
 
     def decode(self, buf, count):
-        return np.ascontiguousarray(buf, dtype=np.uint8)[:4 * count].view(np.float32)
+        return self._block(buf, count)[:4 * count].view(np.float32)
 
     def decode_into(self, buf, count, out, accumulate=False):
         if accumulate:
@@ -187,7 +194,7 @@ class Float16(Wire):
 
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
-        buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        buf = self._block(buf, count)
         codes = buf[:2 * count].view(np.uint16)
         if buf.size == 2 * count + 1:  # scaled: decode, then multiply by 2**e
             value = k.decode16_into(codes, k.HALF_TABLE, np.empty(int(count), np.float32))
@@ -217,7 +224,7 @@ class BFloat16(Wire):
 
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
-        codes = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)[:2 * count].view(np.uint16)
+        codes = self._block(buf, count)[:2 * count].view(np.uint16)
         return k.decode16_into(codes, k.BF16_TABLE, out, accumulate)
 
     def entries(self, nbytes, index_bytes=0):
@@ -243,7 +250,7 @@ class Int8(Wire):
         return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
 
     def decode_into(self, buf, count, out, accumulate=False):
-        buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        buf = self._block(buf, count)
         chunks = -(-int(count) // INT8_CHUNK)
         q = buf[:count].view(np.int8)
         scales = buf[count:count + 4 * chunks].view(np.float32)

@@ -79,6 +79,9 @@ class Communicator(ABC):
     """
 
     name = "base"
+    #: whether this transport may be used from several threads at once (the exchange's
+    #: communication thread next to the training thread); MPI: MPI_THREAD_MULTIPLE
+    thread_safe = True
 
     def __init__(self, rank: int, size: int):
         self.rank = int(rank)

@@ -41,6 +41,7 @@ class HorovodCommunicator(Communicator):
         self._hvd, self._tf = hvd, tf
         self._p2p = MPICommunicator(world)
         super().__init__(hvd.rank(), hvd.size())
+        self.thread_safe = self._p2p.thread_safe
         self._prefix = prefix
         self._seq = 0
         self._dups = 0

@@ -27,6 +27,7 @@ class MPICommunicator(Communicator):
         MPI = _mpi()
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(self.comm.Get_rank(), self.comm.Get_size())
+        self.thread_safe = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
     def _allreduce(self, x, op):

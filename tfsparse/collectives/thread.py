@@ -30,12 +30,11 @@ class CommThread:
         self.busy_seconds = 0.0
         self._thread.start()
 
-    def submit(self, fn, *args, future: Future | None = None) -> Future:
-        """Queues ``fn(*args)``; the returned future (``future``, when given) holds its result
-        (or its exception)."""
+    def submit(self, fn, *args) -> Future:
+        """Queues ``fn(*args)``; the returned future holds its result (or its exception)."""
         if self._closed:
             raise RuntimeError("the communication thread was closed")
-        fut = future if future is not None else Future()
+        fut: Future = Future()
         self._jobs.put((fut, fn, args))
         return fut
 

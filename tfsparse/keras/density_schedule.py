@@ -7,19 +7,13 @@ exchange's density at the start of every epoch.
 """
 from __future__ import annotations
 
-import numbers
-
 import keras
+
+from ..exchange import check_density
 
 #: gtopk-ssgd-shi2019 §IV-B: "the first 4 epochs use the dynamic densities of
 #: [0.25, 0.0725, 0.015, 0.004] ... the remaining epochs adopt a density of 0.001 or 0.005".
 GTOPK_WARMUP = (0.25, 0.0725, 0.015, 0.004)
-
-
-def _check_density(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{what}={value!r} must be a density in (0, 1]")
-    return float(value)
 
 
 class DensitySchedule(keras.callbacks.Callback):
@@ -47,12 +41,12 @@ class DensitySchedule(keras.callbacks.Callback):
         elif callable(schedule):
             self._sequence, self._fn, self._clamp = None, schedule, False
         elif isinstance(schedule, (list, tuple)):
-            self._sequence = tuple(_check_density(d, f"schedule[{i}]") for i, d in enumerate(schedule))
+            self._sequence = tuple(check_density(d, f"schedule[{i}]") for i, d in enumerate(schedule))
             self._fn, self._clamp = None, False
         else:
             raise ValueError(f"schedule={schedule!r} must be None (gTop-k warm-up), a sequence of densities or "
                              f"a callable epoch -> density")
-        self.target = None if target is None else _check_density(target, "target")
+        self.target = None if target is None else check_density(target, "target")
         self.verbose = int(verbose)
         self.history: list[float] = []
 
@@ -68,7 +62,7 @@ class DensitySchedule(keras.callbacks.Callback):
     def density_at(self, epoch: int) -> float:
         """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun)."""
         if self._fn is not None:
-            return _check_density(self._fn(int(epoch)), f"schedule({epoch})")
+            return check_density(self._fn(int(epoch)), f"schedule({epoch})")
         if self.target is None:
             raise ValueError("DensitySchedule.target is unknown before training starts; pass target=")
         if epoch < len(self._sequence):

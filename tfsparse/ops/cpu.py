@@ -515,7 +515,10 @@ def _quantize_chunks(x, chunk, q, scales, loss):
             inv = np.float32(np.float32(127.0) / amax)
             scale = scales[c]
             for i in range(lo, hi):
-                code = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
+                if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
+                    code = np.int8(min(max(np.rint(np.float64(x[i]) * 127.0 / np.float64(amax)), -127.0), 127.0))
+                else:
+                    code = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
                 q[i] = code
                 loss[i] = x[i] - np.float32(code) * scale
     return q
@@ -583,18 +586,39 @@ def _chunk_l1(x, chunk, out):
 
 # ============================================================================= public API
 
+_LAUNCH = threading.Lock()
+
+
+def _serialized() -> bool:
+    """Numba's ``workqueue`` threading layer aborts when two threads launch parallel kernels at
+    once (the exchange encodes on the training thread while its communication thread decodes);
+    with it, kernel launches are serialized.  ``omp`` and ``tbb`` need nothing."""
+    try:
+        return numba.threading_layer() == "workqueue"
+    except ValueError:  # no parallel kernel has run yet: the layer is chosen by the first one
+        return True
+
+
 @contextmanager
 def _threads_for(n: int):
-    """Runs the enclosed kernels single-threaded when ``n < PARALLEL_MIN`` (thread-local setting)."""
+    """Runs the enclosed kernels single-threaded when ``n < PARALLEL_MIN`` (thread-local
+    setting), one launch at a time under the ``workqueue`` threading layer."""
     old = numba.get_num_threads()
-    if n >= PARALLEL_MIN or old == 1:
-        yield
-        return
-    numba.set_num_threads(1)
+    lock = _LAUNCH if _serialized() else None
+    if lock is not None:
+        lock.acquire()
     try:
-        yield
+        if n >= PARALLEL_MIN or old == 1:
+            yield
+        else:
+            numba.set_num_threads(1)
+            try:
+                yield
+            finally:
+                numba.set_num_threads(old)
     finally:
-        numba.set_num_threads(old)
+        if lock is not None:
+            lock.release()
 
 
 _TLS = threading.local()

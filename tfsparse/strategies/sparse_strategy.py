@@ -16,8 +16,8 @@ one call.  :class:`SparseExtended` overrides
   feeds its own shard) and records its length for the step-count agreement;
 * ``_call_for_each_replica`` — after every train/test step, averages the metric
   states across ranks, so every rank logs the same loss and metrics.  The averaging runs on
-  the exchange's communication thread, after the step's gradient buckets and over the same
-  communicator, fused with the first step's step-count agreement into one allreduce.
+  the model's exchange's communication thread, after the step's gradient buckets and over the
+  same communicator, fused with the first step's step-count agreement into one allreduce.
 
 The strategy is also a Keras saveable: a model built in its scope saves the exchange's state
 (every rank's residual, the aggregators' state) in its ``.keras`` file, and loading the file
@@ -42,6 +42,7 @@ class SparseExtended(OneDeviceExtended):
     def __init__(self, container, device, exchange: GradientExchange):
         super().__init__(container, device)
         self.exchange = exchange
+        self._active = exchange  # the exchange the last traced step ran (the model's one)
         self._metric_vars: list = []
         self._pending_steps = None
 
@@ -80,6 +81,7 @@ class SparseExtended(OneDeviceExtended):
         # the model's one exchange: its DistributedOptimizer's, else the strategy's
         exchange = next((o.exchange for o in optimizers if isinstance(getattr(o, "exchange", None), GradientExchange)),
                         self.exchange)
+        self._active = exchange
         reduced = exchange(values, names=names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             p = float(self.exchange.comm.size)
@@ -145,7 +147,7 @@ class SparseExtended(OneDeviceExtended):
                 check_step_counts(comm, steps)
             return total[:-2] / comm.size
 
-        return self.exchange.run_collective(average)
+        return self._active.run_collective(average)
 
 
 def _broadcast_initial_value(comm, kwargs):
