@@ -113,8 +113,16 @@ class Wire:
 
     def entries(self, nbytes: int, index_bytes: int = 0) -> int:
         """How many entries a message of ``nbytes`` holds, each an ``index_bytes`` index plus
-        one encoded value (``index_bytes=0``: a block of values).  Raises on a corrupt length."""
-        raise TypeError(f"{type(self).__name__} does not define entries()")
+        one encoded value (``index_bytes=0``: a block of values).  Raises on a corrupt length.
+        This one is for fixed-size values (``value_bytes`` each) after :meth:`_marker` bytes."""
+        m, rem = divmod(int(nbytes) - self._marker(int(nbytes)), index_bytes + self.value_bytes)
+        if rem:
+            raise _corrupt(self, nbytes, index_bytes)
+        return m
+
+    def _marker(self, nbytes: int) -> int:
+        """Bytes of a message that are neither indices nor values (float16's scale byte)."""
+        return 0
 
     def nbytes(self, count: int) -> int:
         """Bytes of ``count`` encoded values (without the rare float16 scale byte)."""
@@ -140,6 +148,15 @@ class Wire:
         return self.name
 
 
+def _store(out, value, accumulate: bool):
+    """``out += value`` or ``out[:] = value``; returns ``out``."""
+    if accumulate:
+        out += value
+    else:
+        out[:] = value
+    return out
+
+
 def _corrupt(wire, nbytes, index_bytes):
     return RuntimeError(f"corrupt {wire} message of {nbytes} bytes ({index_bytes}-byte indices)")
 
@@ -157,18 +174,7 @@ class Float32(Wire):
         return self._block(buf, count)[:4 * count].view(np.float32)
 
     def decode_into(self, buf, count, out, accumulate=False):
-        if accumulate:
-            out += self.decode(buf, count)
-        else:
-            out[:] = self.decode(buf, count)
-        return out
-
-    def entries(self, nbytes, index_bytes=0):
-        m, rem = divmod(int(nbytes), index_bytes + 4)
-        if rem:
-            raise _corrupt(self, nbytes, index_bytes)
-        return m
-
+        return _store(out, self.decode(buf, count), accumulate)
 
 
 @register_wire
@@ -199,18 +205,11 @@ class Float16(Wire):
         if buf.size == 2 * count + 1:  # scaled: decode, then multiply by 2**e
             value = k.decode16_into(codes, k.HALF_TABLE, np.empty(int(count), np.float32))
             value *= np.float32(2.0 ** int(buf[-1]))
-            if accumulate:
-                out += value
-            else:
-                out[:] = value
-            return out
+            return _store(out, value, accumulate)
         return k.decode16_into(codes, k.HALF_TABLE, out, accumulate)
 
-    def entries(self, nbytes, index_bytes=0):
-        m, rem = divmod(int(nbytes) - (int(nbytes) & 1), index_bytes + 2)
-        if rem:
-            raise _corrupt(self, nbytes, index_bytes)
-        return m
+    def _marker(self, nbytes):
+        return nbytes & 1  # an odd length: the scale byte at the end
 
 
 @register_wire
@@ -226,12 +225,6 @@ class BFloat16(Wire):
         k = _kernels()
         codes = self._block(buf, count)[:2 * count].view(np.uint16)
         return k.decode16_into(codes, k.BF16_TABLE, out, accumulate)
-
-    def entries(self, nbytes, index_bytes=0):
-        m, rem = divmod(int(nbytes), index_bytes + 2)
-        if rem:
-            raise _corrupt(self, nbytes, index_bytes)
-        return m
 
 
 @register_wire
