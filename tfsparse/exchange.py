@@ -214,7 +214,7 @@ class GradientExchange:
         self._buckets: list[_BucketState] = []
         self._round = 0  # rounds completed
         self._pending_state: dict | None = None
-        self._gathered: dict | None = None
+        self._gathered: tuple | None = None  # (round, every rank's state) from gather_state, on rank 0
         self._stats_lock = threading.Lock()
         self._round_t0: dict = {}
         self._failed: BaseException | None = None
