@@ -174,6 +174,50 @@ def oktopk_round(accs, k, wire, local_thresholds=None, global_threshold=None, bo
                                "boundaries": bounds}
 
 
+def chunk_norms(vecs, cs):
+    """Σ over ranks of every ``cs``-element chunk's L1 norm (float64)."""
+    n = vecs[0].size
+    total = np.zeros(math.ceil(n / cs))
+    for v in vecs:
+        for c in range(total.size):
+            total[c] += np.abs(v[c * cs:(c + 1) * cs].astype(np.float64)).sum()
+    return total
+
+
+def top_chunks(norms, m):
+    return np.sort(np.argsort(-norms, kind="stable")[:m])
+
+
+def csc_round(accs, cs, m, wire, chunks=None):
+    """GradientFlow CSC: the ``m`` chunks of largest summed L1 norm (or the given ``chunks``)
+    are summed by a dense allreduce of their gathered elements; the rest stays."""
+    P, n = len(accs), accs[0].size
+    if chunks is None:
+        chunks = top_chunks(chunk_norms(accs, cs), m)
+    elems = np.array([i for c in chunks for i in range(c * cs, min(n, (c + 1) * cs))], np.int64)
+    res_e, resid_e, _ = dense_round([a[elems] for a in accs], wire)
+    result = np.zeros(n, np.float64)
+    result[elems] = res_e
+    residuals = []
+    for r, a in enumerate(accs):
+        res = a.copy()
+        res[elems] = 0.0 if resid_e[r] is None else resid_e[r]
+        residuals.append(res)
+    return result, residuals, {"chunks": chunks, "elems": elems}
+
+
+def csc_next_chunks(accs, result, elems, cs, m):
+    """GradientFlow Fig. 18: next step's chunks from the norms of what every rank holds after
+    the allreduce (the sum / P in the chunks sent, its own accumulated gradient elsewhere)."""
+    P = len(accs)
+    held = []
+    for a in accs:
+        h = a.astype(np.float64)
+        h[elems] = result[elems] / P
+        held.append(h)
+    return top_chunks(chunk_norms(held, cs), m)
+
+
 def bucket_k(density, size, algorithm):
     return size if algorithm == "dense" else int(min(size, max(1, math.ceil(density * size))))
 
@@ -210,6 +254,14 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
                 res_b, resid_b, _ = selection_round(part, sels, wire)
             elif algorithm == "gtopk":
                 res_b, resid_b, _ = gtopk_round(part, k, wire)
+            elif algorithm == "csc":
+                cs = options.get("chunk_size", 32768)
+                m = min(math.ceil((hi - lo) / cs), math.ceil(k / cs))
+                prev = cached.get(b)
+                known = prev if options.get("selection") == "previous" and prev is not None and prev.size == m else None
+                res_b, resid_b, got = csc_round(part, cs, m, wire, known)
+                if options.get("selection") == "previous":
+                    cached[b] = csc_next_chunks(part, res_b, got["elems"], cs, m)
             else:  # oktopk: the schedule of tau / tau_prime (t counted from 1)
                 t = s + 1
                 fresh = (t - 1) % options.get("tau_prime", 32) == 0

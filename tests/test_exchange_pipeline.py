@@ -16,10 +16,10 @@ from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import CommThread, Communicator, InProcessWorld
 from tfsparse.exchange import GradientExchange
 
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "csc")
 WIRES = ("float32", "float16", "bfloat16", "int8")
 PLANS = {"fused": {}, "buckets": {"bucket_bytes": 2000}, "per_tensor": {"plan": "per_tensor"}}
-OPTIONS = {"dgc": {"seed": 5}, "oktopk": {"tau": 2, "tau_prime": 2}}
+OPTIONS = {"dgc": {"seed": 5}, "oktopk": {"tau": 2, "tau_prime": 2}, "csc": {"chunk_size": 32}}
 SHAPES = [(40, 30), (30,), (30, 20), (20,), (25, 8)]
 STEPS, DENSITY = 3, 0.05
 

@@ -41,19 +41,14 @@ from concurrent.futures import Future
 import numpy as np
 
 from .aggregators import available_aggregators, get_aggregator
+from .aggregators.dense import DenseAllreduce
 from .collectives.thread import CommThread
-from .memory import NoMemory, ResidualMemory
+from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
+from .schedules import check_density
 from .wire import get_wire
 
 CHECKPOINT_PREFIX = "tfsparse."
-
-
-def check_density(density, name: str = "density") -> float:
-    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of gradient "
-                         f"elements each rank sends), e.g. {name}=0.01")
-    return float(density)
 
 
 def validate_config(algorithm, density) -> float:
@@ -129,14 +124,14 @@ class _Inline:
 class _BucketState:
     """A bucket at run time: its plan entry, aggregator, wire, memory and buffers."""
 
-    def __init__(self, spec, aggregator, wire, density):
+    def __init__(self, spec, aggregator, wire, density, memory):
         self.spec = spec
         self.aggregator = aggregator
+        self.dense = None  # the bucket's DenseAllreduce, for dense steps of a sparse algorithm
         self.wire = wire
         self.density = density  # None: the exchange's
-        stateful = aggregator.uses_memory or wire.lossy
-        self.memory = ResidualMemory() if stateful else NoMemory()
-        self.residual = np.zeros(spec.size, np.float32) if stateful else None
+        self.memory = memory
+        self.residual = np.zeros(spec.size, np.float32) if memory.stateful else None
         self.acc = np.empty(spec.size, np.float32)
         self.rounds = 0          # rounds started
         self.futures: dict = {}  # round index -> future of the communication job
@@ -193,18 +188,32 @@ class GradientExchange:
         lazy allreduce, tensors packed into buckets of at least θ bytes; ``0``: one bucket per
         tensor.  See :mod:`tfsparse.plan`.
       plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
+      memory: ``"residual"`` (default): error feedback; ``"momentum"``: momentum correction
+        with momentum factor masking (DGC §3.2, gradientflow-sun2019 Alg. 1) -- the optimizer
+        then runs without momentum.  See :mod:`tfsparse.memory`.
+      momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
       **algorithm_options: passed to every bucket's aggregator (validated here).
+
+    A step whose density is 1 (a dense warm-up step, :class:`tfsparse.schedules.WarmUp`) runs
+    a true dense allreduce (:class:`~tfsparse.aggregators.dense.DenseAllreduce`), not the sparse
+    algorithm at ``k = n``; it flushes the residual.  :attr:`schedule` (``round -> density``)
+    sets the density of every round.
 
     Every argument is validated here, before any communication.
     """
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
-                 bucket_bytes: int | None = None, plan=None, communicator=None, **algorithm_options):
+                 bucket_bytes: int | None = None, plan=None, memory: str = "residual",
+                 momentum: float | None = None, communicator=None, **algorithm_options):
         self._density = validate_config(algorithm, density)
         self.algorithm = algorithm
         self.options = dict(algorithm_options)
         self._prototype = get_aggregator(algorithm, **self.options)  # validates the options
+        self.memory = memory
+        self.memory_options = check_memory(memory, momentum)
+        self.schedule = None  # callable round -> density, or None (the density as set)
+        self._next_round = 0  # the round the next start of bucket 0 begins
         self.wire = get_wire(wire_dtype)
         self.plan = make_plan(plan, bucket_bytes)
         self._comm = communicator
@@ -242,15 +251,48 @@ class GradientExchange:
         self._density = check_density(value)
 
     @property
+    def rounds_started(self) -> int:
+        """Rounds begun since the start of training (restored with the state): the step that
+        :attr:`schedule` is asked about next."""
+        return self._next_round
+
+    @property
     def wire_dtype(self) -> str:
         return self.wire.name
 
     @property
+    def momentum(self) -> float | None:
+        """The momentum factor applied by ``memory="momentum"`` (None for other memories)."""
+        if self.memory != "momentum":
+            return None
+        return float(self.memory_options.get("momentum", 0.9))
+
+    def check_optimizer(self, optimizer) -> None:
+        """``memory="momentum"`` applies the momentum here (momentum correction): an optimizer
+        (or a wrapped ``inner_optimizer``) with ``momentum`` or ``beta_1`` > 0 would apply it
+        twice -- ValueError, raised before any step."""
+        if self.memory != "momentum":
+            return
+        opt = optimizer
+        while opt is not None:
+            for attr in ("momentum", "beta_1"):
+                value = getattr(opt, attr, None)
+                if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
+                    name = type(opt).__name__
+                    raise ValueError(
+                        f"memory='momentum' applies momentum {self.momentum} in the gradient exchange (momentum "
+                        f"correction), and the optimizer {name} has {attr}={value}: momentum would be applied "
+                        f"twice; use {name}({attr}=0.0) (e.g. keras.optimizers.SGD(learning_rate)), or "
+                        f"memory='residual' to keep the optimizer's momentum")
+            opt = getattr(opt, "inner_optimizer", None)
+
+    @property
     def uses_memory(self) -> bool:
-        """Whether the exchange keeps a residual (a sparse algorithm, or a lossy wire)."""
+        """Whether the exchange keeps a residual (a sparse algorithm, a lossy wire, or momentum
+        correction)."""
         if self._buckets:
             return any(b.residual is not None for b in self._buckets)
-        return self._prototype.uses_memory or self.wire.lossy
+        return self._prototype.uses_memory or self.wire.lossy or self.memory != "residual"
 
     @property
     def buckets(self):
@@ -265,7 +307,7 @@ class GradientExchange:
     def config(self) -> dict:
         """Every setting, as plain values (for configs and cross-rank comparison)."""
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire.name,
-                **self.plan.config(), **self.options}
+                **self.plan.config(), "memory": self.memory, **self.memory_options, **self.options}
 
     def k_for(self, n: int, density: float | None = None, aggregator=None) -> int:
         """The ``k`` of a bucket of ``n`` elements (``n`` for dense)."""
@@ -291,8 +333,9 @@ class GradientExchange:
             algorithm = spec.algorithm or self.algorithm
             options = copy.deepcopy({**(self.options if algorithm == self.algorithm else {}), **spec.options})
             density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
-            buckets.append(_BucketState(spec, get_aggregator(algorithm, **options),
-                                        get_wire(spec.wire_dtype or self.wire.name), density))
+            aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or self.wire.name)
+            memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy)
+            buckets.append(_BucketState(spec, aggregator, wire, density, memory))
         comm = self.comm
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads
@@ -342,13 +385,23 @@ class GradientExchange:
         t0 = time.perf_counter()
         if b.spec.index == 0:
             self._round_t0[index] = t0
+            if self.schedule is not None:
+                self._density = check_density(self.schedule(self._next_round), f"schedule({self._next_round})")
+            self._next_round += 1
         off = 0
         for a in arrays:
             n = int(np.size(a))
-            b.memory.compensate(a, None if b.residual is None else b.residual[off:off + n], b.acc[off:off + n])
+            b.memory.compensate(a, None if b.residual is None else b.residual[off:off + n], b.acc[off:off + n],
+                                slice(off, off + n))
             off += n
-        k = self.k_for(b.spec.size, b.density, b.aggregator)
-        payload = b.aggregator.encode(self._xcomm, b.acc, k, b.wire)
+        density = self.density if b.density is None else b.density
+        aggregator = b.aggregator
+        if density >= 1.0 and aggregator.uses_memory:  # a dense step: a true dense allreduce
+            if b.dense is None:
+                b.dense = DenseAllreduce()
+            aggregator = b.dense
+        k = self.k_for(b.spec.size, density, aggregator)
+        payload = (aggregator, aggregator.encode(self._xcomm, b.acc, k, b.wire))
         dt = time.perf_counter() - t0
         with self._stats_lock:
             for s in (self.stats, self.total):
@@ -361,7 +414,8 @@ class GradientExchange:
         """The communication thread's job for one bucket."""
         t0 = time.perf_counter()
         before = self._xcomm.bytes_sent
-        result = b.aggregator.exchange(self._xcomm, payload)
+        aggregator, payload = payload
+        result = aggregator.exchange(self._xcomm, payload)
         t1 = time.perf_counter()
         dense = result.to_dense(b.spec.size)
         if b.residual is not None:
@@ -418,6 +472,16 @@ class GradientExchange:
                 out[b.spec.start:b.spec.stop] = b.residual
         return out
 
+    def _memory_state(self) -> dict:
+        """The memories' state (e.g. the momentum ``velocity``), each key over the whole layout
+        (zeros in buckets whose memory keeps none)."""
+        out: dict = {}
+        for b in self._buckets:
+            for key, value in b.memory.get_state().items():
+                full = out.setdefault(key, np.zeros(self.layout.n, np.float32))
+                full[b.spec.start:b.spec.stop] = value
+        return out
+
     def _check_idle(self, what: str) -> None:
         busy = sorted(b.spec.index for b in self._buckets if b.futures)
         if busy:
@@ -426,8 +490,9 @@ class GradientExchange:
 
     def get_state(self) -> dict:
         """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets``
-        (the plan's element ranges), ``residual`` (when kept) and ``bucket<i>.<key>`` for every
-        bucket aggregator's state.  Not while a round is in flight."""
+        (the plan's element ranges), ``residual`` (when kept), the memory's state over the layout
+        (``velocity`` for ``memory="momentum"``) and ``bucket<i>.<key>`` for every bucket
+        aggregator's state.  Not while a round is in flight."""
         if not self._buckets:
             return dict(self._pending_state or {})
         self._check_idle("get_state()")
@@ -436,6 +501,7 @@ class GradientExchange:
         residual = self.residual
         if residual is not None:
             state["residual"] = residual
+        state.update(self._memory_state())
         for b in self._buckets:
             for key, value in b.aggregator.get_state().items():
                 state[f"bucket{b.spec.index}.{key}"] = np.asarray(value).copy()
@@ -458,11 +524,13 @@ class GradientExchange:
             raise ValueError(f"the saved exchange state belongs to buckets {np.asarray(buckets).tolist()}, this "
                              f"exchange's plan ({self.plan!r}) makes {mine}; use the plan it was saved with")
         if "round" in state:
-            self._round = int(state["round"].reshape(-1)[0])
+            self._round = self._next_round = int(state["round"].reshape(-1)[0])
         residual = state.get("residual")
         for b in self._buckets:
             if b.residual is not None:
                 b.residual[:] = 0.0 if residual is None else residual.reshape(-1)[b.spec.start:b.spec.stop]
+            b.memory.set_state({key: state[key].reshape(-1)[b.spec.start:b.spec.stop]
+                                for key in b.memory.get_state() if key in state})
             prefix = f"bucket{b.spec.index}."
             b.aggregator.set_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 

@@ -1,23 +1,68 @@
-"""Memory: error feedback (GRACE's "memory" part).
+"""Memory: error feedback, and momentum correction (GRACE's "memory" part).
 
-The residual itself is state of the exchange (one float32 vector per bucket, saved in
-checkpoints); these classes only define the arithmetic.
+A memory turns a rank's gradient into what it offers to the exchange (``compensate``) and
+keeps what was not sent (``update``).  One instance per bucket; the residual itself is held
+by the exchange (one float32 vector per bucket, saved in checkpoints), anything else a memory
+keeps (the momentum velocity) is its explicit state (:class:`~tfsparse.state.Stateful`).
 
-* :class:`ResidualMemory` -- gtopk-ssgd-shi2019 Alg. 1 line 4 and line 8:
-  ``acc = residual + grad``; after the exchange, every entry of ``acc`` that was *not*
-  contributed to the global result stays in the residual, and so does what the wire lost on
-  the values that were (``acc - decode(encode(acc))``, :class:`~tfsparse.wire.WireLoss`).
+* :class:`ResidualMemory` (``memory="residual"``, the default) -- gtopk-ssgd-shi2019 Alg. 1
+  line 4 and line 8: ``acc = residual + grad``; after the exchange, every entry of ``acc``
+  that was *not* contributed to the global result stays in the residual, and so does what
+  the wire lost on the values that were (``acc - decode(encode(acc))``,
+  :class:`~tfsparse.wire.WireLoss`).
+* :class:`MomentumMemory` (``memory="momentum"``) -- momentum correction with momentum factor
+  masking (DGC, Lin et al. 2018 §3.2; gradientflow-sun2019 §3.2 Alg. 1 applies momentum SGD
+  correction to the unsent chunks): the velocity ``u = m·u + grad`` is accumulated, ``acc =
+  residual + u`` is what gets sparsified, and where values were sent both the residual and the
+  velocity are cleared.  The exchanged sum then *is* the momentum update, so the optimizer
+  must apply it without momentum of its own (``keras.optimizers.SGD(lr)``, ``momentum=0``).
+  A dense exchange (``algorithm="dense"``, a dense warm-up step) keeps the velocity: that step
+  is then exactly momentum SGD (``w -= lr·u``), which masking would turn into plain SGD.
 * :class:`NoMemory` -- for lossless aggregation over a lossless wire (dense, float32).
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
+from .state import Stateful
 
-class NoMemory:
+_MEMORIES: dict = {}
+
+
+def register_memory(cls):
+    _MEMORIES[cls.name] = cls
+    return cls
+
+
+def available_memories() -> tuple[str, ...]:
+    return tuple(sorted(_MEMORIES))
+
+
+def check_memory(memory, momentum=None) -> dict:
+    """Validates ``memory`` and its options; returns the options (ValueError otherwise)."""
+    if not isinstance(memory, str) or memory not in _MEMORIES:
+        raise ValueError(f"memory={memory!r} is not supported; accepted: "
+                         f"{', '.join(repr(m) for m in available_memories())}")
+    return _MEMORIES[memory].check_options(momentum)
+
+
+def get_memory(memory: str, size: int, options: dict, needed: bool):
+    """The memory of a bucket of ``size`` elements; ``needed``: whether anything is lost in
+    the exchange (a sparse algorithm or a lossy wire).  Without loss and without momentum
+    nothing is kept (:class:`NoMemory`)."""
+    cls = _MEMORIES[memory]
+    if not needed and not cls.always:
+        return NoMemory()
+    return cls(size, **options)
+
+
+class NoMemory(Stateful):
+    name = "none"
     stateful = False
 
-    def compensate(self, grad: np.ndarray, residual, out: np.ndarray) -> np.ndarray:
+    def compensate(self, grad: np.ndarray, residual, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad`` (the gradient travels as it is)."""
         np.copyto(out, np.reshape(grad, -1), casting="same_kind")
         return out
@@ -26,12 +71,32 @@ class NoMemory:
         return None
 
 
-class ResidualMemory:
+def _clear_contributed(buf: np.ndarray, result) -> None:
+    if result.contributed is None:
+        buf.fill(0.0)
+    else:
+        buf[result.contributed] = 0.0
+
+
+@register_memory
+class ResidualMemory(Stateful):
     """Residual accumulation (error feedback)."""
 
+    name = "residual"
     stateful = True
+    always = False  # only where the exchange loses something
 
-    def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def __init__(self, size: int = 0):
+        pass
+
+    @staticmethod
+    def check_options(momentum=None) -> dict:
+        if momentum is not None:
+            raise ValueError(f"momentum={momentum!r} needs memory='momentum' (momentum correction); with "
+                             f"memory='residual' the optimizer applies the momentum")
+        return {}
+
+    def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad + residual`` (float32, in one pass)."""
         np.add(np.reshape(grad, -1), residual, out=out, casting="same_kind")
         return out
@@ -40,9 +105,58 @@ class ResidualMemory:
         """The new residual, in place of ``acc``: the contributed entries removed
         (``result.contributed``; ``None`` means everything), plus what the wire lost
         (``result.loss``)."""
-        if result.contributed is None:
-            acc.fill(0.0)
-        else:
-            acc[result.contributed] = 0.0
+        _clear_contributed(acc, result)
         result.loss.apply_to(acc)
         return acc
+
+
+@register_memory
+class MomentumMemory(ResidualMemory):
+    """Momentum correction + momentum factor masking (DGC §3.2, GradientFlow Alg. 1).
+
+    Args:
+      size: elements of the bucket.
+      momentum: the momentum factor ``m`` (default 0.9, DGC's and GradientFlow's).
+    """
+
+    name = "momentum"
+    always = True  # the velocity is kept even for a lossless dense exchange
+
+    def __init__(self, size: int = 0, momentum: float = 0.9):
+        self.momentum = np.float32(momentum)
+        self.velocity = np.zeros(int(size), np.float32)
+
+    @staticmethod
+    def check_options(momentum=None) -> dict:
+        if momentum is None:
+            return {}
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum={momentum!r} must be a number in [0, 1), e.g. momentum=0.9")
+        return {"momentum": float(momentum)}
+
+    def compensate(self, grad, residual, out, span):
+        """``u = m·u + grad; out = residual + u`` over ``span`` of the bucket."""
+        u = self.velocity[span]
+        np.multiply(u, self.momentum, out=u)
+        np.add(u, np.reshape(grad, -1), out=u, casting="same_kind")
+        np.add(u, residual, out=out)
+        return out
+
+    def update(self, acc, result):
+        """The residual as :class:`ResidualMemory` keeps it; the velocity is cleared where
+        values were contributed (momentum factor masking) -- unless everything was (a dense
+        exchange: plain momentum SGD)."""
+        if result.contributed is not None:
+            self.velocity[result.contributed] = 0.0
+        return super().update(acc, result)
+
+    def get_state(self):
+        return {"velocity": self.velocity.copy()}
+
+    def set_state(self, state):
+        super().set_state(state)
+        v = state.get("velocity")
+        self.velocity[:] = 0.0 if v is None else np.asarray(v, np.float32).reshape(-1)
+
+    def __repr__(self):
+        return f"MomentumMemory(momentum={float(self.momentum)})"

@@ -1,15 +1,16 @@
-"""Density warm-up (gtopk-ssgd-shi2019 §IV-B): a Keras callback that sets the gradient
-exchange's density at the start of every epoch.
+"""Density warm-up: a Keras callback that sets the gradient exchange's density -- per epoch
+(gtopk-ssgd-shi2019 §IV-B), or per step for a dense warm-up (gradientflow-sun2019 §3.2, DGC).
 
 >>> model.fit(..., callbacks=[tfsparse.keras.callbacks.DensitySchedule()])       # gTop-k's warm-up
 >>> DensitySchedule([0.1, 0.05])                                                 # 2 epochs, then the target
 >>> DensitySchedule(lambda epoch: 0.01 if epoch < 3 else 0.001)                  # any schedule
+>>> DensitySchedule(tfsparse.schedules.WarmUp(epochs=2))                         # dense, ramping per step
 """
 from __future__ import annotations
 
 import keras
 
-from ..exchange import check_density
+from ..schedules import WarmUp, check_density
 
 #: gtopk-ssgd-shi2019 §IV-B: "the first 4 epochs use the dynamic densities of
 #: [0.25, 0.0725, 0.015, 0.004] ... the remaining epochs adopt a density of 0.001 or 0.005".
@@ -25,6 +26,10 @@ class DensitySchedule(keras.callbacks.Callback):
         target is raised to the target (the warm-up never sends *less* than the target).
         A sequence -- epoch ``i`` (0-based) uses ``schedule[i]``, later epochs ``target``.
         A callable ``schedule(epoch) -> density`` (0-based epoch) -- used as is.
+        A :class:`tfsparse.schedules.WarmUp` -- a per-*step* dense warm-up: step 0 is a true
+        dense allreduce and the density ramps to ``target`` (GradientFlow's linear ramp or
+        DGC's exponential one).  The exchange evaluates it at every round, counting rounds
+        from the start of training (a resumed run continues it).
       target: the density after the warm-up; default: the exchange's density when training
         starts (what ``SparseStrategy``/``DistributedOptimizer`` was built with).
       verbose: 1 prints the density on rank 0 whenever it changes.
@@ -36,16 +41,19 @@ class DensitySchedule(keras.callbacks.Callback):
 
     def __init__(self, schedule=None, target: float | None = None, verbose: int = 0):
         super().__init__()
+        self.warmup = schedule if isinstance(schedule, WarmUp) else None
         if schedule is None:
             self._sequence, self._fn, self._clamp = tuple(GTOPK_WARMUP), None, True
+        elif self.warmup is not None:
+            self._sequence, self._fn, self._clamp = None, None, False
         elif callable(schedule):
             self._sequence, self._fn, self._clamp = None, schedule, False
         elif isinstance(schedule, (list, tuple)):
             self._sequence = tuple(check_density(d, f"schedule[{i}]") for i, d in enumerate(schedule))
             self._fn, self._clamp = None, False
         else:
-            raise ValueError(f"schedule={schedule!r} must be None (gTop-k warm-up), a sequence of densities or "
-                             f"a callable epoch -> density")
+            raise ValueError(f"schedule={schedule!r} must be None (gTop-k warm-up), a sequence of densities, "
+                             f"a callable epoch -> density or a tfsparse.schedules.WarmUp")
         self.target = None if target is None else check_density(target, "target")
         self.verbose = int(verbose)
         self.history: list[float] = []
@@ -61,6 +69,9 @@ class DensitySchedule(keras.callbacks.Callback):
 
     def density_at(self, epoch: int) -> float:
         """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun)."""
+        if self.warmup is not None:
+            raise ValueError(f"{self.warmup!r} sets the density per step, not per epoch (the exchange's "
+                             f"schedule(round) gives it)")
         if self._fn is not None:
             return check_density(self._fn(int(epoch)), f"schedule({epoch})")
         if self.target is None:
@@ -74,9 +85,15 @@ class DensitySchedule(keras.callbacks.Callback):
         ex = self._exchange()
         if self.target is None:
             self.target = float(ex.density)
+        if self.warmup is not None:
+            warm = self.warmup.with_steps_per_epoch((self.params or {}).get("steps"))
+            ex.schedule = warm if warm.target is not None else warm.with_target(self.target)
 
     def on_epoch_begin(self, epoch, logs=None):
         ex = self._exchange()
+        if self.warmup is not None:  # the exchange sets the density per step
+            self.history.append(ex.schedule(ex.rounds_started))
+            return
         d = self.density_at(epoch)
         if self.verbose and d != ex.density and getattr(ex.comm, "rank", 0) == 0:
             print(f"DensitySchedule: epoch {epoch + 1}: density {d}")

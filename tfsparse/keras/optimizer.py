@@ -26,7 +26,9 @@ from ..exchange import GradientExchange, check_float_variables
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
-_DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None}
+_DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
+             "memory": "residual"}
+
 
 
 def _strategy_exchange():
@@ -47,6 +49,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
       wire_dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`).
       bucket_bytes: ``None`` (one fused bucket), θ bytes, or 0 (:mod:`tfsparse.plan`).
       plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
+      memory: ``"residual"`` (error feedback, default) or ``"momentum"`` (momentum correction,
+        DGC §3.2 / GradientFlow Alg. 1: the exchange accumulates the velocity, so
+        ``inner_optimizer`` must have no momentum -- ``SGD(lr)``; ValueError otherwise).
+      momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
       communicator: transport (default: ``tfsparse.init()``'s world).
       **algorithm_options: options of the algorithm (``tau=...`` for ``oktopk``, ...).
 
@@ -54,8 +60,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
-                 wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, communicator=None,
-                 name: str | None = None, algorithm_options: dict | None = None, **kwargs):
+                 wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, memory: str | None = None,
+                 momentum: float | None = None, communicator=None, name: str | None = None,
+                 algorithm_options: dict | None = None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"inner_optimizer must be a keras.optimizers.Optimizer instance, got "
                              f"{type(inner_optimizer).__name__}; e.g. DistributedOptimizer(keras.optimizers.SGD(0.1))")
@@ -64,12 +71,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 raise ValueError(f"DistributedOptimizer does not take `{arg}`; set it on the inner optimizer")
         options = {**(algorithm_options or {}), **kwargs}
         given = {k: v for k, v in (("algorithm", algorithm), ("density", density), ("wire_dtype", wire_dtype),
-                                   ("bucket_bytes", bucket_bytes), ("plan", plan)) if v is not None}
+                                   ("bucket_bytes", bucket_bytes), ("plan", plan), ("memory", memory),
+                                   ("momentum", momentum)) if v is not None}
         shared = _strategy_exchange()
         if shared is not None and not given and not options and communicator is None:
             exchange = shared  # inside a SparseStrategy, no settings of its own: the strategy's exchange
         else:
             exchange = GradientExchange(**{**_DEFAULTS, **given}, communicator=communicator, **options)
+        exchange.check_optimizer(inner_optimizer)
         exchange.owner = "optimizer"  # saved with the optimizer, not with the strategy
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(inner_optimizer).__name__}")
         self.inner_optimizer = inner_optimizer

@@ -81,6 +81,8 @@ class SparseExtended(OneDeviceExtended):
         # the model's one exchange: its DistributedOptimizer's, else the strategy's
         exchange = next((o.exchange for o in optimizers if isinstance(getattr(o, "exchange", None), GradientExchange)),
                         self.exchange)
+        for optimizer in optimizers:
+            exchange.check_optimizer(optimizer)
         self._active = exchange
         reduced = exchange(values, names=names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -182,6 +184,11 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
       bucket_bytes: ``None`` (one fused bucket, default), θ bytes (GradientFlow's lazy
         allreduce) or 0 (one bucket per tensor); see :mod:`tfsparse.plan`.
       plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
+      memory: ``"residual"`` (error feedback, default) or ``"momentum"`` (momentum correction
+        with momentum factor masking, DGC §3.2 / GradientFlow Alg. 1): the exchange keeps the
+        velocity and the model's optimizer must run without momentum (``SGD(lr)``); an
+        optimizer with ``momentum``/``beta_1`` > 0 raises ValueError when training starts.
+      momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
         when GPUs are visible, else ``/cpu:0``).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
@@ -192,10 +199,11 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
     """
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
-                 bucket_bytes: int | None = None, plan=None, device: str | None = None, communicator=None,
-                 **algorithm_options):
+                 bucket_bytes: int | None = None, plan=None, memory: str = "residual", momentum: float | None = None,
+                 device: str | None = None, communicator=None, **algorithm_options):
         exchange = GradientExchange(algorithm, density, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
-                                    plan=plan, communicator=communicator, **algorithm_options)
+                                    plan=plan, memory=memory, momentum=momentum, communicator=communicator,
+                                    **algorithm_options)
         if communicator is None:
             runtime.init()  # after validation: nothing communicates before the arguments are checked
         if device is None:

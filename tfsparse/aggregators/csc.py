@@ -1,0 +1,160 @@
+"""Coarse-grained sparse communication, CSC (gradientflow-sun2019 §3.2, Fig. 17 and 18).
+
+The (residual-compensated) gradient is cut into chunks of ``chunk_size`` elements (32K in the
+paper; the last chunk may be short).  Every rank computes each chunk's L1 norm
+(:func:`tfsparse.ops.chunk_l1_norms`), the norms are summed over ranks (one small allreduce),
+and every rank picks the same ``m`` chunks with the largest summed norms.  Only those chunks,
+gathered into one buffer, go through a dense allreduce -- reduce-scatter + allgather, over any
+``wire_dtype`` (:class:`~tfsparse.aggregators.dense.DenseAllreduce`) -- so the exchange keeps
+dense communication's bandwidth; every other chunk stays in the residual.  All ranks agree on
+the chunk set by construction (identical summed norms, ties broken by chunk index).
+
+Volume per rank: ``2·(m·chunk_size)·(P−1)/P`` values plus the norms' allreduce
+(``2·C·(P−1)/P`` float32 for ``C`` chunks).  ``m = ceil(k / chunk_size)`` for the exchange's
+``k = ceil(density·n)``: ``density`` is the fraction of chunks, the paper's 10-15 % (15 % in
+its AlexNet run, §4).
+
+``selection``:
+
+* ``"current"`` (default): the chunks are chosen from this step's norms, before the chunk
+  allreduce (two collectives in a row per step).
+* ``"previous"``: the paper's Fig. 18 schedule.  After the chunk allreduce every rank computes
+  the norms of what it holds -- the summed gradient in the chunks just sent, divided by P, its
+  own accumulated gradient elsewhere -- the norms are allreduced and the top ``m`` chunks are
+  *the next step's* set.  The set is then known before a step begins (GradientFlow copies each
+  important chunk into the allreduce buffer as soon as back-propagation fills it); the first
+  step, and a step whose ``m`` changed, choose from their own norms as ``"current"`` does.
+  The chosen set is explicit state (``chunks``), saved in checkpoints.
+
+GradientFlow pairs CSC with momentum correction and a dense warm-up (§3.2): use
+``memory="momentum"`` and ``tfsparse.schedules.WarmUp``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..wire import Wire, WireLoss
+from .base import Aggregator, AllreduceResult, check_acc
+from .dense import DenseAllreduce
+from .registry import register
+
+SELECTIONS = ("current", "previous")
+
+
+def check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (elements per chunk), "
+                         f"e.g. chunk_size=32768 (GradientFlow's 32K)")
+    return int(chunk_size)
+
+
+def chunk_elements(chunks: np.ndarray, chunk_size: int, n: int) -> np.ndarray:
+    """The element indices (int64, ascending) of the ascending ``chunks`` of an ``n``-vector."""
+    chunks = np.asarray(chunks, np.int64)
+    if chunks.size == 0:
+        return np.empty(0, np.int64)
+    elems = (chunks[:, None] * chunk_size + np.arange(chunk_size, dtype=np.int64)).reshape(-1)
+    if chunks[-1] * chunk_size + chunk_size > n:  # the short last chunk
+        elems = elems[elems < n]
+    return elems
+
+
+def top_chunks(norms: np.ndarray, m: int) -> np.ndarray:
+    """The ``m`` chunks with the largest norms, ascending; ties go to the lower index, a NaN
+    norm ranks first (the non-finite values then reach every rank)."""
+    key = np.where(np.isnan(norms), np.inf, norms).astype(np.float64)
+    order = np.argsort(-key, kind="stable")[:m]
+    return np.sort(order).astype(np.int64)
+
+
+@dataclass
+class _CSCPayload:
+    acc: np.ndarray
+    wire: Wire
+    m: int
+    norms: np.ndarray | None = None       # this rank's norms, when the set is chosen this step
+    chunks: np.ndarray | None = None      # the set, when known before the step ("previous")
+    dense: object = None                  # DenseAllreduce payload of the gathered chunks
+
+
+@register("csc")
+class CoarseSparseAllreduce(Aggregator):
+    """GradientFlow's CSC: dense allreduce of the chunks with the largest summed L1 norms.
+
+    Args:
+      chunk_size: elements per chunk (default 32768, the paper's 32K).
+      selection: ``"current"`` (default) or ``"previous"`` (the paper's Fig. 18: norms taken
+        after the allreduce choose the next step's chunks); see the module doc.
+    """
+
+    def __init__(self, chunk_size: int = 32768, selection: str = "current"):
+        self.chunk_size = check_chunk_size(chunk_size)
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection={selection!r} is not supported; accepted: "
+                             f"{', '.join(repr(s) for s in SELECTIONS)}")
+        self.selection = selection
+        self._dense = DenseAllreduce()
+        self._next = np.empty(0, np.int64)  # "previous": the set chosen by the last step
+
+    def chunks_for(self, n: int, k: int) -> int:
+        """``m``: the chunks a bucket of ``n`` elements sends for ``k`` (at least one if k > 0)."""
+        return min(math.ceil(n / self.chunk_size), math.ceil(k / self.chunk_size))
+
+    def encode(self, comm, acc, k, wire):
+        acc, k = check_acc(acc, k)
+        m = self.chunks_for(acc.size, k)
+        payload = _CSCPayload(acc, wire, m)
+        if self.selection == "previous" and self._next.size == m and m > 0:
+            payload.chunks = self._next
+            payload.dense = self._dense.encode(comm, acc[chunk_elements(self._next, self.chunk_size, acc.size)],
+                                               wire=wire)
+        elif m > 0:
+            payload.norms = ops.chunk_l1_norms(acc, self.chunk_size)
+        return payload
+
+    def exchange(self, comm, payload):
+        acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
+        if payload.m == 0:
+            self._next = np.empty(0, np.int64)
+            return AllreduceResult(indices=np.empty(0, np.int64), values=np.empty(0, np.float32),
+                                   contributed=np.empty(0, np.int64), sent_elements=0)
+        chunks = payload.chunks
+        if chunks is None:
+            chunks = top_chunks(comm.allreduce(payload.norms, op="sum"), payload.m)
+        elems = chunk_elements(chunks, cs, n)
+        dense = payload.dense if payload.dense is not None else \
+            self._dense.encode(comm, acc[elems], wire=payload.wire)
+        result = self._dense.exchange(comm, dense)
+        loss = WireLoss()
+        for where, lost in result.loss.parts:  # from the gathered buffer's positions to the gradient's
+            loss.add(elems[where], lost)
+        if self.selection == "previous":
+            self._next = self._choose_next(comm, acc, elems, result.values, payload.m)
+        return AllreduceResult(indices=elems, values=result.values, contributed=elems,
+                               sent_elements=int(elems.size), loss=loss)
+
+    def _choose_next(self, comm, acc, elems, summed, m) -> np.ndarray:
+        """Fig. 18: norms of what this rank holds after the allreduce (the sum / P in the chunks
+        sent, its accumulated gradient elsewhere), allreduced; the top ``m`` for the next step."""
+        held = acc.copy()
+        held[elems] = summed / np.float32(comm.size)
+        return top_chunks(comm.allreduce(ops.chunk_l1_norms(held, self.chunk_size), op="sum"), m)
+
+    def reset(self):
+        self._next = np.empty(0, np.int64)
+
+    def get_state(self):
+        return {"chunks": self._next.copy()} if self.selection == "previous" else {}
+
+    def set_state(self, state):
+        super().set_state(state)
+        chunks = state.get("chunks")
+        self._next = np.empty(0, np.int64) if chunks is None else np.asarray(chunks, np.int64).reshape(-1).copy()
+
+    def __repr__(self):
+        return f"CoarseSparseAllreduce(chunk_size={self.chunk_size}, selection={self.selection!r})"

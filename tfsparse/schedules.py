@@ -1,0 +1,108 @@
+"""Density schedules: which fraction of the gradient a step sends.
+
+:class:`WarmUp` is the dense warm-up of gradientflow-sun2019 §3.2 ("Warm-Up Dense Training":
+"we start from dense training with zero sparsity ratio and linearly ramping up the sparsity
+ratio to the final value") and of DGC (Lin et al. 2018 §3.3, sparsity raised exponentially,
+75 %, 93.75 %, 98.4375 %, ..., during the first epochs).  It is a per-*step* schedule,
+evaluated by the exchange at the start of every round (``GradientExchange.schedule``), so it
+holds with any ``steps_per_execution`` and in custom training loops, and a resumed run
+continues it from its saved round.  A step at density 1 is a true dense allreduce.
+
+>>> from tfsparse.schedules import WarmUp
+>>> w = WarmUp(steps=4, target=0.01)
+>>> [round(w(s), 4) for s in range(6)]
+[1.0, 0.7525, 0.505, 0.2575, 0.01, 0.01]
+
+Keras users pass it to ``tfsparse.keras.callbacks.DensitySchedule(WarmUp(epochs=2))``, which
+fills in ``target`` (the exchange's density) and, for ``epochs=``, the steps per epoch.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+
+RAMPS = ("linear", "exponential")
+
+
+def check_density(density, name: str = "density") -> float:
+    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of gradient "
+                         f"elements each rank sends), e.g. {name}=0.01")
+    return float(density)
+
+
+def _check_count(value, name: str, allow_zero: bool = True):
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < low or \
+            (name == "steps" and not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{name}={value!r} must be a{' non-negative' if allow_zero else ' positive'} "
+                         f"{'integer' if name == 'steps' else 'number'}")
+    return value
+
+
+class WarmUp:
+    """Dense warm-up: step 0 dense, ramping to ``target`` over the first ``steps`` steps.
+
+    Args:
+      steps: warm-up length in steps (training rounds of the exchange).
+      epochs: or the length in epochs (a float is allowed); needs the steps per epoch,
+        which ``DensitySchedule`` supplies (:meth:`with_steps_per_epoch`).
+      ramp: ``"linear"`` (default, GradientFlow §3.2): the sparsity ``1 − density`` rises
+        linearly from 0 at step 0 to ``1 − target`` at ``steps``;  ``"exponential"`` (DGC):
+        the density falls 4× per stage -- 1, 0.25, 0.0625, ... while above ``target`` --
+        in stages of equal length that fill ``steps``.
+      target: the density after the warm-up; ``None``: the exchange's (filled in by
+        ``DensitySchedule``).
+
+    ``warmup(step)`` is the density of 0-based ``step``; ``steps=0`` is no warm-up.
+    """
+
+    def __init__(self, steps: int | None = None, *, epochs: float | None = None, ramp: str = "linear",
+                 target: float | None = None):
+        if (steps is None) == (epochs is None):
+            raise ValueError(f"WarmUp takes steps= or epochs= (one of them), got steps={steps!r}, epochs={epochs!r}")
+        self.steps = None if steps is None else int(_check_count(steps, "steps"))
+        self.epochs = None if epochs is None else float(_check_count(epochs, "epochs"))
+        if ramp not in RAMPS:
+            raise ValueError(f"ramp={ramp!r} is not supported; accepted: {', '.join(repr(r) for r in RAMPS)}")
+        self.ramp = ramp
+        self.target = None if target is None else check_density(target, "target")
+
+    def with_steps_per_epoch(self, steps_per_epoch) -> "WarmUp":
+        """This warm-up with ``epochs`` converted to steps (itself when given in steps)."""
+        if self.steps is not None:
+            return self
+        if steps_per_epoch is None or steps_per_epoch <= 0:
+            raise ValueError(f"WarmUp(epochs={self.epochs}) needs the number of steps per epoch, which is unknown "
+                             f"here (a dataset of unknown length?); give WarmUp(steps=...) instead")
+        return WarmUp(math.ceil(self.epochs * steps_per_epoch), ramp=self.ramp, target=self.target)
+
+    def with_target(self, target: float) -> "WarmUp":
+        w = copy.copy(self)
+        w.target = check_density(target, "target")
+        return w
+
+    def stages(self) -> list[float]:
+        """The exponential ramp's densities (1, 0.25, ... while above ``target``)."""
+        levels, d = [], 1.0
+        while d > self.target:
+            levels.append(d)
+            d /= 4.0
+        return levels
+
+    def __call__(self, step: int) -> float:
+        if self.steps is None or self.target is None:
+            raise ValueError("WarmUp needs steps and target before use (DensitySchedule fills them in: "
+                             "with_steps_per_epoch(), with_target())")
+        step = int(step)
+        if step >= self.steps:
+            return self.target
+        if self.ramp == "linear":
+            return 1.0 - (1.0 - self.target) * step / self.steps
+        levels = self.stages()
+        return levels[min(len(levels) - 1, step * len(levels) // self.steps)]
+
+    def __repr__(self):
+        length = f"steps={self.steps}" if self.steps is not None else f"epochs={self.epochs}"
+        return f"WarmUp({length}, ramp={self.ramp!r}, target={self.target})"
