@@ -2,11 +2,17 @@
 
     tfsparse-run -np 4 python keras_examples/digits_demo.py [--algorithms dense,topk] [--density 0.01]
         [--wire float16] [--bucket-bytes 65536]
+        [--memory momentum --warmup-epochs 2] [--chunk-size 64] [--json out.json]
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
+
+``--memory momentum`` is momentum correction (DGC / GradientFlow): the exchange applies the
+momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
+warm-up (``DensitySchedule(WarmUp(epochs=E))``); ``--chunk-size`` is CSC's (``algorithm="csc"``).
 """
 import argparse
+import json
 import os
 import time
 
@@ -56,6 +62,13 @@ def main():
     parser.add_argument("--wire", default="float32", help="wire_dtype: float32, float16, bfloat16 or int8")
     parser.add_argument("--bucket-bytes", type=int, default=None,
                         help="lazy-allreduce threshold in bytes (default: one fused bucket)")
+    parser.add_argument("--memory", default="residual", help="residual (error feedback) or momentum (correction)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--warmup-epochs", type=float, default=0.0, help="dense warm-up length (0: none)")
+    parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")
+    parser.add_argument("--chunk-size", type=int, default=None, help="CSC's chunk size (default 32768)")
+    parser.add_argument("--csc-selection", default=None, help="CSC's chunk selection: current or previous")
+    parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
     args = parser.parse_args()
 
     tfsparse.init()
@@ -67,25 +80,36 @@ def main():
     x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
     x_local, y_local = tfsparse.data.shard(x_train, y_train)   # equal shards: equal step counts
 
-    rows = []
+    rows, runs = [], {}
+    correction = args.memory == "momentum"
     for algorithm in args.algorithms.split(","):
+        options = {}
+        if algorithm == "csc":
+            options = {k: v for k, v in (("chunk_size", args.chunk_size), ("selection", args.csc_selection)) if v}
         strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
-                                           bucket_bytes=args.bucket_bytes)
+                                           bucket_bytes=args.bucket_bytes, memory=args.memory,
+                                           momentum=args.momentum if correction else None, **options)
         with strategy.scope():
             model = build_model()
-            model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
+            # momentum correction: the exchange applies the momentum, the optimizer must not
+            model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.0 if correction else args.momentum),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
         if rank == 0:
             print(f"\n== {algorithm} (density {strategy.density if algorithm != 'dense' else 1.0}) "
                   f"on {size} processes, {model.count_params()} parameters", flush=True)
         timer = StepTimer()
-        hist = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs,
-                         callbacks=[tfsparse.keras.callbacks.CommunicationStats(), timer],
-                         verbose=2 if rank == 0 else 0)
+        callbacks = [tfsparse.keras.callbacks.CommunicationStats(), timer]
+        if args.warmup_epochs > 0 and algorithm != "dense":
+            callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(
+                tfsparse.schedules.WarmUp(epochs=args.warmup_epochs, ramp=args.warmup_ramp)))
+        hist = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks,
+                         validation_data=(x_test, y_test), verbose=2 if rank == 0 else 0)
         _, acc = model.evaluate(x_test, y_test, verbose=0)
         rows.append((algorithm, acc, hist.history["comm_bytes"][-1], hist.history["density"][-1],
                      1e3 * float(np.mean(timer.times))))
+        runs[algorithm] = {**{k: [float(v) for v in vals] for k, vals in hist.history.items()},
+                           "test_accuracy": float(acc), "step_ms": rows[-1][-1]}
 
     if rank == 0:
         print(f"\n{size} processes, digits ({len(x_train)} train / {len(x_test)} test), "
@@ -94,6 +118,9 @@ def main():
         print(f"{'algorithm':<12}{'accuracy':>10}{'bytes/step':>14}{'density':>10}{'step ms':>10}")
         for algorithm, acc, nbytes, dens, ms in rows:
             print(f"{algorithm:<12}{acc:>10.4f}{nbytes:>14.0f}{dens:>10.4f}{ms:>10.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"processes": size, "args": vars(args), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -286,3 +286,38 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
             residuals = new_res
         out.append((result, [r.copy() for r in residuals] if memory else None))
     return out
+
+
+def momentum_reference(algorithm, grads, density, m=0.9, options=None):
+    """DGC §3.2 momentum correction with factor masking, from every rank's gradients:
+    u = m·u + g; acc = v + u; sparse allreduce of acc; v = acc with the sent entries cleared;
+    u cleared where sent -- except a dense exchange, which keeps u (momentum SGD)."""
+    P, n = len(grads[0]), grads[0][0].size
+    u = [np.zeros(n, np.float32) for _ in range(P)]
+    v = [np.zeros(n, np.float32) for _ in range(P)]
+    out = []
+    for step in grads:
+        accs = []
+        for r in range(P):
+            u[r] = (np.float32(m) * u[r] + step[r]).astype(np.float32)
+            accs.append(v[r] + u[r])
+        k = n if algorithm == "dense" else math.ceil(density * n)
+        if algorithm == "dense":
+            result = np.sum(np.stack(accs).astype(np.float64), axis=0)
+            sent = [np.arange(n)] * P
+        elif algorithm == "topk":
+            sent = [refs.exact_topk(a, k) for a in accs]
+            result = np.zeros(n)
+            for a, idx in zip(accs, sent):
+                result[idx] += a[idx]
+        else:  # csc
+            cs = options["chunk_size"]
+            result, _, info = csc_round(accs, cs, min(math.ceil(n / cs), math.ceil(k / cs)), "float32")
+            sent = [info["elems"]] * P
+        for r in range(P):
+            v[r] = accs[r].copy()
+            v[r][sent[r]] = 0.0
+            if algorithm != "dense":
+                u[r][sent[r]] = 0.0
+        out.append((result, [x.copy() for x in v], [x.copy() for x in u]))
+    return out

@@ -1,5 +1,5 @@
 """The exchange pipeline on real mpirun jobs (P = 2, 3, 4): every algorithm x wire dtype x plan
-equals the reference computed from all ranks' inputs (tests/exchange_ref.py), bit-identical
+(CSC included; and GradientFlow's momentum correction and previous-step chunk choice) equals the reference computed from all ranks' inputs (tests/exchange_ref.py), bit-identical
 on every rank; dense float16 sends exactly half of float32's bytes."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from exchange_ref import reference_run
 from mpi_harness import mpirun
 from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of
+from test_gradientflow import MPI_CASES, STEPS as GF_STEPS, mpi_case_reference
 
 pytestmark = pytest.mark.mpi
 
@@ -44,6 +45,20 @@ def test_every_wire_and_plan_equals_reference(job, algorithm):
                     if residuals is not None:
                         np.testing.assert_allclose(results[r][f"{key}/res{s}"], residuals[r], rtol=2e-5, atol=2e-5,
                                                    err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(MPI_CASES))
+def test_gradientflow_cases_equal_reference(job, name):
+    """CSC with the paper's previous-step chunk choice, and momentum correction (CSC, topk,
+    dense), against the references from every rank's gradients."""
+    P, results = job
+    for s, (result, residuals) in enumerate(mpi_case_reference(name, P)[:GF_STEPS]):
+        for r in range(P):
+            got = results[r][f"{name}/out{s}"]
+            np.testing.assert_array_equal(got, results[0][f"{name}/out{s}"], err_msg=f"{name}: ranks differ")
+            np.testing.assert_allclose(got, result, rtol=2e-5, atol=2e-5, err_msg=name)
+            np.testing.assert_array_equal(np.flatnonzero(got), np.flatnonzero(result), err_msg=name)
+            np.testing.assert_allclose(results[r][f"{name}/res{s}"], residuals[r], rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_dense_half_precision_sends_half_the_bytes(job):

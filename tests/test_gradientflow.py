@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 
-import keras
 import numpy as np
 import pytest
 
-from exchange_ref import csc_next_chunks, csc_round, reference_run, top_chunks, chunk_norms
+from exchange_ref import chunk_norms, csc_next_chunks, csc_round, momentum_reference, reference_run, top_chunks
 from test_exchange_pipeline import flat, grads_of
 from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import InProcessWorld
@@ -18,6 +17,25 @@ from tfsparse.schedules import WarmUp
 
 N = 2050  # grads_of's layout
 CS = 32
+STEPS = 4
+#: cases run on real MPI ranks too (tests/workers/exchange_matrix.py, tests/test_exchange_mpi.py):
+#: name -> (algorithm, density, exchange options)
+MPI_CASES = {
+    "csc-previous": ("csc", 0.05, {"chunk_size": CS, "selection": "previous"}),
+    "csc-momentum": ("csc", 0.05, {"chunk_size": CS, "memory": "momentum"}),
+    "topk-momentum": ("topk", 0.05, {"memory": "momentum"}),
+    "dense-momentum": ("dense", 1.0, {"memory": "momentum"}),
+}
+
+
+def mpi_case_reference(name, P):
+    """Per step ``(result, residuals)`` of an MPI_CASES case, from every rank's gradients."""
+    algorithm, density, options = MPI_CASES[name]
+    options = {k: v for k, v in options.items() if k != "memory"}
+    grads = all_grads(P, STEPS)
+    if MPI_CASES[name][2].get("memory") == "momentum":
+        return [(res, v) for res, v, _ in momentum_reference(algorithm, grads, density, 0.9, options)]
+    return reference_run(algorithm, "float32", [(0, N)], grads, density, options=options)
 
 
 def run_exchange(P, steps, make, grads=None, after=None):
@@ -135,40 +153,12 @@ def test_csc_rejects_a_bad_selection():
 
 # -- momentum correction -------------------------------------------------------------------------
 
-def momentum_reference(algorithm, grads, density, m=0.9, options=None):
-    """DGC §3.2 momentum correction with factor masking, from every rank's gradients:
-    u = m·u + g; acc = v + u; sparse allreduce of acc; v = acc with the sent entries cleared;
-    u cleared where sent -- except a dense exchange, which keeps u (momentum SGD)."""
-    P, n = len(grads[0]), grads[0][0].size
-    u = [np.zeros(n, np.float32) for _ in range(P)]
-    v = [np.zeros(n, np.float32) for _ in range(P)]
-    out = []
-    for step in grads:
-        accs = []
-        for r in range(P):
-            u[r] = (np.float32(m) * u[r] + step[r]).astype(np.float32)
-            accs.append(v[r] + u[r])
-        k = n if algorithm == "dense" else math.ceil(density * n)
-        if algorithm == "dense":
-            result = np.sum(np.stack(accs).astype(np.float64), axis=0)
-            sent = [np.arange(n)] * P
-        elif algorithm == "topk":
-            import refs
-            sent = [refs.exact_topk(a, k) for a in accs]
-            result = np.zeros(n)
-            for a, idx in zip(accs, sent):
-                result[idx] += a[idx]
-        else:  # csc
-            cs = options["chunk_size"]
-            result, _, info = csc_round(accs, cs, min(math.ceil(n / cs), math.ceil(k / cs)), "float32")
-            sent = [info["elems"]] * P
-        for r in range(P):
-            v[r] = accs[r].copy()
-            v[r][sent[r]] = 0.0
-            if algorithm != "dense":
-                u[r][sent[r]] = 0.0
-        out.append((result, [x.copy() for x in v], [x.copy() for x in u]))
-    return out
+@pytest.mark.parametrize("name", list(MPI_CASES))
+def test_mpi_cases_in_process(name):
+    P = 3
+    algorithm, density, options = MPI_CASES[name]
+    got = run_exchange(P, STEPS, lambda c: GradientExchange(algorithm, density, communicator=c, **options))
+    assert_steps_equal(got, mpi_case_reference(name, P), P)
 
 
 @pytest.mark.parametrize("algorithm,options", [("topk", {}), ("csc", {"chunk_size": CS}), ("dense", {})])
@@ -208,6 +198,8 @@ def test_momentum_options_are_validated():
 
 
 def test_momentum_twice_is_refused():
+    import keras
+
     ex = GradientExchange("topk", 0.01, memory="momentum")
     for opt, attr in ((keras.optimizers.SGD(0.1, momentum=0.9), "momentum"), (keras.optimizers.Adam(), "beta_1")):
         with pytest.raises(ValueError, match=rf"applied twice.*{attr}="):

@@ -190,6 +190,41 @@ def test_layout_plan_and_names_captured_at_trace_time():
     assert ex.total.steps == 4 and ex.residual.shape == (8 * 6 + 6 + 6 * 3 + 3,)
 
 
+def test_momentum_correction_refuses_an_optimizer_with_momentum():
+    """memory='momentum' applies the momentum in the exchange: an optimizer with momentum of
+    its own is refused (ValueError): at construction for the wrapper, when the step is traced
+    (before any exchange) for the strategy, which meets the optimizer only then."""
+    with pytest.raises(ValueError, match=r"applied twice.*SGD\(momentum=0\.0\)"):
+        DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "topk", 0.2, memory="momentum",
+                             communicator=NoTalk(3))
+    strategy = tfsparse.SparseStrategy("topk", 0.2, memory="momentum", communicator=solo())
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.Adam(), loss=LOSS)
+    x, y = data()
+    with pytest.raises(ValueError, match=r"applied twice.*beta_1="):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert strategy.exchange.rounds_started == 0
+
+
+def test_momentum_correction_and_warmup_in_fit():
+    strategy = tfsparse.SparseStrategy("csc", 0.3, chunk_size=4, memory="momentum", momentum=0.8,
+                                       communicator=solo())
+    with strategy.scope():
+        model = small_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    x, y = data()
+    schedule = tfsparse.keras.callbacks.DensitySchedule(tfsparse.WarmUp(epochs=1))
+    hist = model.fit(x, y, epochs=2, batch_size=16, verbose=0,
+                     callbacks=[schedule, tfsparse.keras.callbacks.CommunicationStats()])
+    ex = strategy.exchange
+    assert ex.schedule.steps == 4 and ex.schedule.target == 0.3 and ex.rounds_started == 8
+    # 27 weights in 7 chunks of 4 (the last one short): at 0.3, k = 9 -> 3 chunks, 11 or 12 values
+    assert hist.history["density"][0] > 0.6 and 11 / 27 <= hist.history["density"][1] <= 12 / 27
+    assert ex.get_state()["velocity"].any()
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+
+
 def test_optimizer_config_carries_every_option():
     opt = DistributedOptimizer(keras.optimizers.SGD(0.25), "oktopk", 0.05, wire_dtype="int8", bucket_bytes=4096,
                                tau=16, communicator=solo())
@@ -197,5 +232,11 @@ def test_optimizer_config_carries_every_option():
     assert {k: cfg[k] for k in ("algorithm", "density", "wire_dtype", "bucket_bytes", "plan")} == \
         {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "bucket_bytes": 4096, "plan": "buckets"}
     assert cfg["algorithm_options"] == {"tau": 16}
+    assert cfg["memory"] == "residual" and cfg["momentum"] is None
+    mc = DistributedOptimizer(keras.optimizers.SGD(0.25), "csc", 0.1, memory="momentum", momentum=0.8, chunk_size=64,
+                              communicator=solo())
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(mc))
+    assert again.exchange.config() == mc.exchange.config()
+    assert again.exchange.config()["momentum"] == 0.8 and again.exchange.memory == "momentum"
     again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert again.exchange.config() == opt.exchange.config()

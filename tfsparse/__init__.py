@@ -21,6 +21,8 @@ _LAZY = {
     "collectives": ("tfsparse.collectives", None),
     "data": ("tfsparse.data", None),
     "ops": ("tfsparse.ops", None),
+    "schedules": ("tfsparse.schedules", None),
+    "WarmUp": ("tfsparse.schedules", "WarmUp"),
 }
 
 
@@ -33,4 +35,4 @@ def __getattr__(name):
 
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "SparseStrategy", "GradientExchange",
-           "keras", "collectives", "data", "__version__"]
+           "keras", "collectives", "data", "schedules", "WarmUp", "__version__"]

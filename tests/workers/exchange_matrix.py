@@ -1,5 +1,5 @@
 """Worker: every algorithm x wire dtype x plan through GradientExchange on real MPI ranks
-(numpy only), a few rounds each; saves every round's result, residual, bytes and the Ok-Topk
+(numpy only), a few rounds each, and GradientFlow's cases (tests/test_gradientflow.py); saves every round's result, residual, bytes and the Ok-Topk
 thresholds, for tests/test_exchange_mpi.py to check against tests/exchange_ref.py."""
 import json
 import sys
@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 
 from mpi_harness import save_result  # noqa: E402
 from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of  # noqa: E402
+from test_gradientflow import MPI_CASES, STEPS as GF_STEPS  # noqa: E402
 from tfsparse.collectives import MPICommunicator  # noqa: E402
 from tfsparse.exchange import GradientExchange  # noqa: E402
 
@@ -36,6 +37,12 @@ def main():
                 meta["buckets"] = [(b.start, b.stop) for b in ex.buckets]
                 out[f"{key}/meta"] = json.dumps(meta)
                 ex.close()
+    for name, (algorithm, density, options) in MPI_CASES.items():  # GradientFlow's pieces
+        ex = GradientExchange(algorithm, density, communicator=comm, **options)
+        for s in range(GF_STEPS):
+            out[f"{name}/out{s}"] = flat(ex.exchange_numpy(grads_of(comm.rank, s)))
+            out[f"{name}/res{s}"] = ex.residual
+        ex.close()
     out["P"] = comm.size
     out["tensorflow_imported"] = "tensorflow" in sys.modules
     save_result(comm.rank, **out)

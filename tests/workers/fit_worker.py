@@ -2,8 +2,11 @@
 
 Usage: fit_worker.py SPEC_JSON
   SPEC_JSON: a list of runs ``{"algo": NAME, "route": "strategy"|"optimizer", "epochs": E,
-  "density": D, "schedule": bool, "wire": W, "bucket_bytes": B}``; ``schedule`` adds
-  DensitySchedule() (gTop-k's warm-up), ``wire``/``bucket_bytes`` the exchange's options.
+  "density": D, "schedule": bool, "wire": W, "bucket_bytes": B, "memory": M, "warmup_epochs": E,
+  "options": {...}}``; ``schedule`` adds DensitySchedule() (gTop-k's warm-up), ``warmup_epochs``
+  DensitySchedule(WarmUp(epochs=E)) (the dense warm-up), ``memory="momentum"`` momentum
+  correction (the optimizer then has no momentum of its own), ``wire``/``bucket_bytes``/
+  ``options`` the exchange's options.
 Saves, per run ``<algo>/<route>[+schedule]``: test accuracy, whether all ranks' weights are
 identical, mean bytes per step, the achieved density and the density set at each epoch.
 """
@@ -52,18 +55,22 @@ class RecordDensity(keras.callbacks.Callback):
 out = {}
 for run in runs:
     algo, route, epochs, density = run["algo"], run["route"], int(run["epochs"]), float(run["density"])
-    options = {"wire_dtype": run.get("wire", "float32"), "bucket_bytes": run.get("bucket_bytes")}
+    options = {"wire_dtype": run.get("wire", "float32"), "bucket_bytes": run.get("bucket_bytes"),
+               "memory": run.get("memory", "residual"), **run.get("options", {})}
+    momentum = 0.0 if options["memory"] == "momentum" else 0.9  # momentum correction: not twice
     t0 = time.time()
     record = RecordDensity()
     cbs = ([DensitySchedule()] if run.get("schedule") else []) + [record, CommunicationStats()]
+    if run.get("warmup_epochs"):
+        cbs.insert(0, DensitySchedule(tfsparse.schedules.WarmUp(epochs=run["warmup_epochs"])))
     if route == "strategy":
         strategy = tfsparse.SparseStrategy(algorithm=algo, density=density, **options)
         with strategy.scope():
             model = build()
-            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss, metrics=["accuracy"])
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=momentum), loss=loss, metrics=["accuracy"])
     else:
         model = build()
-        opt = tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), algorithm=algo,
+        opt = tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=momentum), algorithm=algo,
                                                   density=density, **options)
         model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
         cbs = [BroadcastInitialState()] + cbs + [MetricAverage()]
@@ -72,10 +79,12 @@ for run in runs:
     w = np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
     allw = comm.allgather(w.astype(np.float64))
     key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "") + \
-        (f"+{run['wire']}" if run.get("wire") else "") + (f"+b{run['bucket_bytes']}" if "bucket_bytes" in run else "")
+        (f"+{run['wire']}" if run.get("wire") else "") + (f"+b{run['bucket_bytes']}" if "bucket_bytes" in run else "") + \
+        ("+mc" if run.get("memory") == "momentum" else "") + ("+warmup" if run.get("warmup_epochs") else "")
     out[key] = {"accuracy": float(ev["accuracy"]), "identical": all(np.array_equal(allw[0], a) for a in allw),
                 "comm_bytes": float(np.mean(hist.history["comm_bytes"])),
                 "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
+                "densities": [float(d) for d in hist.history["density"]],
                 "seconds": time.time() - t0}
     if comm.rank == 0:
         print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out[key].items()

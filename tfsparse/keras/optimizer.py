@@ -178,6 +178,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "wire_dtype": ex.wire.name,
             "bucket_bytes": plan.get("bucket_bytes"),
             "plan": plan["plan"],  # a PerTensorPlan's assign function is code: not part of the config
+            "memory": ex.memory,
+            "momentum": ex.momentum,
             "algorithm_options": dict(ex.options),
         }
 
