@@ -82,11 +82,14 @@ def test_half_precision_wire_accuracy_within_one_point(fits, algo, wire):
 
 
 @pytest.mark.mpi
-def test_int8_wire_and_buckets_through_the_optimizer(fits):
+@pytest.mark.parametrize("key,densities", [("oktopk/optimizer+int8+b1024", (0.0, 0.5)),  # int8 wire, buckets
+                                           ("csc/optimizer+mc", (0.1, 0.2))])  # CSC's previous-step choice
+def test_more_options_through_the_optimizer(fits, key, densities):
     results, _ = fits
     for r in results:
-        run = r["runs"]["oktopk/optimizer+int8+b1024"]
+        run = r["runs"][key]
         assert run["identical"] and run["accuracy"] > 0.5
+        assert densities[0] < run["density"] < densities[1]
 
 
 @pytest.mark.mpi
@@ -106,14 +109,6 @@ def test_momentum_correction_and_warmup_reach_dense_accuracy(fits, algo):
     for r in results:
         assert r["runs"][f"{algo}/strategy+mc+warmup"]["identical"]
 
-
-@pytest.mark.mpi
-def test_csc_previous_selection_through_the_optimizer(fits):
-    results, _ = fits
-    for r in results:
-        run = r["runs"]["csc/optimizer+mc"]
-        assert run["identical"] and run["accuracy"] > 0.5
-        assert 0.1 < run["density"] < 0.2
 
 
 @pytest.mark.mpi
