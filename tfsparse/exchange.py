@@ -263,9 +263,7 @@ class GradientExchange:
     @property
     def momentum(self) -> float | None:
         """The momentum factor applied by ``memory="momentum"`` (None for other memories)."""
-        if self.memory != "momentum":
-            return None
-        return float(self.memory_options.get("momentum", 0.9))
+        return self.memory_options.get("momentum")
 
     def check_optimizer(self, optimizer) -> None:
         """``memory="momentum"`` applies the momentum here (momentum correction): an optimizer

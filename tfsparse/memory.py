@@ -122,14 +122,16 @@ class MomentumMemory(ResidualMemory):
     name = "momentum"
     always = True  # the velocity is kept even for a lossless dense exchange
 
-    def __init__(self, size: int = 0, momentum: float = 0.9):
+    DEFAULT_MOMENTUM = 0.9
+
+    def __init__(self, size: int = 0, momentum: float = DEFAULT_MOMENTUM):
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(int(size), np.float32)
 
     @staticmethod
     def check_options(momentum=None) -> dict:
         if momentum is None:
-            return {}
+            return {"momentum": MomentumMemory.DEFAULT_MOMENTUM}
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum!r} must be a number in [0, 1), e.g. momentum=0.9")
         return {"momentum": float(momentum)}
