@@ -102,3 +102,22 @@ def keras_epoch_steps(max_depth: int = 8):
             return int(steps) if steps is not None and steps >= 0 else None
         frame = frame.f_back
     return None
+
+
+def keras_running(max_depth: int = 16):
+    """``"fit"``, ``"evaluate"`` or ``"predict"``: the Keras model method on the call stack
+    right now (e.g. the one whose epoch iterator distributes a dataset), or None.  Read-only
+    stack inspection: Keras does not tell a strategy what a dataset is for."""
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        if frame.f_code.co_name in ("fit", "evaluate", "predict") and \
+                isinstance(frame.f_locals.get("self"), keras.Model):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None

@@ -20,6 +20,17 @@ gradients (bucket 0 holds the last layers).  :meth:`GradientExchange.start` retu
 :class:`Round` whose :meth:`~Round.wait` may come later (a round can be started in one step
 and finished in the next).
 
+**Pipelined training** (``pipeline=2``, Pipe-SGD, pipe-sgd-li2018 §3.1 and Alg. 1): a
+training step calls :meth:`GradientExchange.step`, which starts this step's round and returns
+the *previous* round's result -- so the communication of step ``t``'s gradient runs on the
+communication thread while step ``t + 1`` computes, and the update applied at step ``t + 1``
+is the aggregated gradient of step ``t`` (``w[t] = w[t-1] - lr * g[t-2]`` in the paper's
+indexing, iteration dependency K = 2).  The first pipelined step applies a zero gradient
+(Alg. 1 initialises ``g_sum`` of iterations ``1-K .. 0`` to zero).  A round still owed to the
+next step is *pending*: :meth:`~GradientExchange.flush` finishes its communication and holds
+its result, which is part of the explicit state (so a checkpoint keeps it and a resumed run
+applies it); ``pipeline=1`` is the synchronous exchange.
+
 The result is the **sum** over ranks; callers divide by P (or rely on Keras scaling the loss
 by ``1/num_replicas_in_sync`` under :class:`SparseStrategy`).
 
@@ -46,9 +57,19 @@ from .collectives.thread import CommThread
 from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
 from .schedules import check_density
-from .wire import get_wire
+from .wire import FLOAT32, get_wire
 
 CHECKPOINT_PREFIX = "tfsparse."
+PIPELINES = (1, 2)  # pipe-sgd-li2018 §3.1: K = 2 is optimal under limited resources, K > 2 only adds staleness
+
+
+def check_pipeline(pipeline) -> int:
+    """``pipeline`` (Pipe-SGD's iteration dependency K) must be 1 (synchronous) or 2."""
+    if isinstance(pipeline, bool) or not isinstance(pipeline, numbers.Integral) or int(pipeline) not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD, "
+                         f"the update of step t+1 applies step t's aggregated gradient; pipe-sgd-li2018 §3.1 "
+                         f"shows K > 2 only adds staleness)")
+    return int(pipeline)
 
 
 def validate_config(algorithm, density) -> float:
@@ -135,6 +156,12 @@ class _BucketState:
         self.acc = np.empty(spec.size, np.float32)
         self.rounds = 0          # rounds started
         self.futures: dict = {}  # round index -> future of the communication job
+        # pipelining: what a started round's step returns instead of its own result, as
+        # (array, pipelined); the round whose result the next step takes (in flight); or its
+        # result, already finished (held)
+        self.owed: dict = {}
+        self.next_owed: int | None = None
+        self.held: np.ndarray | None = None
 
 
 class _Outcome:
@@ -158,18 +185,8 @@ class Round:
         flat array, or a list of arrays in layout order).  Blocks until the round is done."""
         if self._result is None:
             ex = self._exchange
-            dense = {b.spec.index: ex._finish_bucket(b, self.index) for b in ex._buckets}
-            layout = ex.layout
-            if self._flat:
-                self._result = np.concatenate([dense[b.spec.index] for b in
-                                               sorted(ex._buckets, key=lambda b: b.spec.start)])
-            else:
-                out = [None] * len(layout)
-                for b in ex._buckets:
-                    offs = layout.offsets[b.spec.first:b.spec.last + 1] - b.spec.start
-                    for i, (lo, hi) in enumerate(zip(offs[:-1], offs[1:]), start=b.spec.first):
-                        out[i] = dense[b.spec.index][lo:hi].reshape(layout.specs[i].shape)
-                self._result = out
+            self._result = ex._assemble({b.spec.index: ex._finish_bucket(b, self.index) for b in ex._buckets},
+                                        self._flat)
         return self._result
 
 
@@ -192,21 +209,30 @@ class GradientExchange:
         with momentum factor masking (DGC §3.2, gradientflow-sun2019 Alg. 1) -- the optimizer
         then runs without momentum.  See :mod:`tfsparse.memory`.
       momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
+      pipeline: Pipe-SGD's iteration dependency K: ``1`` (default) synchronous; ``2``
+        pipelined -- :meth:`step` returns the previous round's result while this round's
+        communication overlaps the next step's compute (pipe-sgd-li2018 §3.1, Alg. 1).
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
       **algorithm_options: passed to every bucket's aggregator (validated here).
 
     A step whose density is 1 (a dense warm-up step, :class:`tfsparse.schedules.WarmUp`) runs
     a true dense allreduce (:class:`~tfsparse.aggregators.dense.DenseAllreduce`), not the sparse
     algorithm at ``k = n``; it flushes the residual.  :attr:`schedule` (``round -> density``)
-    sets the density of every round.
+    sets the density of every round.  While :attr:`dsync` is True, rounds run as Pipe-SGD's
+    D-Sync warm-up (pipe-sgd-li2018 §4): synchronous, over a float32 wire, whatever
+    ``pipeline`` and ``wire_dtype`` say.
 
     Every argument is validated here, before any communication.
     """
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
                  bucket_bytes: int | None = None, plan=None, memory: str = "residual",
-                 momentum: float | None = None, communicator=None, **algorithm_options):
+                 momentum: float | None = None, pipeline: int = 1, communicator=None, **algorithm_options):
         self._density = validate_config(algorithm, density)
+        self.pipeline = check_pipeline(pipeline)
+        self.dsync = False  # D-Sync warm-up: synchronous float32 rounds (tfsparse.keras.callbacks.DSyncWarmUp)
+        self.sync_points: tuple | None = None  # (first round, steps): a pipelined round that ends an epoch is waited for
+        self._pipelined = False  # the mode of the round being started
         self.algorithm = algorithm
         self.options = dict(algorithm_options)
         self._prototype = get_aggregator(algorithm, **self.options)  # validates the options
@@ -218,6 +244,7 @@ class GradientExchange:
         self.plan = make_plan(plan, bucket_bytes)
         self._comm = communicator
         self._xcomm = None
+        self._side = None  # pipelined: the communicator of run_collective (the caller's thread)
         self._runner = None
         self.layout: Layout | None = None
         self._buckets: list[_BucketState] = []
@@ -305,7 +332,8 @@ class GradientExchange:
     def config(self) -> dict:
         """Every setting, as plain values (for configs and cross-rank comparison)."""
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire.name,
-                **self.plan.config(), "memory": self.memory, **self.memory_options, **self.options}
+                **self.plan.config(), "memory": self.memory, **self.memory_options, "pipeline": self.pipeline,
+                **self.options}
 
     def k_for(self, n: int, density: float | None = None, aggregator=None) -> int:
         """The ``k`` of a bucket of ``n`` elements (``n`` for dense)."""
@@ -339,6 +367,9 @@ class GradientExchange:
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
         self._runner = CommThread() if comm.size > 1 and comm.thread_safe else _Inline()
+        # pipelined, the caller's own collectives (metric averaging) must not queue behind the round
+        # in flight: they get a communicator of their own, used from the caller's thread
+        self._side = comm.duplicate() if self.pipeline > 1 and isinstance(self._runner, CommThread) else None
         weakref.finalize(self, self._runner.close)
         self.layout = layout
         self._buckets = buckets
@@ -350,6 +381,20 @@ class GradientExchange:
         """Stops the communication thread (after the jobs already submitted)."""
         if self._runner is not None:
             self._runner.close()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a pipelined round's result is owed to the next step (in flight or held)."""
+        return any(b.held is not None or b.next_owed is not None for b in self._buckets)
+
+    def flush(self) -> None:
+        """Finishes the communication of the pipelined round owed to the next step and holds its
+        result (the next :meth:`step` applies it; :meth:`get_state` saves it).  Call it on every
+        rank at the same point; it waits for the communication thread, nothing else."""
+        for b in self._buckets:
+            if b.next_owed is not None:
+                index, b.next_owed = b.next_owed, None
+                b.held = self._finish_bucket(b, index)
 
     # -- numpy level ------------------------------------------------------
     def exchange_numpy(self, grads):
@@ -367,6 +412,68 @@ class GradientExchange:
         for b in self._buckets:
             index = self._start_bucket(b, arrays[b.spec.first:b.spec.last])
         return Round(self, index, flat)
+
+    def step(self, grads):
+        """One training step's exchange, honouring ``pipeline``: starts this step's round and
+        returns the gradient to apply now -- this round's result (``pipeline=1``), or the
+        previous round's (``pipeline=2``; zeros when there is none, e.g. at the first step),
+        in the form of ``grads`` (one flat array or a list of arrays)."""
+        flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
+        arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
+        self.build(Layout.of(arrays))
+        tokens = [self._begin(b, arrays[b.spec.first:b.spec.last]) for b in self._buckets]
+        return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
+
+    def _assemble(self, dense: dict, flat: bool):
+        """Bucket results (``{bucket index: flat array}``) as one flat array or per tensor."""
+        if flat:
+            return np.concatenate([dense[b.spec.index] for b in sorted(self._buckets, key=lambda b: b.spec.start)])
+        out = [None] * len(self.layout)
+        for b in self._buckets:
+            offs = self.layout.offsets[b.spec.first:b.spec.last + 1] - b.spec.start
+            for i, (lo, hi) in enumerate(zip(offs[:-1], offs[1:]), start=b.spec.first):
+                out[i] = dense[b.spec.index][lo:hi].reshape(self.layout.specs[i].shape)
+        return out
+
+    def _take(self, b: _BucketState) -> np.ndarray:
+        """What the bucket owes the step being started: the previous round's result (waiting for
+        its communication), or zeros when nothing is owed."""
+        if b.next_owed is not None:
+            index, b.next_owed = b.next_owed, None
+            return self._finish_bucket(b, index)
+        if b.held is not None:
+            out, b.held = b.held, None
+            return out
+        return np.zeros(b.spec.size, np.float32)
+
+    def _begin(self, b: _BucketState, arrays) -> int:
+        """Starts the bucket's next round in the round's mode (decided at bucket 0); returns its
+        index, for :meth:`_finish`."""
+        if b.spec.index == 0:
+            self._pipelined = self.pipeline > 1 and not self.dsync
+        carry = None
+        if self._pipelined or b.next_owed is not None or b.held is not None:
+            # pipelined: the previous round's result (the residual the new round starts from is
+            # then complete, too); synchronous after pipelined rounds: added to this round's,
+            # so that no gradient is lost
+            carry = self._take(b)
+        index = self._start_bucket(b, arrays)
+        if carry is not None:
+            b.owed[index] = (carry, self._pipelined)
+        return index
+
+    def _finish(self, b: _BucketState, index: int) -> np.ndarray:
+        """The gradient the step of round ``index`` applies (see :meth:`step`)."""
+        carry, pipelined = b.owed.pop(index, (None, False))
+        if not pipelined:
+            out = self._finish_bucket(b, index)
+            return out if carry is None else out + carry
+        first, steps = self.sync_points or (0, 0)
+        if steps and index >= first and (index - first + 1) % steps == 0:
+            b.held = self._finish_bucket(b, index)  # an epoch's last step: nothing stays in flight
+        else:
+            b.next_owed = index
+        return carry
 
     def _start_bucket(self, b: _BucketState, arrays) -> int:
         if self._failed is not None:
@@ -399,7 +506,8 @@ class GradientExchange:
                 b.dense = DenseAllreduce()
             aggregator = b.dense
         k = self.k_for(b.spec.size, density, aggregator)
-        payload = (aggregator, aggregator.encode(self._xcomm, b.acc, k, b.wire))
+        wire = FLOAT32 if self.dsync else b.wire
+        payload = (aggregator, aggregator.encode(self._xcomm, b.acc, k, wire))
         dt = time.perf_counter() - t0
         with self._stats_lock:
             for s in (self.stats, self.total):
@@ -449,9 +557,13 @@ class GradientExchange:
     def run_collective(self, fn):
         """Runs ``fn(comm)`` on the communication thread, after the buckets already started,
         over the exchange's communicator, and returns its result (e.g. the per-step metric
-        averaging, so that it never interleaves with the gradient collectives)."""
+        averaging, so that it never interleaves with the gradient collectives).  Pipelined
+        (``pipeline=2``), ``fn`` runs at once on the caller's thread over a communicator of its
+        own, so that it does not wait for the round in flight."""
         if self._runner is None:
             return fn(self.comm)
+        if self._side is not None:
+            return fn(self._side)
         return self._runner.run(fn, self._xcomm)
 
     # -- explicit state ---------------------------------------------------
@@ -489,10 +601,13 @@ class GradientExchange:
     def get_state(self) -> dict:
         """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets``
         (the plan's element ranges), ``residual`` (when kept), the memory's state over the layout
-        (``velocity`` for ``memory="momentum"``) and ``bucket<i>.<key>`` for every bucket
-        aggregator's state.  Not while a round is in flight."""
+        (``velocity`` for ``memory="momentum"``), ``pending`` (pipelined: the finished result the
+        next step applies, over the layout) and ``bucket<i>.<key>`` for every bucket aggregator's
+        state.  A pipelined round owed to the next step is finished first (:meth:`flush`); not
+        while a synchronous round is in flight."""
         if not self._buckets:
             return dict(self._pending_state or {})
+        self.flush()
         self._check_idle("get_state()")
         state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
                  "buckets": np.array([[b.spec.start, b.spec.stop] for b in self._buckets], np.int64)}
@@ -500,6 +615,12 @@ class GradientExchange:
         if residual is not None:
             state["residual"] = residual
         state.update(self._memory_state())
+        if any(b.held is not None for b in self._buckets):
+            pending = np.zeros(self.layout.n, np.float32)
+            for b in self._buckets:
+                if b.held is not None:
+                    pending[b.spec.start:b.spec.stop] = b.held
+            state["pending"] = pending
         for b in self._buckets:
             for key, value in b.aggregator.get_state().items():
                 state[f"bucket{b.spec.index}.{key}"] = np.asarray(value).copy()
@@ -511,6 +632,7 @@ class GradientExchange:
         if not self._buckets:
             self._pending_state = state
             return
+        self.flush()
         self._check_idle("set_state()")
         sizes = state.get("sizes")
         if sizes is not None and not np.array_equal(np.asarray(sizes, np.int64).reshape(-1), self.layout.sizes):
@@ -523,8 +645,9 @@ class GradientExchange:
                              f"exchange's plan ({self.plan!r}) makes {mine}; use the plan it was saved with")
         if "round" in state:
             self._round = self._next_round = int(state["round"].reshape(-1)[0])
-        residual = state.get("residual")
+        residual, pending = state.get("residual"), state.get("pending")
         for b in self._buckets:
+            b.held = None if pending is None else pending.reshape(-1)[b.spec.start:b.spec.stop].astype(np.float32)
             if b.residual is not None:
                 b.residual[:] = 0.0 if residual is None else residual.reshape(-1)[b.spec.start:b.spec.stop]
             b.memory.set_state({key: state[key].reshape(-1)[b.spec.start:b.spec.stop]
@@ -604,7 +727,8 @@ class GradientExchange:
 
         Per bucket, one ``tf.numpy_function`` starts the bucket (error feedback, selection,
         encoding; then the communication thread takes over) as soon as its gradients exist,
-        and one finishes it (waits for the result).  ``names``: the gradients' names (the
+        and one finishes it (waits for the result).  Like :meth:`step`, it honours
+        ``pipeline``: pipelined, the tensors returned are the previous round's.  ``names``: the gradients' names (the
         variables' paths; default ``gradient_<i>``)."""
         import tensorflow as tf
 
@@ -637,11 +761,11 @@ class GradientExchange:
         return out
 
     def _tf_start(self, bucket: int, *arrays):
-        return np.int64(self._start_bucket(self._buckets[bucket], arrays))
+        return np.int64(self._begin(self._buckets[bucket], arrays))
 
     def _tf_finish(self, bucket: int, index):
-        return self._finish_bucket(self._buckets[bucket], int(index))
+        return self._finish(self._buckets[bucket], int(index))
 
     def __repr__(self):
         return (f"GradientExchange(algorithm={self.algorithm!r}, density={self.density}, "
-                f"wire_dtype={self.wire.name!r}, plan={self.plan!r})")
+                f"wire_dtype={self.wire.name!r}, plan={self.plan!r}, pipeline={self.pipeline})")

@@ -11,7 +11,7 @@ _BACKENDS = ("auto", "mpi", "horovod")
 _state: dict = {"comm": None, "local_rank": 0, "backend": None}
 
 
-def init(backend: str | None = None, *, quiet_workers: bool = True) -> Communicator:
+def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True) -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
 
     Args:
@@ -21,6 +21,9 @@ def init(backend: str | None = None, *, quiet_workers: bool = True) -> Communica
         MPI or Gloo, else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).
       quiet_workers: silence Keras' interactive output (progress bars) on ranks
         other than 0, so only rank 0 prints.
+      abort_on_error: an exception that reaches the top of a rank (uncaught) prints its
+        traceback and then ends *every* rank with ``MPI_Abort`` -- instead of the other ranks
+        waiting forever in a collective (a pending pipelined round included).
     """
     if _state["comm"] is not None:
         if backend not in (None, "auto", _state["backend"]):
@@ -49,11 +52,34 @@ def init(backend: str | None = None, *, quiet_workers: bool = True) -> Communica
         comm = MPICommunicator()
         local = _mpi_local_rank()
     _state.update(comm=comm, local_rank=local, backend=backend)
+    if abort_on_error and comm.size > 1:
+        _abort_on_uncaught_exception(comm.rank, comm.size)
     if quiet_workers and comm.rank != 0:
         import keras
 
         keras.config.disable_interactive_logging()
     return comm
+
+
+def _abort_on_uncaught_exception(rank: int, size: int) -> None:
+    """Chains ``sys.excepthook``: after the usual traceback, ``MPI_Abort`` on the world."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            sys.stderr.write(f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}; aborting all "
+                             f"{size} ranks (MPI_Abort)\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 def _mpi_local_rank() -> int:

@@ -60,11 +60,14 @@ class CommThread:
             finally:
                 self.busy_seconds += time.perf_counter() - t0
 
-    def close(self) -> None:
-        """Stops the thread after the jobs already submitted."""
+    def close(self, wait: bool = True) -> None:
+        """Stops the thread after the jobs already submitted; ``wait``: until they are done (so
+        that no collective is left running when MPI finalizes at exit)."""
         if not self._closed:
             self._closed = True
             self._jobs.put(_STOP)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     @property
     def alive(self) -> bool:

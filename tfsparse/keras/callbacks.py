@@ -6,6 +6,7 @@
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
 * :class:`ModelCheckpoint` — rank 0 writes; the file holds every rank's exchange state.
+* :class:`DSyncWarmUp` — Pipe-SGD's warm-up: the first epochs synchronous and float32.
 * :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
 """
 from __future__ import annotations
@@ -212,6 +213,35 @@ class ModelCheckpoint(_RankZeroOnly):
         if self.save_freq == "epoch":
             self._gather()
         super().on_epoch_end(epoch, logs)
+
+
+class DSyncWarmUp(keras.callbacks.Callback):
+    """Pipe-SGD's warm-up (pipe-sgd-li2018 §4): the first ``epochs`` epochs train as D-Sync --
+    synchronous (``pipeline=1``) over a float32 wire -- and later epochs in the exchange's own
+    pipelined, compressed mode.  "We don't turn on the pipelined training until the 5-th epoch,
+    before which we still stick to D-Sync training" (the paper's default: ``epochs=4``).
+
+    >>> strategy = tfsparse.SparseStrategy("dense", 1.0, wire_dtype="int8", pipeline=2)
+    >>> model.fit(..., callbacks=[tfsparse.keras.callbacks.DSyncWarmUp(epochs=4)])
+
+    Sets ``exchange.dsync`` at each epoch's beginning (every rank at the same epoch; a resumed
+    run with ``initial_epoch`` continues the schedule).  The first pipelined step after the
+    warm-up applies a zero gradient, as the first step of a pipelined run does.
+    """
+
+    def __init__(self, epochs: int = 4):
+        super().__init__()
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
+            raise ValueError(f"epochs={epochs!r} must be an integer >= 0 (the number of synchronous float32 "
+                             f"epochs before the pipelined, compressed ones)")
+        self.epochs = int(epochs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        exchange = find_exchange(self.model)
+        if exchange is None:
+            raise ValueError("DSyncWarmUp needs a model trained through tfsparse.SparseStrategy or "
+                             "tfsparse.keras.DistributedOptimizer (no gradient exchange found)")
+        exchange.dsync = epoch < self.epochs
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:

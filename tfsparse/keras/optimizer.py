@@ -27,7 +27,7 @@ _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": Non
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
 _DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
-             "memory": "residual"}
+             "memory": "residual", "pipeline": 1}
 
 
 
@@ -53,6 +53,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         DGC §3.2 / GradientFlow Alg. 1: the exchange accumulates the velocity, so
         ``inner_optimizer`` must have no momentum -- ``SGD(lr)``; ValueError otherwise).
       momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
+      pipeline: ``1`` (synchronous, default) or ``2`` (Pipe-SGD, pipe-sgd-li2018 §3.1: each
+        step applies the previous step's aggregated gradient while its own is on the wire;
+        the first step applies zeros).  At the end of ``fit``
+        (``finalize_variable_values``) the round in flight is finished and held for the next
+        step.
       communicator: transport (default: ``tfsparse.init()``'s world).
       **algorithm_options: options of the algorithm (``tau=...`` for ``oktopk``, ...).
 
@@ -61,7 +66,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
                  wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, memory: str | None = None,
-                 momentum: float | None = None, communicator=None, name: str | None = None,
+                 momentum: float | None = None, pipeline: int | None = None, communicator=None, name: str | None = None,
                  algorithm_options: dict | None = None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"inner_optimizer must be a keras.optimizers.Optimizer instance, got "
@@ -72,7 +77,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         options = {**(algorithm_options or {}), **kwargs}
         given = {k: v for k, v in (("algorithm", algorithm), ("density", density), ("wire_dtype", wire_dtype),
                                    ("bucket_bytes", bucket_bytes), ("plan", plan), ("memory", memory),
-                                   ("momentum", momentum)) if v is not None}
+                                   ("momentum", momentum), ("pipeline", pipeline)) if v is not None}
         shared = _strategy_exchange()
         if shared is not None and not given and not options and communicator is None:
             exchange = shared  # inside a SparseStrategy, no settings of its own: the strategy's exchange
@@ -147,6 +152,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list):
+        # Keras calls this at the end of fit: a pipelined round still in flight is finished
+        # (its result is held for the next step, and saved with checkpoints)
+        self.exchange.flush()
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- checkpoints: every rank's exchange state ---------------------------
@@ -180,6 +188,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "plan": plan["plan"],  # a PerTensorPlan's assign function is code: not part of the config
             "memory": ex.memory,
             "momentum": ex.momentum,
+            "pipeline": ex.pipeline,
             "algorithm_options": dict(ex.options),
         }
 

@@ -13,7 +13,9 @@ one call.  :class:`SparseExtended` overrides
 * ``_create_variable`` — every variable created in the scope starts from rank 0's
   value (a broadcast: variable creation in the scope is a collective);
 * ``_experimental_distribute_dataset`` — returns the dataset unchanged (each rank
-  feeds its own shard) and records its length for the step-count agreement;
+  feeds its own shard) and records its length for the step-count agreement (and, for
+  ``fit`` with ``pipeline=2``, tells the exchange where epochs end, so that an epoch's last
+  pipelined round is finished before the epoch's callbacks, validation and checkpoints run);
 * ``_call_for_each_replica`` — after every train/test step, averages the metric
   states across ranks, so every rank logs the same loss and metrics.  The averaging runs on
   the model's exchange's communication thread, after the step's gradient buckets and over the
@@ -31,7 +33,7 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps,
-                           keras_optimizer_apply, reject_xla)
+                           keras_optimizer_apply, keras_running, reject_xla)
 from ..exchange import GradientExchange, check_float_variables
 from ..runtime import StepCountMismatch, check_step_counts  # noqa: F401  (StepCountMismatch: public here too)
 
@@ -71,6 +73,9 @@ class SparseExtended(OneDeviceExtended):
             card = int(dataset.cardinality().numpy())
             steps = card if card >= 0 else None
         self._pending_steps = steps
+        if keras_running() == "fit":
+            for exchange in {id(self.exchange): self.exchange, id(self._active): self._active}.values():
+                exchange.sync_points = (exchange.rounds_started, steps) if steps else None
         return dataset
 
     # -- gradient exchange ------------------------------------------------
@@ -83,6 +88,8 @@ class SparseExtended(OneDeviceExtended):
                         self.exchange)
         for optimizer in optimizers:
             exchange.check_optimizer(optimizer)
+        if exchange is not self.exchange and exchange.sync_points is None:
+            exchange.sync_points = self.exchange.sync_points
         self._active = exchange
         reduced = exchange(values, names=names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -189,6 +196,12 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         velocity and the model's optimizer must run without momentum (``SGD(lr)``); an
         optimizer with ``momentum``/``beta_1`` > 0 raises ValueError when training starts.
       momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
+      pipeline: ``1`` (synchronous, default) or ``2``: Pipe-SGD (pipe-sgd-li2018 §3.1, Alg. 1)
+        -- the exchange of step t's gradient runs while step t+1 computes, and step t+1
+        applies it (one step stale); the first step applies a zero gradient.  Pair it with
+        ``algorithm="dense", wire_dtype="int8"`` (or ``"bfloat16"``) for the paper's
+        compressed pipelined training, and with ``tfsparse.keras.callbacks.DSyncWarmUp`` for
+        its synchronous warm-up.
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
         when GPUs are visible, else ``/cpu:0``).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
@@ -200,10 +213,10 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
                  bucket_bytes: int | None = None, plan=None, memory: str = "residual", momentum: float | None = None,
-                 device: str | None = None, communicator=None, **algorithm_options):
+                 pipeline: int = 1, device: str | None = None, communicator=None, **algorithm_options):
         exchange = GradientExchange(algorithm, density, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
-                                    plan=plan, memory=memory, momentum=momentum, communicator=communicator,
-                                    **algorithm_options)
+                                    plan=plan, memory=memory, momentum=momentum, pipeline=pipeline,
+                                    communicator=communicator, **algorithm_options)
         if communicator is None:
             runtime.init()  # after validation: nothing communicates before the arguments are checked
         if device is None:

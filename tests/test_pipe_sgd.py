@@ -1,0 +1,145 @@
+"""Pipe-SGD (pipe-sgd-li2018) at the exchange level, on in-process worlds: ``pipeline=2``
+returns the previous round's result (zeros first) for every algorithm and wire -- the synchronous
+sequence shifted by one step, bit for bit --, holds the last round as explicit state (saved,
+restored, applied by the next step), switches to and from D-Sync rounds (synchronous, float32)
+without losing a gradient, and keeps the caller's collectives off the round in flight."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fakes import NoTalk
+from test_exchange_pipeline import ALGOS, OPTIONS, WIRES, flat, grads_of
+from tfsparse.collectives import InProcessWorld
+from tfsparse.exchange import GradientExchange
+
+STEPS = 4
+
+
+def exchanges(comm, pipeline, algorithm="dense", wire="float32", **kw):
+    return GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, pipeline=pipeline,
+                            communicator=comm, **OPTIONS.get(algorithm, {}), **kw)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_pipelined_steps_are_the_synchronous_ones_one_step_late(algorithm, wire):
+    """Alg. 1 with K = 2: step t applies round t-1's aggregate (zeros at t = 0); error feedback
+    sees the same residuals as the synchronous run, so the aggregates are bit-identical."""
+    def fn(comm):
+        sync, pipe = exchanges(comm, 1, algorithm, wire), exchanges(comm, 2, algorithm, wire)
+        a = [flat(sync.step(grads_of(comm.rank, s))) for s in range(STEPS)]
+        b = [flat(pipe.step(grads_of(comm.rank, s))) for s in range(STEPS)]
+        in_flight = pipe.pending and any(bk.next_owed is not None for bk in pipe._buckets)
+        state = pipe.get_state()  # finishes the round owed to the next step
+        for ex in (sync, pipe):
+            ex.close()
+        return a, b, in_flight, state, sync.get_state()
+
+    for a, b, in_flight, state, sync_state in InProcessWorld(3).run(fn):
+        assert in_flight
+        np.testing.assert_array_equal(b[0], np.zeros_like(a[0]))
+        for s in range(1, STEPS):
+            np.testing.assert_array_equal(b[s], a[s - 1])
+        np.testing.assert_array_equal(state["pending"], a[-1])  # held, not lost
+        if "residual" in sync_state:
+            np.testing.assert_array_equal(state["residual"], sync_state["residual"])
+        assert int(state["round"][0]) == STEPS
+
+
+def test_the_pending_round_is_saved_and_applied_after_a_resume():
+    def fn(comm):
+        live = exchanges(comm, 2, "topk")
+        for s in range(3):
+            live.step(grads_of(comm.rank, s))
+        state = live.get_state()
+        resumed = exchanges(comm, 2, "topk")
+        resumed.set_state(state)
+        a = [flat(live.step(grads_of(comm.rank, s))) for s in range(3, 6)]
+        b = [flat(resumed.step(grads_of(comm.rank, s))) for s in range(3, 6)]
+        for ex in (live, resumed):
+            ex.close()
+        return a, b, state
+
+    for a, b, state in InProcessWorld(2).run(fn):
+        np.testing.assert_array_equal(a[0], state["pending"])
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_dsync_rounds_then_pipelined_and_back_lose_nothing():
+    """D-Sync warm-up rounds are synchronous and float32 (4 bytes a value, whatever the wire);
+    the first pipelined step applies zeros; switching back to synchronous adds the owed round
+    to the current one, so the sum of everything applied is the sum of every round."""
+    n = 4096 * 3
+
+    def fn(comm):
+        ex = GradientExchange("dense", 1.0, wire_dtype="int8", pipeline=2, communicator=comm)
+        rng = np.random.default_rng(comm.rank)
+        grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+        applied, sent = [], []
+        for s, dsync in enumerate([True, True, False, False, True, True]):
+            ex.dsync = dsync
+            before = ex.total.bytes_sent
+            applied.append(ex.step(grads[s]))
+            sent.append(ex.total.bytes_sent - before)
+        ex.close()
+        return grads, applied, sent, ex.residual
+
+    res = InProcessWorld(3).run(fn)
+    total = sum(sum(g.astype(np.float64) for g in r[0]) for r in res)
+    grads, applied, sent, _ = res[0]
+    exact = [sum(r[0][s].astype(np.float64) for r in res) for s in range(6)]
+    np.testing.assert_allclose(applied[0], exact[0], rtol=1e-5, atol=1e-6)  # synchronous: its own round
+    np.testing.assert_array_equal(applied[2], np.zeros(n, np.float32))  # the first pipelined step
+    np.testing.assert_allclose(applied[3], exact[2], rtol=0.05, atol=0.05)  # round 2, over int8
+    np.testing.assert_allclose(applied[4], exact[3] + exact[4], rtol=0.05, atol=0.05)  # owed + own
+    # bytes are counted when a round finishes: float32 ring volume, then int8's (a quarter plus
+    # one scale per 4096-value chunk), rounds 3 and 4 both in step 4
+    f32, i8 = 2 * 4 * n * 2 // 3, 2 * 2 * (n // 3 + 4)
+    assert sent == [f32, f32, 0, i8, i8 + f32, f32]
+    # nothing lost: everything applied plus what the residuals keep is everything sent
+    kept = sum(r[3].astype(np.float64) for r in res)
+    np.testing.assert_allclose(sum(a.astype(np.float64) for a in applied) + kept, total, rtol=1e-5, atol=1e-4)
+
+
+def test_epoch_ends_leave_nothing_in_flight():
+    """With ``sync_points`` (set by SparseStrategy for fit), an epoch's last pipelined round is
+    finished in its own step and held; the next step applies it as usual."""
+    def fn(comm):
+        ex = exchanges(comm, 2)
+        ex.sync_points = (0, 3)
+        flights = []
+        for s in range(6):
+            ex.step(grads_of(comm.rank, s))
+            flights.append(any(b.futures for b in ex._buckets))
+        ex.close()
+        return flights
+
+    assert InProcessWorld(2).run(fn) == [[True, True, False, True, True, False]] * 2
+
+
+def test_caller_collectives_do_not_wait_for_the_round_in_flight():
+    """Pipelined, run_collective (the per-step metric averaging) runs at once over a
+    communicator of its own, while the communication thread is still busy with the round."""
+    gate = threading.Event()
+
+    def fn(comm):
+        ex = exchanges(comm, 2)
+        ex.step(grads_of(comm.rank, 0))
+        ex._runner.submit(gate.wait)  # the communication thread is busy until the gate opens
+        got = ex.run_collective(lambda c: c.allreduce(np.array([comm.rank + 1.0])))
+        if comm.rank == 0:
+            gate.set()
+        ex.close()
+        return float(got[0])
+
+    assert InProcessWorld(2, timeout=30).run(fn) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("value", [0, 3, 1.5, True, "2"])
+def test_bad_pipeline_fails_before_communication(value):
+    with pytest.raises(ValueError, match=rf"pipeline={value!r} is not supported; accepted: 1 .* or 2"):
+        GradientExchange("dense", 1.0, pipeline=value, communicator=NoTalk())
