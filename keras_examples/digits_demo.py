@@ -2,7 +2,8 @@
 
     tfsparse-run -np 4 python keras_examples/digits_demo.py [--algorithms dense,topk] [--density 0.01]
         [--wire float16] [--bucket-bytes 65536]
-        [--memory momentum --warmup-epochs 2] [--chunk-size 64] [--json out.json]
+        [--memory momentum --warmup-epochs 2] [--chunk-size 64]
+        [--pipeline 2 --wire int8 --dsync-epochs 1] [--json out.json]
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
@@ -10,6 +11,9 @@ algorithm, final test accuracy, bytes each rank sent per step, and the mean step
 ``--memory momentum`` is momentum correction (DGC / GradientFlow): the exchange applies the
 momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
 warm-up (``DensitySchedule(WarmUp(epochs=E))``); ``--chunk-size`` is CSC's (``algorithm="csc"``).
+``--pipeline 2`` is Pipe-SGD (each step applies the previous step's aggregated gradient while its
+own is on the wire); ``--dsync-epochs E`` trains the first E epochs synchronously over float32
+(``DSyncWarmUp``), Pipe-SGD's warm-up.
 """
 import argparse
 import json
@@ -68,6 +72,8 @@ def main():
     parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")
     parser.add_argument("--chunk-size", type=int, default=None, help="CSC's chunk size (default 32768)")
     parser.add_argument("--csc-selection", default=None, help="CSC's chunk selection: current or previous")
+    parser.add_argument("--pipeline", type=int, default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
+    parser.add_argument("--dsync-epochs", type=int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
     args = parser.parse_args()
 
@@ -88,7 +94,8 @@ def main():
             options = {k: v for k, v in (("chunk_size", args.chunk_size), ("selection", args.csc_selection)) if v}
         strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
                                            bucket_bytes=args.bucket_bytes, memory=args.memory,
-                                           momentum=args.momentum if correction else None, **options)
+                                           momentum=args.momentum if correction else None,
+                                           pipeline=args.pipeline, **options)
         with strategy.scope():
             model = build_model()
             # momentum correction: the exchange applies the momentum, the optimizer must not
@@ -103,6 +110,8 @@ def main():
         if args.warmup_epochs > 0 and algorithm != "dense":
             callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(
                 tfsparse.schedules.WarmUp(epochs=args.warmup_epochs, ramp=args.warmup_ramp)))
+        if args.dsync_epochs:
+            callbacks.insert(0, tfsparse.keras.callbacks.DSyncWarmUp(epochs=args.dsync_epochs))
         hist = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks,
                          validation_data=(x_test, y_test), verbose=2 if rank == 0 else 0)
         _, acc = model.evaluate(x_test, y_test, verbose=0)
@@ -113,7 +122,7 @@ def main():
 
     if rank == 0:
         print(f"\n{size} processes, digits ({len(x_train)} train / {len(x_test)} test), "
-              f"{args.epochs} epochs, batch {args.batch_size}/rank, wire {args.wire}, "
+              f"{args.epochs} epochs, batch {args.batch_size}/rank, wire {args.wire}, pipeline {args.pipeline}, "
               f"{'one fused bucket' if args.bucket_bytes is None else f'buckets of {args.bucket_bytes} B'}")
         print(f"{'algorithm':<12}{'accuracy':>10}{'bytes/step':>14}{'density':>10}{'step ms':>10}")
         for algorithm, acc, nbytes, dens, ms in rows:

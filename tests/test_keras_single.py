@@ -117,7 +117,7 @@ def test_communication_stats_callback_adds_logs():
     n = 8 * 3 + 3
     assert hist.history["density"] == [pytest.approx(np.ceil(0.25 * n) / n)] * 2
     assert hist.history["comm_bytes"] == [0.0, 0.0]  # one rank sends nothing
-    for key in ("encode_ms", "comm_ms", "decode_ms"):  # where the time of a step's exchange went
+    for key in ("encode_ms", "comm_ms", "decode_ms", "wait_ms"):  # where the time of a step's exchange went
         assert len(hist.history[key]) == 2 and all(v >= 0 for v in hist.history[key])
     assert hist.history["encode_ms"][0] > 0
 

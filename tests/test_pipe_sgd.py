@@ -143,3 +143,73 @@ def test_caller_collectives_do_not_wait_for_the_round_in_flight():
 def test_bad_pipeline_fails_before_communication(value):
     with pytest.raises(ValueError, match=rf"pipeline={value!r} is not supported; accepted: 1 .* or 2"):
         GradientExchange("dense", 1.0, pipeline=value, communicator=NoTalk())
+
+
+# -- through Keras, real mpirun -------------------------------------------------------------
+
+def _mean_gradient(w, b, ranks, step, batch=4):
+    """The MSE gradient of the linear model, averaged over every rank's batch ``step``."""
+    gw, gb = np.zeros_like(w), np.zeros_like(b)
+    for r in ranks:
+        xb = r["x"][step * batch:(step + 1) * batch].astype(np.float64)
+        err = xb @ w + b - r["y"][step * batch:(step + 1) * batch]
+        gw += 2 * xb.T @ err / err.size
+        gb += 2 * err.sum(0) / err.size
+    return gw / len(ranks), gb / len(ranks)
+
+
+def _replay(ranks, modes, lr=0.1, steps=3):
+    """The update sequence of Alg. 1: ``modes[t]`` is "sync" (apply g[t]) or "pipe" (apply
+    g[t-1], zeros when the previous step was synchronous or there is none)."""
+    w, b = ranks[0]["w0"].astype(np.float64), ranks[0]["b0"].astype(np.float64)
+    owed = None
+    for t, mode in enumerate(modes):
+        g = _mean_gradient(w, b, ranks, t % steps)
+        if mode == "sync":
+            apply, owed = g, None
+        else:
+            apply, owed = owed or (np.zeros_like(w), np.zeros_like(b)), g
+        w, b = w - lr * apply[0], b - lr * apply[1]
+    return w, b, owed
+
+
+@pytest.mark.parametrize("P,route", [(2, "strategy"), (3, "strategy"), (3, "optimizer")])
+def test_keras_updates_follow_the_pipelined_sequence(P, route):
+    """Step t+1 applies step t's averaged gradient, across the epoch boundary too; after fit
+    nothing is in flight, the last round is held by the exchange, and the weights are
+    identical on every rank."""
+    from mpi_harness import mpirun
+
+    ranks, _ = mpirun(P, "pipeline.py", f"staleness-{route}", timeout=240)
+    w, b, owed = _replay(ranks, ["pipe"] * 6)
+    for r in ranks:
+        np.testing.assert_array_equal(r["w"], ranks[0]["w"])
+        np.testing.assert_allclose(r["w"], w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(r["b"], b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(r["pending"], np.concatenate([owed[0].ravel(), owed[1]]) * (1 if route == "strategy" else P),
+                                   rtol=1e-4, atol=1e-5)
+        assert not r["in_flight"]
+
+
+def test_keras_dsync_warmup_then_pipelined_int8():
+    """DSyncWarmUp(epochs=1): epoch 1 synchronous over float32, epoch 2 pipelined over int8
+    (its first step applies zeros); the bytes per step follow the wire of each epoch."""
+    from mpi_harness import mpirun
+
+    ranks, _ = mpirun(3, "pipeline.py", "dsync", timeout=240)
+    w, b, _ = _replay(ranks, ["sync"] * 3 + ["pipe"] * 3)
+    for r in ranks:
+        np.testing.assert_array_equal(r["w"], ranks[0]["w"])
+        np.testing.assert_allclose(r["w"], w, rtol=0.02, atol=0.02)  # epoch 2 over int8
+        np.testing.assert_allclose(r["b"], b, rtol=0.02, atol=0.02)
+    f32, i8 = ranks[0]["epoch_bytes"]
+    assert f32 == 2 * 4 * 12 * 2 // 3  # 12 parameters, float32 ring volume per step
+    assert i8 == 2 * 2 * (4 + 4)  # int8: 4 values and one float32 scale per message
+
+
+def test_a_rank_failing_during_a_pending_exchange_stops_every_rank():
+    from mpi_harness import mpirun
+
+    _, text = mpirun(3, "pipeline.py", "fail", timeout=120, expect_fail=True)
+    assert "injected failure on rank 1" in text
+    assert "rank 1 stopped with an uncaught RuntimeError; aborting all 3 ranks" in text

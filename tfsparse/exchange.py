@@ -98,8 +98,10 @@ class ExchangeStats:
     """Counters of one exchange; CommunicationStats reads and resets them.
 
     ``encode_seconds`` (caller's thread: error feedback, selection, encoding),
-    ``comm_seconds`` (communication thread: the collectives) and ``decode_seconds``
-    (communication thread: dense result and residual update) are summed over buckets.
+    ``comm_seconds`` (communication thread: the collectives), ``decode_seconds``
+    (communication thread: dense result and residual update) and ``wait_seconds`` (caller's
+    thread: blocked until the communication thread delivered a result -- what the overlap did
+    not hide) are summed over buckets.
     """
 
     def __init__(self):
@@ -114,6 +116,7 @@ class ExchangeStats:
         self.encode_seconds = 0.0
         self.comm_seconds = 0.0
         self.decode_seconds = 0.0
+        self.wait_seconds = 0.0
 
     @property
     def bytes_per_step(self) -> float:
@@ -531,11 +534,13 @@ class GradientExchange:
                         time.perf_counter() - t1)
 
     def _finish_bucket(self, b: _BucketState, index: int) -> np.ndarray:
+        t0 = time.perf_counter()
         try:
             out = b.futures[index].result()
         except BaseException as e:
             self._failed = e
             raise
+        waited = time.perf_counter() - t0
         del b.futures[index]
         last = b.spec.index == len(self._buckets) - 1
         with self._stats_lock:
@@ -546,6 +551,7 @@ class GradientExchange:
                 s.total_elements += b.spec.size
                 s.comm_seconds += out.comm_s
                 s.decode_seconds += out.decode_s
+                s.wait_seconds += waited
                 if last:
                     s.steps += 1
                     if t0 is not None:

@@ -1,7 +1,12 @@
-"""Convergence benchmark: digits, P processes, every sparse algorithm with and without
-GradientFlow's/DGC's recipe (momentum correction + dense warm-up), against dense.
+"""Convergence benchmark: digits, P processes, against synchronous dense float32.
 
-    python tools/bench_convergence.py [--np 4] [--epochs 20] [--out results/bench_convergence]
+* ``--suite gradientflow`` (default): every sparse algorithm with and without GradientFlow's/DGC's
+  recipe (momentum correction + dense warm-up);
+* ``--suite pipesgd``: Pipe-SGD -- ``pipeline=2`` over float32, bfloat16 (truncation) and int8
+  (quantization), with and without the D-Sync warm-up, next to synchronous int8.
+
+    python tools/bench_convergence.py [--suite gradientflow] [--np 4] [--epochs 20] [--out results/bench_convergence]
+    python tools/bench_convergence.py --suite pipesgd --out results/bench_pipesgd
 
 Each group is one ``tfsparse-run -np P python keras_examples/digits_demo.py ... --json`` launch
 (the demo's model: 64-256-128-10, 50,826 parameters, SGD lr 0.05, batch 32 per rank).  Writes
@@ -23,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--memory", "momentum", "--warmup-epochs", "2"]
-GROUPS = [  # (label suffix, demo arguments)
+GRADIENTFLOW = [  # (label suffix, demo arguments)
     ("", ["--algorithms", "dense"]),
     ("", ["--algorithms", "topk,gtopk,oktopk", "--density", "0.01"]),
     ("", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64"]),
@@ -32,6 +37,15 @@ GROUPS = [  # (label suffix, demo arguments)
     ("+mc+warmup (previous)", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64",
                                "--csc-selection", "previous", *RECIPE]),
 ]
+PIPESGD = [
+    ("", ["--algorithms", "dense"]),
+    (" int8", ["--algorithms", "dense", "--wire", "int8"]),
+    (" pipeline=2", ["--algorithms", "dense", "--pipeline", "2"]),
+    (" pipeline=2 bfloat16", ["--algorithms", "dense", "--pipeline", "2", "--wire", "bfloat16"]),
+    (" pipeline=2 int8", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8"]),
+    (" pipeline=2 int8 +dsync2", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8", "--dsync-epochs", "2"]),
+]
+SUITES = {"gradientflow": GRADIENTFLOW, "pipesgd": PIPESGD}
 
 
 def run_group(np_, epochs, args, env):
@@ -74,6 +88,7 @@ def plot(results, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="gradientflow", choices=sorted(SUITES))
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_convergence"))
@@ -85,7 +100,7 @@ def main():
     else:
         env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
         results = {"processes": args.np, "epochs": args.epochs, "runs": {}}
-        for suffix, demo_args in GROUPS:
+        for suffix, demo_args in SUITES[args.suite]:
             got = run_group(args.np, args.epochs, demo_args, env)
             for algorithm, run in got["runs"].items():
                 results["runs"][algorithm + suffix] = {**run, "demo_args": demo_args}

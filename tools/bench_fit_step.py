@@ -1,12 +1,13 @@
 """Training-step time of ``model.fit`` under SparseStrategy, for a list of exchange settings,
 side by side in one launch: the 25.2M-parameter MLP 1024-4096-4096-1024 (batch 16 per rank,
 SGD momentum, MSE on random data), 12 steps per setting, median over steps 4-12 of the slowest
-rank's step time, and the bytes one rank sends per step.
+rank's step time, the bytes one rank sends per step, and rank 0's exchange phases per step
+(``encode_ms``, ``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``).
 
     tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--out results/bench_fit_step]
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``
-(``wire_dtype``, ``bucket_bytes``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
+(``wire_dtype``, ``bucket_bytes``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
 
     '[{"label": "dense f32 fused", "algorithm": "dense"},
       {"label": "dense f16, θ=4MB", "algorithm": "dense", "wire_dtype": "float16", "bucket_bytes": 4194304}]'
@@ -56,7 +57,8 @@ def measure(comm, config, x, y):
     slowest = np.stack(comm.allgather(np.array(timer.times[SKIP:]))).max(axis=0)
     return {"step_ms": round(1e3 * float(np.median(slowest)), 1), "mb_per_step": hist.history["comm_bytes"][-1] / 1e6,
             "encode_ms": hist.history["encode_ms"][-1], "comm_ms": hist.history["comm_ms"][-1],
-            "decode_ms": hist.history["decode_ms"][-1], "parameters": model.count_params()}
+            "decode_ms": hist.history["decode_ms"][-1], "wait_ms": hist.history["wait_ms"][-1],
+            "parameters": model.count_params()}
 
 
 def plot(results, path):

@@ -79,8 +79,10 @@ class CommunicationStats(keras.callbacks.Callback):
     """Adds to each epoch's logs, per step of the gradient exchange on this rank:
     ``comm_bytes`` (mean bytes sent), ``density`` (achieved fraction of gradient elements
     sent), and where the time went -- ``encode_ms`` (error feedback, selection, encoding, on
-    the training thread), ``comm_ms`` (the collectives, on the communication thread) and
-    ``decode_ms`` (dense result and residual update, on the communication thread).
+    the training thread), ``comm_ms`` (the collectives, on the communication thread),
+    ``decode_ms`` (dense result and residual update, on the communication thread) and
+    ``wait_ms`` (the training thread blocked on the communication thread: the part of the
+    exchange that overlap -- buckets, ``pipeline=2`` -- did not hide).
 
     Put it before History/TensorBoard users in the callback list so they see the keys.
     """
@@ -101,6 +103,7 @@ class CommunicationStats(keras.callbacks.Callback):
         logs["encode_ms"] = 1e3 * st.encode_seconds / steps
         logs["comm_ms"] = 1e3 * st.comm_seconds / steps
         logs["decode_ms"] = 1e3 * st.decode_seconds / steps
+        logs["wait_ms"] = 1e3 * st.wait_seconds / steps
 
 
 class MetricAverage(keras.callbacks.Callback):
@@ -110,7 +113,7 @@ class MetricAverage(keras.callbacks.Callback):
     SparseStrategy.
     """
 
-    PER_RANK = ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms")
+    PER_RANK = ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms", "wait_ms")
 
     def _average(self, logs):
         if not logs:

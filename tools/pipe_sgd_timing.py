@@ -1,0 +1,114 @@
+"""Pipe-SGD's timing model (pipe-sgd-li2018 §3.1, Eq. 2-5) against measured step times.
+
+Reads a ``tools/bench_fit_step.py`` result (runs with ``pipeline`` 1 and 2, measured on one
+launch) and predicts every run's step time from measured parts:
+
+* ``l_compute`` = l_up + l_comp (forward, backward, update: everything but the exchange), measured
+  once, on the synchronous float32 dense run (D-Sync): its step time minus the exchange's
+  encoding and the time the training thread waited for the communication thread;
+* per run, the compression on the training thread (``encode_ms``) and the allreduce
+  ``l_comm``, either **measured** (the communication thread's time per step: ``comm_ms +
+  decode_ms``) or from the **α-β ring model** of Eq. 5: ``2(p-1)·α + bytes/bandwidth``, where
+  ``bytes`` (what one rank sends per step, ``2(p-1)/p`` of the wire's gradient bytes) was counted.
+
+D-Sync (``pipeline=1``, Eq. 2): ``l_compute + encode + l_comm``;
+Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)``.
+
+    python tools/pipe_sgd_timing.py results/pipe_1gbit.json --bandwidth 1gbit --latency 0 \\
+        --out results/pipe_timing
+
+Writes ``<out>.json`` (per run: measured and both predictions, ms) and ``<out>.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def parse_rate(text: str) -> float:
+    """``"1gbit"``, ``"10Gbit"``, ``"100mbit"`` -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)bit\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"--bandwidth {text!r}: expected a rate such as 1gbit, 10gbit or 100mbit")
+    return float(m.group(1)) * _UNITS[m.group(2)] / 8
+
+
+def parse_time(text: str) -> float:
+    """``"50us"``, ``"1ms"``, ``"0"`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"--latency {text!r}: expected a time such as 0, 50us or 1ms")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6, None: 1.0}[m.group(2)]
+
+
+def predict(results: dict, bandwidth: float, latency: float) -> dict:
+    runs, p = results["runs"], int(results["processes"])
+    base = next((r for r in runs if r.get("algorithm") == "dense" and int(r.get("pipeline", 1)) == 1
+                 and r.get("wire_dtype", "float32") == "float32"), None)
+    if base is None:
+        raise ValueError("the results need a synchronous float32 dense run (D-Sync) to measure l_compute")
+    l_compute = base["step_ms"] - base["encode_ms"] - base["wait_ms"]
+    rows = []
+    for r in runs:
+        pipelined = int(r.get("pipeline", 1)) == 2
+        measured_comm = r["comm_ms"] + r["decode_ms"]
+        ab_comm = 1e3 * (2 * (p - 1) * latency + r["mb_per_step"] * 1e6 / bandwidth)
+
+        def model(l_comm):
+            busy = l_compute + r["encode_ms"]
+            return max(busy, l_comm) if pipelined else busy + l_comm
+
+        rows.append({"label": r["label"], "pipeline": 2 if pipelined else 1, "measured_ms": r["step_ms"],
+                     "model_measured_comm_ms": round(model(measured_comm), 1),
+                     "model_alpha_beta_ms": round(model(ab_comm), 1),
+                     "l_comm_measured_ms": round(measured_comm, 1), "l_comm_alpha_beta_ms": round(ab_comm, 1),
+                     "encode_ms": round(r["encode_ms"], 1), "speedup_vs_dsync": round(base["step_ms"] / r["step_ms"], 2)})
+    return {"processes": p, "network": results.get("network"), "bandwidth_bytes_per_s": bandwidth,
+            "latency_s": latency, "l_compute_ms": round(l_compute, 1), "runs": rows}
+
+
+def plot(model: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = model["runs"]
+    y = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6))
+    for off, key, name in ((-0.27, "measured_ms", "measured"), (0.0, "model_measured_comm_ms", "Eq. 2/4, measured l_comm"),
+                           (0.27, "model_alpha_beta_ms", "Eq. 2/4, α-β l_comm (Eq. 5)")):
+        ax.barh(y + off, [r[key] for r in rows], height=0.26, label=name)
+    ax.set_yticks(y, [r["label"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"Pipe-SGD timing model, {model['processes']} processes, {model['network']} "
+                 f"(l_compute {model['l_compute_ms']} ms)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a tools/bench_fit_step.py JSON")
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate, e.g. 1gbit (default)")
+    parser.add_argument("--latency", default="0", help="α per message, e.g. 50us (default 0)")
+    parser.add_argument("--out", default="results/pipe_timing")
+    args = parser.parse_args(argv)
+    with open(args.results) as f:
+        results = json.load(f)
+    model = predict(results, parse_rate(args.bandwidth), parse_time(args.latency))
+    with open(args.out + ".json", "w") as f:
+        json.dump(model, f, indent=1)
+    plot(model, args.out + ".png")
+    for r in model["runs"]:
+        print(f"{r['label']:28s} measured {r['measured_ms']:8.1f} ms   model {r['model_measured_comm_ms']:8.1f} ms   "
+              f"α-β model {r['model_alpha_beta_ms']:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
