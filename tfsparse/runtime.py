@@ -11,7 +11,8 @@ _BACKENDS = ("auto", "mpi", "horovod")
 _state: dict = {"comm": None, "local_rank": 0, "backend": None}
 
 
-def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True) -> Communicator:
+def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True,
+         cores_per_rank: int | str | None = "auto") -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
 
     Args:
@@ -24,7 +25,13 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
       abort_on_error: an exception that reaches the top of a rank (uncaught) prints its
         traceback and then ends *every* rank with ``MPI_Abort`` -- instead of the other ranks
         waiting forever in a collective (a pending pipelined round included).
+      cores_per_rank: how many threads this rank's kernels may use: ``"auto"`` (default) --
+        its share of the node's cores, ``max(1, cores // ranks_on_this_node)``, for the Numba
+        kernels and, when TensorFlow is imported and not yet started, TensorFlow's intra-op pool
+        (several ranks on one node otherwise oversubscribe the cores and every kernel slows
+        down); an integer: that many; ``None``: leave the libraries' defaults.
     """
+    _check_cores(cores_per_rank)
     if _state["comm"] is not None:
         if backend not in (None, "auto", _state["backend"]):
             raise ValueError(f"tfsparse is already initialised with backend={_state['backend']!r}; "
@@ -54,11 +61,56 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
     _state.update(comm=comm, local_rank=local, backend=backend)
     if abort_on_error and comm.size > 1:
         _abort_on_uncaught_exception(comm.rank, comm.size)
+    _share_cores(cores_per_rank, backend)
     if quiet_workers and comm.rank != 0:
         import keras
 
         keras.config.disable_interactive_logging()
     return comm
+
+
+def _ranks_on_this_node(backend: str) -> int:
+    if backend == "horovod":
+        import horovod.tensorflow as hvd
+
+        return int(hvd.local_size())
+    from mpi4py import MPI
+
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank is in init()
+    try:
+        return int(node.Get_size())
+    finally:
+        node.Free()
+
+
+def _check_cores(cores_per_rank) -> None:
+    ok = cores_per_rank in (None, "auto") or (isinstance(cores_per_rank, int) and not isinstance(cores_per_rank, bool)
+                                              and cores_per_rank >= 1)
+    if not ok:
+        raise ValueError(f"cores_per_rank={cores_per_rank!r} is not supported; accepted: 'auto', an integer >= 1, "
+                         f"or None")
+
+
+def _share_cores(cores_per_rank, backend: str) -> None:
+    if cores_per_rank is None:
+        return
+    if cores_per_rank == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // _ranks_on_this_node(backend))
+    else:
+        threads = cores_per_rank
+    from .ops import cpu
+
+    cpu.set_thread_limit(threads)
+    import sys
+
+    if "tensorflow" in sys.modules:
+        tf = sys.modules["tensorflow"]
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+        except RuntimeError:  # TensorFlow already started: its pools are fixed
+            pass
 
 
 def _abort_on_uncaught_exception(rank: int, size: int) -> None:

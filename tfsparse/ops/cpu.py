@@ -587,6 +587,16 @@ def _chunk_l1(x, chunk, out):
 # ============================================================================= public API
 
 _LAUNCH = threading.Lock()
+_THREAD_LIMIT = [0]  # 0: Numba's NUMBA_NUM_THREADS
+
+
+def set_thread_limit(threads: int) -> None:
+    """At most ``threads`` Numba threads per kernel launch, in every thread of this process (the
+    communication thread's included); 0 restores Numba's default.  ``tfsparse.init()`` sets it
+    to this rank's share of the node's cores."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"threads={threads!r} must be an integer >= 0 (0: Numba's default)")
+    _THREAD_LIMIT[0] = min(threads, numba.config.NUMBA_NUM_THREADS)
 
 
 def _serialized() -> bool:
@@ -601,17 +611,19 @@ def _serialized() -> bool:
 
 @contextmanager
 def _threads_for(n: int):
-    """Runs the enclosed kernels single-threaded when ``n < PARALLEL_MIN`` (thread-local
-    setting), one launch at a time under the ``workqueue`` threading layer."""
+    """Runs the enclosed kernels single-threaded when ``n < PARALLEL_MIN``, else on at most
+    :func:`set_thread_limit` threads (a thread-local setting), one launch at a time under the
+    ``workqueue`` threading layer."""
     old = numba.get_num_threads()
+    want = 1 if n < PARALLEL_MIN else (_THREAD_LIMIT[0] or old)
     lock = _LAUNCH if _serialized() else None
     if lock is not None:
         lock.acquire()
     try:
-        if n >= PARALLEL_MIN or old == 1:
+        if want == old:
             yield
         else:
-            numba.set_num_threads(1)
+            numba.set_num_threads(want)
             try:
                 yield
             finally:
