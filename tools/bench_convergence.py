@@ -2,8 +2,8 @@
 
 * ``--suite gradientflow`` (default): every sparse algorithm with and without GradientFlow's/DGC's
   recipe (momentum correction + dense warm-up);
-* ``--suite pipesgd``: Pipe-SGD -- ``pipeline=2`` over float32, bfloat16 (truncation) and int8
-  (quantization), with and without the D-Sync warm-up, next to synchronous int8.
+* ``--suite pipesgd``: Pipe-SGD -- ``pipeline=2`` over float32 and int8 (quantization), with
+  and without the D-Sync warm-up.
 
     python tools/bench_convergence.py [--suite gradientflow] [--np 4] [--epochs 20] [--out results/bench_convergence]
     python tools/bench_convergence.py --suite pipesgd --out results/bench_pipesgd
@@ -39,9 +39,7 @@ GRADIENTFLOW = [  # (label suffix, demo arguments)
 ]
 PIPESGD = [
     ("", ["--algorithms", "dense"]),
-    (" int8", ["--algorithms", "dense", "--wire", "int8"]),
     (" pipeline=2", ["--algorithms", "dense", "--pipeline", "2"]),
-    (" pipeline=2 bfloat16", ["--algorithms", "dense", "--pipeline", "2", "--wire", "bfloat16"]),
     (" pipeline=2 int8", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8"]),
     (" pipeline=2 int8 +dsync2", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8", "--dsync-epochs", "2"]),
 ]
