@@ -173,12 +173,20 @@ def _replay(ranks, modes, lr=0.1, steps=3):
     return w, b, owed
 
 
-@pytest.mark.parametrize("P,route", [(2, "strategy"), (3, "strategy"), (3, "optimizer")])
+@pytest.mark.parametrize("P,route", [(2, "strategy"), (3, "strategy"), (3, "optimizer"),
+                                     pytest.param(3, "horovod", marks=pytest.mark.horovod)])
 def test_keras_updates_follow_the_pipelined_sequence(P, route):
     """Step t+1 applies step t's averaged gradient, across the epoch boundary too; after fit
     nothing is in flight, the last round is held by the exchange, and the weights are
-    identical on every rank."""
+    identical on every rank (the Horovod backend too: there the metric averaging queues
+    behind the round, Horovod refusing two collectives in flight at once)."""
     from mpi_harness import mpirun
+
+    if route == "horovod":
+        from tfsparse.collectives import horovod_available
+
+        if not horovod_available():
+            pytest.skip("Horovod is not installed with MPI (bash tools/install.sh --horovod builds it)")
 
     ranks, _ = mpirun(P, "pipeline.py", f"staleness-{route}", timeout=240)
     w, b, owed = _replay(ranks, ["pipe"] * 6)
@@ -186,7 +194,7 @@ def test_keras_updates_follow_the_pipelined_sequence(P, route):
         np.testing.assert_array_equal(r["w"], ranks[0]["w"])
         np.testing.assert_allclose(r["w"], w, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(r["b"], b, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(r["pending"], np.concatenate([owed[0].ravel(), owed[1]]) * (1 if route == "strategy" else P),
+        np.testing.assert_allclose(r["pending"], np.concatenate([owed[0].ravel(), owed[1]]) * (P if route == "optimizer" else 1),
                                    rtol=1e-4, atol=1e-5)
         assert not r["in_flight"]
 

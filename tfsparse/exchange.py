@@ -371,8 +371,10 @@ class GradientExchange:
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
         self._runner = CommThread() if comm.size > 1 and comm.thread_safe else _Inline()
         # pipelined, the caller's own collectives (metric averaging) must not queue behind the round
-        # in flight: they get a communicator of their own, used from the caller's thread
-        self._side = comm.duplicate() if self.pipeline > 1 and isinstance(self._runner, CommThread) else None
+        # in flight: they get a communicator of their own, used from the caller's thread -- where the
+        # transport allows two collectives in flight at once (not Horovod's: there they queue)
+        pipelined = self.pipeline > 1 and isinstance(self._runner, CommThread)
+        self._side = comm.duplicate() if pipelined and comm.concurrent_collectives else None
         weakref.finalize(self, self._runner.close)
         self.layout = layout
         self._buckets = buckets
@@ -564,8 +566,9 @@ class GradientExchange:
         """Runs ``fn(comm)`` on the communication thread, after the buckets already started,
         over the exchange's communicator, and returns its result (e.g. the per-step metric
         averaging, so that it never interleaves with the gradient collectives).  Pipelined
-        (``pipeline=2``), ``fn`` runs at once on the caller's thread over a communicator of its
-        own, so that it does not wait for the round in flight."""
+        (``pipeline=2``) over a transport that allows concurrent collectives, ``fn`` runs at once
+        on the caller's thread over a communicator of its own, so that it does not wait for the
+        round in flight."""
         if self._runner is None:
             return fn(self.comm)
         if self._side is not None:

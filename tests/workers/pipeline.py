@@ -3,7 +3,8 @@ the exact update sequence in numpy from every rank's data.
 
 Usage: pipeline.py CASE
   staleness-strategy / staleness-optimizer: pipeline=2, 2 epochs of 3 steps (SparseStrategy, or
-    DistributedOptimizer without a strategy);
+    DistributedOptimizer without a strategy); staleness-horovod: SparseStrategy on the Horovod
+    backend;
   dsync: SparseStrategy, pipeline=2 with DSyncWarmUp(epochs=1);
   fail: pipeline=2, rank 1 raises in a callback while its round is in flight.
 Saves per rank: the data, the initial and final weights, the exchange's held round, whether a
@@ -25,7 +26,7 @@ from mpi_harness import save_result  # noqa: E402
 
 STEPS, BATCH, EPOCHS, LR = 3, 4, 2, 0.1
 case = sys.argv[1]
-comm = tfsparse.init(backend="mpi")
+comm = tfsparse.init(backend="horovod" if case.endswith("horovod") else "mpi")
 rng = np.random.default_rng(100 + comm.rank)
 x = rng.standard_normal((STEPS * BATCH, 5)).astype("float32")
 y = rng.standard_normal((STEPS * BATCH, 2)).astype("float32")

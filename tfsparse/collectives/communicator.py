@@ -82,6 +82,10 @@ class Communicator(ABC):
     #: whether this transport may be used from several threads at once (the exchange's
     #: communication thread next to the training thread); MPI: MPI_THREAD_MULTIPLE
     thread_safe = True
+    #: whether collectives on two duplicates may be in flight at once from two threads (a
+    #: pipelined exchange's round next to the training thread's metric averaging); Horovod's
+    #: eager collectives may not
+    concurrent_collectives = True
 
     def __init__(self, rank: int, size: int):
         self.rank = int(rank)

@@ -29,6 +29,10 @@ def horovod_available() -> bool:
 
 class HorovodCommunicator(Communicator):
     name = "horovod"
+    # two eager Horovod collectives in flight at once from two threads are refused ("a tensor
+    # with the same name as another tensor that is currently being processed"), whatever
+    # their names: measured with Horovod 0.28.1
+    concurrent_collectives = False
 
     def __init__(self, comm=None, *, prefix: str = "tfsparse"):
         import horovod.tensorflow as hvd
