@@ -397,9 +397,12 @@ class GradientExchange:
         result (the next :meth:`step` applies it; :meth:`get_state` saves it).  Call it on every
         rank at the same point; it waits for the communication thread, nothing else."""
         for b in self._buckets:
-            if b.next_owed is not None:
-                index, b.next_owed = b.next_owed, None
-                b.held = self._finish_bucket(b, index)
+            self._hold_owed(b)
+
+    def _hold_owed(self, b: _BucketState) -> None:
+        if b.next_owed is not None:
+            index, b.next_owed = b.next_owed, None
+            b.held = self._finish_bucket(b, index)
 
     # -- numpy level ------------------------------------------------------
     def exchange_numpy(self, grads):
@@ -410,9 +413,7 @@ class GradientExchange:
     def start(self, grads) -> Round:
         """Starts a round: every bucket is encoded here and handed to the communication
         thread; :meth:`Round.wait` returns the result."""
-        flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
-        arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
-        self.build(Layout.of(arrays))  # the first time; afterwards it checks the shapes
+        flat, arrays = self._arrays(grads)
         index = None
         for b in self._buckets:
             index = self._start_bucket(b, arrays[b.spec.first:b.spec.last])
@@ -423,11 +424,17 @@ class GradientExchange:
         returns the gradient to apply now -- this round's result (``pipeline=1``), or the
         previous round's (``pipeline=2``; zeros when there is none, e.g. at the first step),
         in the form of ``grads`` (one flat array or a list of arrays)."""
+        flat, arrays = self._arrays(grads)
+        tokens = [self._begin(b, arrays[b.spec.first:b.spec.last]) for b in self._buckets]
+        return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
+
+    def _arrays(self, grads) -> tuple[bool, list]:
+        """``(flat, arrays)`` for numpy input (one flat array, or a list of arrays); builds the
+        plan the first time, and afterwards checks the shapes."""
         flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
         arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
         self.build(Layout.of(arrays))
-        tokens = [self._begin(b, arrays[b.spec.first:b.spec.last]) for b in self._buckets]
-        return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
+        return flat, arrays
 
     def _assemble(self, dense: dict, flat: bool):
         """Bucket results (``{bucket index: flat array}``) as one flat array or per tensor."""
@@ -443,13 +450,9 @@ class GradientExchange:
     def _take(self, b: _BucketState) -> np.ndarray:
         """What the bucket owes the step being started: the previous round's result (waiting for
         its communication), or zeros when nothing is owed."""
-        if b.next_owed is not None:
-            index, b.next_owed = b.next_owed, None
-            return self._finish_bucket(b, index)
-        if b.held is not None:
-            out, b.held = b.held, None
-            return out
-        return np.zeros(b.spec.size, np.float32)
+        self._hold_owed(b)
+        out, b.held = b.held, None
+        return np.zeros(b.spec.size, np.float32) if out is None else out
 
     def _begin(self, b: _BucketState, arrays) -> int:
         """Starts the bucket's next round in the round's mode (decided at bucket 0); returns its
@@ -583,12 +586,15 @@ class GradientExchange:
         if not self._buckets:
             pending = (self._pending_state or {}).get("residual")
             return None if pending is None else np.array(pending, np.float32).reshape(-1)
-        if not self.uses_memory:
-            return None
+        return self._over_layout(lambda b: b.residual) if self.uses_memory else None
+
+    def _over_layout(self, part) -> np.ndarray:
+        """``part(bucket)`` of every bucket placed over the whole layout (zeros where it is None)."""
         out = np.zeros(self.layout.n, np.float32)
         for b in self._buckets:
-            if b.residual is not None:
-                out[b.spec.start:b.spec.stop] = b.residual
+            value = part(b)
+            if value is not None:
+                out[b.spec.start:b.spec.stop] = value
         return out
 
     def _memory_state(self) -> dict:
@@ -625,11 +631,7 @@ class GradientExchange:
             state["residual"] = residual
         state.update(self._memory_state())
         if any(b.held is not None for b in self._buckets):
-            pending = np.zeros(self.layout.n, np.float32)
-            for b in self._buckets:
-                if b.held is not None:
-                    pending[b.spec.start:b.spec.stop] = b.held
-            state["pending"] = pending
+            state["pending"] = self._over_layout(lambda b: b.held)
         for b in self._buckets:
             for key, value in b.aggregator.get_state().items():
                 state[f"bucket{b.spec.index}.{key}"] = np.asarray(value).copy()
