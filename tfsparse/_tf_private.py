@@ -47,19 +47,27 @@ def reject_xla(what: str) -> None:
             f"(the default under a distribution strategy and on CPU).")
 
 
+def _caller_frames(max_depth: int):
+    """The caller's callers, innermost first, at most ``max_depth`` of them (read-only) -- for a
+    function that iterates this in its own ``for`` loop: the frames above it."""
+    import sys
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
+
+
 def keras_optimizer_apply(count: int, max_depth: int = 40):
     """``(optimizers, names)`` for the gradient all-reduce Keras is running right now: the
     optimizers whose ``apply`` is on the call stack (innermost first: a wrapper such as
     DistributedOptimizer comes after the optimizer it wraps), and the paths of the ``count``
     variables being applied (None if not found).  Read-only stack inspection: Keras'
     ``all_reduce`` passes the gradients alone."""
-    import sys
-
     optimizers, names = [], None
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
+    for frame in _caller_frames(max_depth):
         if frame.f_code.co_name == "apply":
             owner = frame.f_locals.get("self")
             variables = frame.f_locals.get("trainable_variables")
@@ -68,7 +76,6 @@ def keras_optimizer_apply(count: int, max_depth: int = 40):
             if names is None and isinstance(variables, (list, tuple)) and len(variables) == count \
                     and all(hasattr(v, "path") for v in variables):
                 names = [str(v.path) for v in variables]
-        frame = frame.f_back
     return optimizers, names
 
 
@@ -86,21 +93,15 @@ def keras_epoch_steps(max_depth: int = 8):
     rank must agree on.  tf.data often reports unknown cardinality for Keras' array
     datasets, so the iterator is found on the call stack (read-only).
     """
-    import sys
-
     try:
         from keras.src.trainers.epoch_iterator import EpochIterator
     except ImportError:
         return None
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
+    for frame in _caller_frames(max_depth):
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, EpochIterator):
             steps = candidate.num_batches
             return int(steps) if steps is not None and steps >= 0 else None
-        frame = frame.f_back
     return None
 
 
@@ -108,16 +109,10 @@ def keras_running(max_depth: int = 16):
     """``"fit"``, ``"evaluate"`` or ``"predict"``: the Keras model method on the call stack
     right now (e.g. the one whose epoch iterator distributes a dataset), or None.  Read-only
     stack inspection: Keras does not tell a strategy what a dataset is for."""
-    import sys
-
     import keras
 
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            break
+    for frame in _caller_frames(max_depth):
         if frame.f_code.co_name in ("fit", "evaluate", "predict") and \
                 isinstance(frame.f_locals.get("self"), keras.Model):
             return frame.f_code.co_name
-        frame = frame.f_back
     return None

@@ -87,6 +87,9 @@ class CommunicationStats(keras.callbacks.Callback):
     Put it before History/TensorBoard users in the callback list so they see the keys.
     """
 
+    PHASES = ("encode", "comm", "decode", "wait")
+    KEYS = ("comm_bytes", "density", *(f"{phase}_ms" for phase in PHASES))
+
     def on_epoch_begin(self, epoch, logs=None):
         ex = find_exchange(self.model)
         if ex is not None:
@@ -100,10 +103,8 @@ class CommunicationStats(keras.callbacks.Callback):
         steps = max(st.steps, 1)
         logs["comm_bytes"] = float(st.bytes_per_step)
         logs["density"] = float(st.density)
-        logs["encode_ms"] = 1e3 * st.encode_seconds / steps
-        logs["comm_ms"] = 1e3 * st.comm_seconds / steps
-        logs["decode_ms"] = 1e3 * st.decode_seconds / steps
-        logs["wait_ms"] = 1e3 * st.wait_seconds / steps
+        for phase in self.PHASES:
+            logs[f"{phase}_ms"] = 1e3 * getattr(st, f"{phase}_seconds") / steps
 
 
 class MetricAverage(keras.callbacks.Callback):
@@ -113,7 +114,7 @@ class MetricAverage(keras.callbacks.Callback):
     SparseStrategy.
     """
 
-    PER_RANK = ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms", "wait_ms")
+    PER_RANK = CommunicationStats.KEYS
 
     def _average(self, logs):
         if not logs:

@@ -74,7 +74,7 @@ class SparseExtended(OneDeviceExtended):
             steps = card if card >= 0 else None
         self._pending_steps = steps
         if keras_running() == "fit":
-            for exchange in {id(self.exchange): self.exchange, id(self._active): self._active}.values():
+            for exchange in {self.exchange, self._active}:
                 exchange.sync_points = (exchange.rounds_started, steps) if steps else None
         return dataset
 
