@@ -7,6 +7,7 @@ Workers write ``np.savez`` / JSON results into ``$TFSPARSE_TEST_OUT`` with
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -39,7 +40,7 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
         cmd, _ = build_command(nproc, [sys.executable, str(script), *map(str, args)])
         job_env = {"TFSPARSE_TEST_OUT": out, "TF_CPP_MIN_LOG_LEVEL": "3", "OMPI_MCA_btl": "self,vader,tcp",
                    "OMPI_MCA_rmaps_base_oversubscribe": "1", **(env or {})}
-        code, text = _run(cmd, job_env, timeout, what)
+        code, text = run_job(cmd, job_env, timeout, what)
         if expect_fail and code == 0:
             raise MPIJobError(f"expected {what} to fail, it succeeded:\n{_tail(text)}")
         if not expect_fail and code != 0:
@@ -49,22 +50,36 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
 
 def run_locked(cmd: list[str], timeout: float = 120, env: dict | None = None) -> str:
     """Runs any launcher command line (horovodrun, tfsparse-run) under the MPI lock and a timeout."""
-    code, text = _run(cmd, env or {}, timeout, str(cmd))
+    code, text = run_job(cmd, env or {}, timeout, str(cmd))
     if code != 0:
         raise MPIJobError(f"{cmd} failed ({code}):\n{_tail(text)}")
     return text
 
 
-def _run(cmd, env, timeout, what):
-    """Holds the lock, runs ``cmd`` in its own process group; kills the group on timeout."""
+def job_env(env: dict | None = None) -> dict:
+    """The environment of a launched job: run-as-root flags, the repo and tests/ importable."""
     full_env = dict(os.environ)
     for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
         full_env.setdefault(var, "1")
-    full_env.update(env)
+    full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
                                               full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return full_env
+
+
+@contextlib.contextmanager
+def mpi_lock():
+    """Held while an MPI job runs: one job at a time on a small machine."""
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
+    """Holds the lock, runs ``cmd`` in its own process group; kills the group on timeout.
+    Returns (exit status, output)."""
+    full_env = job_env(env)
+    with mpi_lock():
         proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
@@ -72,7 +87,7 @@ def _run(cmd, env, timeout, what):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             text, _ = proc.communicate()
-            raise MPIJobError(f"{what} timed out after {timeout}s (a hang):\n{_tail(text)}") from None
+            raise MPIJobError(f"{what or cmd} timed out after {timeout}s (a hang):\n{_tail(text)}") from None
     return proc.returncode, text
 
 

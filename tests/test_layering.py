@@ -16,7 +16,7 @@ LAYERS = [
     {"aggregators"},
     {"plan"},
     {"exchange"},
-    {"strategies", "keras", "run"},
+    {"strategies", "keras", "run", "network"},
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

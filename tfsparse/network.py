@@ -1,0 +1,302 @@
+"""An emulated cluster on one machine: one Linux network namespace per rank, a shaped link each.
+
+``tfsparse-run -np 4 --net 1gbit python train.py`` (see :mod:`tfsparse.run`) builds this::
+
+      root namespace                 switch namespace            rank namespaces
+      tn<pid>x 10.77.S.1 ---veth--- tn<pid>y ┐
+                                             ├ br0 (bridge)
+                          tn<pid>r0 ---veth--- eth0 10.77.S.10   (tfsnet<pid>-0, tbf both ways)
+                          tn<pid>r1 ---veth--- eth0 10.77.S.11   (tfsnet<pid>-1, tbf both ways)
+                                               ...
+
+* every rank runs in its own namespace ``tfsnet<pid>-<rank>`` (entered through ``ip netns exec``
+  keyed on ``OMPI_COMM_WORLD_RANK``), so two ranks can only talk over their links;
+* each rank's link is shaped in **both** directions by a token bucket (``tc qdisc ... tbf``): on
+  the rank's ``eth0`` (what it sends) and on its switch port (what it receives), so a rank sends
+  *and* receives at most ``rate`` -- a full-duplex NIC of that speed;
+* the root-namespace veth (unshaped) lets ``mpirun``'s PMIx server and out-of-band channel reach
+  the ranks; Open MPI is restricted to TCP over the subnet (``--mca btl tcp,self``, no shared
+  memory), so every byte of a collective crosses a shaped link;
+* the subnet ``10.77.S.0/24`` is the first one no interface of the machine uses, so traffic stays
+  on addresses inside the emulated network; namespaces and links are removed on every exit of
+  the launcher (success, failure, Ctrl-C, SIGTERM), and ones left by a launcher that was killed
+  (SIGKILL) are removed by the next launch (their owner's pid is in their name).
+
+Latency: ``--net 1gbit,latency=50us`` needs the ``netem`` qdisc; kernels without it (this
+project's CI machines) make the launcher stop before anything is created, with that message.
+A veth pair itself adds ~10-30 us per hop.  The α-β model (:mod:`tfsparse.collectives.simulate`)
+covers latency-bound regimes instead.
+
+Needs root or CAP_NET_ADMIN, ``ip`` and ``tc`` (iproute2).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+NS_PREFIX = "tfsnet"
+MAX_RANKS = 240          # addresses .10 .. .249 of one /24
+CAP_NET_ADMIN = 12
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000 (bits per second); tc's bit-rate units."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", str(text).lower())
+    if not m or m.group(2) not in _RATE_UNITS:
+        raise ValueError(f"rate={text!r} is not a bit rate; accepted: a number followed by one of "
+                         f"{', '.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit)")
+    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if bits < 8000:
+        raise ValueError(f"rate={text!r} is below the accepted minimum of 8kbit")
+    return bits
+
+
+def parse_time(text: str) -> float:
+    """``"50us"`` -> 5e-05 (seconds)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", str(text).lower())
+    if not m or m.group(2) not in _TIME_UNITS:
+        raise ValueError(f"latency={text!r} is not a duration; accepted: a number followed by one "
+                         f"of {', '.join(_TIME_UNITS)} (e.g. 50us, 1ms)")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """What ``--net RATE[,latency=DELAY]`` asks for: per-rank link rate (bit/s), one-way delay (s)."""
+    rate: int
+    latency: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> "NetSpec":
+        head, *options = [part.strip() for part in str(text).split(",")]
+        latency = 0.0
+        for option in options:
+            key, _, value = option.partition("=")
+            if key != "latency" or not value:
+                raise ValueError(f"--net option {option!r} is not understood; accepted: "
+                                 f"latency=DELAY (e.g. --net 1gbit,latency=50us)")
+            latency = parse_time(value)
+        return cls(parse_rate(head), latency)
+
+    def __str__(self):
+        text = f"{self.rate / 1e9:g}gbit" if self.rate >= 10**9 else f"{self.rate / 1e6:g}mbit"
+        return text + (f", latency {self.latency * 1e6:g}us" if self.latency else "")
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+def has_net_admin() -> bool:
+    """CAP_NET_ADMIN in this process's effective set (root in a container may lack it)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    except (OSError, StopIteration, ValueError):
+        return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def check_can_emulate() -> None:
+    """Raises a clear error where this machine cannot build the emulated network."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"--net needs Linux network namespaces; this is {sys.platform}")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"--net needs the '{tool}' command (iproute2); install it "
+                               f"(apt-get install iproute2) or run without --net")
+    if not has_net_admin():
+        raise PermissionError("--net creates network namespaces and shapes links, which needs root "
+                              "or CAP_NET_ADMIN; run as root (e.g. sudo) or without --net")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def leftover_namespaces() -> dict[int, list[str]]:
+    """Namespaces named ``tfsnet<pid>-...`` whose launcher process ``pid`` no longer exists."""
+    listed = _run("ip", "netns", "list", check=False).stdout.split("\n")
+    stale: dict[int, list[str]] = {}
+    for line in listed:
+        m = re.match(rf"({NS_PREFIX}(\d+)-(?:sw|probe|\d+))\b", line.strip())
+        if m and not _pid_alive(int(m.group(2))):
+            stale.setdefault(int(m.group(2)), []).append(m.group(1))
+    return stale
+
+
+def _used_networks() -> list:
+    nets = []
+    for line in _run("ip", "-o", "-4", "addr", "show", check=False).stdout.split("\n"):
+        m = re.search(r"\binet (\S+)", line)
+        if m:
+            nets.append(ipaddress.ip_interface(m.group(1)).network)
+    return nets
+
+
+def free_subnet(used=None) -> ipaddress.IPv4Network:
+    """The first ``10.77.S.0/24`` no interface in the root namespace overlaps."""
+    used = _used_networks() if used is None else used
+    for s in range(256):
+        net = ipaddress.ip_network(f"10.77.{s}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise RuntimeError("no free 10.77.S.0/24 subnet for the emulated network")
+
+
+class EmulatedNetwork:
+    """Context manager building (``__enter__``) and removing (``__exit__``) the emulated network.
+
+    >>> with EmulatedNetwork(4, NetSpec.parse("1gbit")) as net:
+    ...     subprocess.run(["mpirun", *net.mpirun_args(), *net.wrap(["python", "train.py"])])
+
+    :meth:`mpirun_args` restricts Open MPI to TCP over the emulated subnet, :meth:`environment`
+    adds what its PMIx server needs, :meth:`wrap` puts each rank into its own namespace.
+    """
+
+    def __init__(self, nprocs: int, spec: NetSpec, owner: int | None = None):
+        if not 1 <= nprocs <= MAX_RANKS:
+            raise ValueError(f"-np {nprocs}: --net emulates 1 to {MAX_RANKS} ranks")
+        self.nprocs = nprocs
+        self.spec = spec
+        self.owner = os.getpid() if owner is None else owner
+        self.subnet = None
+        self._namespaces: list[str] = []
+        self._links: list[str] = []
+
+    # names ---------------------------------------------------------------
+    def namespace(self, rank) -> str:
+        return f"{NS_PREFIX}{self.owner}-{rank}"
+
+    @property
+    def switch(self) -> str:
+        return self.namespace("sw")
+
+    @property
+    def host_link(self) -> str:
+        """The root namespace's veth into the bridge (``tn<pid>x``; interface names <= 15 chars)."""
+        return f"tn{self.owner}x"
+
+    def address(self, rank: int) -> str:
+        return str(self.subnet.network_address + 10 + rank)
+
+    @property
+    def burst_bytes(self) -> int:
+        """Token-bucket depth: 4 ms at the link rate, at least 64 KiB (>= rate/HZ for any HZ)."""
+        return max(64 * 1024, self.spec.rate // 8 // 250)
+
+    # launch glue -----------------------------------------------------------
+    def mpirun_args(self) -> list[str]:
+        cidr = str(self.subnet)
+        return ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", cidr,
+                "--mca", "oob_tcp_if_include", cidr, "-x", "PMIX_MCA_ptl_tcp_if_include"]
+
+    def environment(self) -> dict:
+        return {"PMIX_MCA_ptl_tcp_if_include": str(self.subnet)}
+
+    def wrap(self, command: list[str]) -> list[str]:
+        """``command`` run inside the namespace of rank ``$OMPI_COMM_WORLD_RANK``."""
+        enter = (f'exec ip netns exec "{NS_PREFIX}{self.owner}-${{OMPI_COMM_WORLD_RANK:?'
+                 f'not started by mpirun}}" "$0" "$@"')
+        return ["/bin/sh", "-c", enter, *command]
+
+    # set-up / tear-down ----------------------------------------------------------
+    def __enter__(self) -> "EmulatedNetwork":
+        check_can_emulate()
+        if self.spec.latency:
+            self._check_netem()
+        for pid, names in leftover_namespaces().items():
+            _remove(names, [f"tn{pid}x"])
+        self.subnet = free_subnet()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        _remove(self._namespaces, self._links)
+        self._namespaces, self._links = [], []
+
+    def _netns(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _shape(self, namespace: str, device: str) -> None:
+        _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root",
+             "handle", "1:", "tbf", "rate", f"{self.spec.rate}bit", "burst", str(self.burst_bytes),
+             "latency", "100ms")
+        if self.spec.latency:
+            _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device,
+                 "parent", "1:1", "handle", "10:", "netem", "delay", f"{self.spec.latency * 1e6:.0f}us")
+
+    def _build(self) -> None:
+        sw, prefix = self.switch, self.subnet.prefixlen
+        self._netns(sw)
+        _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", "br0", "up")
+        host, host_peer = self.host_link, f"tn{self.owner}y"
+        _run("ip", "link", "add", host, "type", "veth", "peer", "name", host_peer)
+        self._links.append(host)
+        _run("ip", "link", "set", host_peer, "netns", sw)
+        _run("ip", "-n", sw, "link", "set", host_peer, "master", "br0", "up")
+        _run("ip", "addr", "add", f"{self.subnet.network_address + 1}/{prefix}", "dev", host)
+        _run("ip", "link", "set", host, "up")
+        for rank in range(self.nprocs):
+            ns, end, port = self.namespace(rank), f"tn{self.owner}r{rank}", f"tn{self.owner}s{rank}"
+            self._netns(ns)
+            _run("ip", "link", "add", end, "type", "veth", "peer", "name", port)
+            self._links.append(end)
+            _run("ip", "link", "set", end, "netns", ns)
+            _run("ip", "link", "set", port, "netns", sw)
+            _run("ip", "-n", ns, "link", "set", end, "name", "eth0")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/{prefix}", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", sw, "link", "set", port, "master", "br0", "up")
+            self._shape(ns, "eth0")      # what the rank sends
+            self._shape(sw, port)        # what the rank receives
+
+    @staticmethod
+    def _check_netem() -> None:
+        probe = f"{NS_PREFIX}{os.getpid()}-probe"
+        _run("ip", "netns", "add", probe)
+        try:
+            done = _run("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root",
+                        "netem", "delay", "1ms", check=False)
+        finally:
+            _run("ip", "netns", "del", probe, check=False)
+        if done.returncode != 0:
+            raise RuntimeError("latency= needs the netem qdisc, which this kernel lacks ("
+                               f"tc: {done.stderr.strip()}); drop latency= (links then add only "
+                               "the veth's ~10-30 us) or use a kernel with sch_netem")
+
+
+def _remove(namespaces, links) -> None:
+    """Deletes namespaces (their veths go with them) and root-namespace links; never raises."""
+    for name in namespaces:
+        _run("ip", "netns", "del", name, check=False)
+    for link in links:
+        if os.path.exists(f"/sys/class/net/{link}"):
+            _run("ip", "link", "del", link, check=False)
