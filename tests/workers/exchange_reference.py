@@ -14,6 +14,7 @@ from mpi_harness import save_result
 
 backend, density, steps, algorithms = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 comm = tfsparse.init(backend=backend)
+comm.barrier()  # every backend has one (Horovod's TF API does not: the communicator supplies it)
 rank = comm.rank
 SHAPES = [(7, 5), (13,), (3, 2, 4)]
 

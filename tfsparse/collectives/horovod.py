@@ -96,7 +96,8 @@ class HorovodCommunicator(Communicator):
         return [out[offs[i]:offs[i + 1]] for i in range(self.size)]
 
     def _barrier(self):
-        self._hvd.barrier()
+        # horovod.tensorflow has no barrier (horovod.torch does): MPI's, on the same world
+        self._p2p._barrier()
 
     # point-to-point: mpi4py on the same world
     def _send(self, x, dest, tag):
