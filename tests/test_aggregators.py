@@ -237,6 +237,64 @@ def test_oktopk_schedule_and_reference():
             np.testing.assert_array_equal(out[r][s]["info"]["boundaries"], info["boundaries"])
 
 
+def _next_threshold(used, count, k, high, factor):
+    """The authors' rule, written out: ÷ factor below 2k/3 entries, × factor above high*k."""
+    if count < 2 * k / 3:
+        return used / factor
+    return used * factor if count > high * k else used
+
+
+def growing_accs(P, n, steps, growth=0.6):
+    """Accumulators whose magnitudes grow step after step (residuals piling up), so a reused
+    threshold admits more and more entries."""
+    return [[make_acc(r, s, n) * np.float32(1 + growth * s) for r in range(P)] for s in range(steps)]
+
+
+def test_oktopk_threshold_adjustment_follows_the_authors_rules():
+    """Reuse steps: the local threshold is the previous step's used one, adjusted (÷/× 1.012
+    outside [2k/3, 5k/4]) then raised (× 1.03 while > 4k/3 entries pass); the global one is
+    the previous one ÷/× 1.008 outside [2k/3, 4k/3], identical on every rank; results still
+    equal the threshold reference with the thresholds used."""
+    P, n, k, steps = 3, 4000, 40, 8
+    accs = growing_accs(P, n, steps)
+    out = run(P, "oktopk", steps, n, k, {"tau_prime": 8}, accs=accs)
+    raised = 0
+    for s in range(1, steps):
+        assert_identical(out, s)
+        used = [out[r][s]["info"] for r in range(P)]
+        prev = [out[r][s - 1]["info"] for r in range(P)]
+        for r in range(P):
+            start = _next_threshold(prev[r]["local_threshold"], prev[r]["local_count"], k, 5 / 4, 1.012)
+            th = start
+            mag = np.abs(accs[s][r])
+            while np.count_nonzero(mag >= th) > 4 * k / 3:
+                th *= 1.03
+            raised += th != start
+            assert used[r]["local_threshold"] == th
+            assert used[r]["local_count"] == np.count_nonzero(mag >= th) <= 4 * k / 3
+        want_global = _next_threshold(prev[0]["global_threshold"], prev[0]["global_count"], k, 4 / 3, 1.008)
+        assert all(u["global_threshold"] == want_global for u in used)
+        want, _ = refs.oktopk_ref(accs[s], k, [u["local_threshold"] for u in used], want_global)
+        assert_close(out[0][s]["dense"], want)
+    assert raised > 0      # the data does make the reused thresholds admit too many entries
+
+
+def test_oktopk_plain_reuse_drifts_and_the_adjustment_bounds_it():
+    """With the three factors at 1.0 (§3.1.3 as written) the counts and the volume grow with
+    the residuals; with the defaults every rank's local count stays <= 4k/3 on every step and
+    the volume levels off instead of growing."""
+    P, n, k, steps = 4, 8000, 80, 10
+    accs = growing_accs(P, n, steps)
+    plain = run(P, "oktopk", steps, n, k, {"tau_prime": 16, "local_raise": 1.0, "local_adjust": 1.0,
+                                           "global_adjust": 1.0}, accs=accs)
+    adjusted = run(P, "oktopk", steps, n, k, {"tau_prime": 16}, accs=accs)
+    plain_bytes = [max(plain[r][s]["bytes"] for r in range(P)) for s in range(steps)]
+    adjusted_bytes = [max(adjusted[r][s]["bytes"] for r in range(P)) for s in range(steps)]
+    assert plain[0][-1]["info"]["local_count"] > 4 * k and plain_bytes[-1] > 10 * plain_bytes[0]
+    assert all(adjusted[r][s]["info"]["local_count"] <= 4 * k / 3 for r in range(P) for s in range(steps))
+    assert max(adjusted_bytes) < 2 * adjusted_bytes[0] < plain_bytes[-1] / 10
+
+
 def test_oktopk_boundaries_balance_local_topk():
     """§3.1.1: boundaries split every rank's local top-k into P regions of ~k/P entries,
     even when the top-k entries crowd into a small part of the gradient."""
@@ -413,6 +471,8 @@ def test_threshold_select_edge_cases():
     ("oktopk", {"tau_prime": -1}, ["tau_prime=-1"]),
     ("oktopk", {"bucket_size": 0}, ["bucket_size=0"]),
     ("oktopk", {"balance_factor": 0.5}, ["balance_factor=0.5"]),
+    ("oktopk", {"local_raise": 0.9}, ["local_raise=0.9", ">= 1", "1.03"]),
+    ("oktopk", {"global_adjust": "x"}, ["global_adjust='x'", "1.008"]),
     ("dgc", {"sample_ratio": 0.0}, ["sample_ratio=0.0", "(0, 1]"]),
     ("dgc", {"min_samples": 0}, ["min_samples=0"]),
     ("dgc", {"seed": -1}, ["seed=-1"]),

@@ -37,6 +37,24 @@ One call (= one training iteration ``t``, counted from 1) runs Alg. 1:
   rank's local top-k entry of its region), so zeroing exactly these entries (Alg. 2 line 6)
   keeps ``applied + residuals == raw gradients``.
 
+Threshold adjustment between re-evaluations (the authors' code, not in the paper; on by
+default, ``1.0`` turns each rule off and gives §3.1.3's plain reuse): with error feedback the
+accumulated residuals grow between re-evaluations, so a reused threshold admits more and more
+entries (measured: 80k entries instead of k after 10 steps on a 25M-parameter MLP), which
+breaks Eq. 3's volume bound.  The authors' code rescales both thresholds toward ``k``:
+
+* ``local_raise`` (1.03): on a reuse step, before selecting, the local threshold is
+  multiplied by 1.03 while more than ``4k/3`` entries pass (computed exactly over the entries
+  that pass the unraised threshold, so it costs no extra pass over the gradient);
+* ``local_adjust`` (1.012): after selecting, the threshold kept for the next step is divided
+  by 1.012 when fewer than ``2k/3`` entries passed and multiplied when more than ``5k/4``;
+* ``global_adjust`` (1.008): after the allgatherv, the global threshold kept for the next
+  step is divided by 1.008 when the global top-k holds fewer than ``2k/3`` entries and
+  multiplied when more than ``4k/3`` (the count is the same on every rank, so is the result).
+
+``last_info`` reports the thresholds a step *used*; the state holds the ones the next step
+starts from.
+
 When ``k``, the gradient length or the world size changes (e.g. a density warm-up), cached
 thresholds are stale (they estimate a k-th largest value): the call re-evaluates them (and,
 for a new length or world size, the boundaries) regardless of the period; the step counter
@@ -65,6 +83,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import ops
 from ..compressors import threshold_select
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
@@ -73,7 +92,8 @@ from .registry import register
 TAG_REDUCE = 7401
 TAG_BALANCE = 7402
 
-_OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor")
+_OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor", "local_raise", "local_adjust",
+            "global_adjust")
 
 
 @dataclass
@@ -86,6 +106,7 @@ class _OkTopkPayload:
     local_idx: np.ndarray
     itype: type
     wire: Wire
+    local_threshold: float   # the one used (the cache already holds the next step's)
 
 
 def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
@@ -96,8 +117,15 @@ def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
         return float("inf")
     if m <= k:
         return 0.0
-    mag = np.abs(values)
-    return float(np.partition(mag, m - k)[m - k])
+    return float(ops.kth_largest_abs(values, k))  # one radix select, no sort (NaN > Inf > finite)
+
+
+def select_local(acc: np.ndarray, threshold: float) -> np.ndarray:
+    """Indices (ascending) of ``|acc| >= threshold`` (NaN entries always pass); a non-positive
+    threshold selects the non-zero entries.  One pass, no temporaries, for a positive one."""
+    if threshold > 0.0:
+        return ops.select_threshold(acc, threshold)[0]
+    return threshold_select(acc, threshold, strict=False)
 
 
 def local_boundaries(sel: np.ndarray, n: int, size: int) -> np.ndarray:
@@ -143,6 +171,9 @@ class OkTopkAllreduce(Aggregator):
         the paper gives no number, 4 is the authors' implementation's throttle.
       balance_factor: data balancing runs when the largest global top-k buffer exceeds this
         many times the mean (§5.3; default 4).
+      local_raise, local_adjust, global_adjust: the authors' threshold adjustment between
+        re-evaluations (module docstring; defaults 1.03, 1.012, 1.008; 1.0 turns a rule off,
+        all three 1.0 is the paper's plain reuse).
 
     After each call ``last_info`` holds ``step``, ``fresh_thresholds``, ``repartitioned``,
     ``balanced``, ``local_count``, ``global_count``, ``local_threshold``,
@@ -150,6 +181,7 @@ class OkTopkAllreduce(Aggregator):
     """
 
     def __init__(self, tau: int = 64, tau_prime: int = 32, bucket_size: int = 4, balance_factor: float = 4.0,
+                 local_raise: float = 1.03, local_adjust: float = 1.012, global_adjust: float = 1.008,
                  **unknown):
         reject_unknown_options("oktopk", unknown, _OPTIONS)
         self.tau = _positive_int("tau", tau)
@@ -160,6 +192,9 @@ class OkTopkAllreduce(Aggregator):
             raise ValueError(f"balance_factor={balance_factor!r} must be a number >= 1 (data balancing runs "
                              f"when the largest buffer exceeds balance_factor times the mean; default 4)")
         self.balance_factor = float(balance_factor)
+        self.local_raise = _factor("local_raise", local_raise, 1.03)
+        self.local_adjust = _factor("local_adjust", local_adjust, 1.012)
+        self.global_adjust = _factor("global_adjust", global_adjust, 1.008)
         self.reset()
 
     def reset(self) -> None:
@@ -219,8 +254,14 @@ class OkTopkAllreduce(Aggregator):
         repartition = (t - 1) % self.tau == 0 or self.boundaries is None
         if fresh:
             self.local_threshold = kth_largest_magnitude(acc, k)
-        local_idx = threshold_select(acc, self.local_threshold, strict=False) if k > 0 else np.empty(0, np.int64)
-        return _OkTopkPayload(acc, k, t, fresh, repartition, local_idx, index_dtype(n), wire)
+        local_idx = select_local(acc, self.local_threshold) if k > 0 else np.empty(0, np.int64)
+        if not fresh and local_idx.size > 4 * k / 3 and self.local_raise > 1.0 and self.local_threshold > 0.0:
+            self.local_threshold, local_idx = _raise_threshold(acc, local_idx, self.local_threshold,
+                                                               self.local_raise, 4 * k / 3)
+        payload = _OkTopkPayload(acc, k, t, fresh, repartition, local_idx, index_dtype(n), wire,
+                                 self.local_threshold)
+        self.local_threshold = _adjusted(self.local_threshold, local_idx.size, k, 5 / 4, self.local_adjust)
+        return payload
 
     def exchange(self, comm, payload):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
@@ -259,8 +300,10 @@ class OkTopkAllreduce(Aggregator):
         self.last_info = {"step": payload.t, "fresh_thresholds": bool(payload.fresh),
                           "repartitioned": bool(payload.repartition), "balanced": bool(balanced),
                           "local_count": int(local_idx.size), "global_count": int(u_idx.size),
-                          "local_threshold": float(self.local_threshold),
+                          "local_threshold": float(payload.local_threshold),
                           "global_threshold": float(self.global_threshold), "boundaries": bounds.copy()}
+        # the authors' adjustment toward k (u_idx.size is the same on every rank)
+        self.global_threshold = _adjusted(self.global_threshold, u_idx.size, k, 4 / 3, self.global_adjust)
         return AllreduceResult(indices=u_idx, values=u_val, contributed=contributed,
                                sent_elements=int(local_idx.size), loss=loss.restrict(u_idx))
 
@@ -371,7 +414,42 @@ class OkTopkAllreduce(Aggregator):
 
     def __repr__(self):
         return (f"{type(self).__name__}(tau={self.tau}, tau_prime={self.tau_prime}, "
-                f"bucket_size={self.bucket_size}, balance_factor={self.balance_factor})")
+                f"bucket_size={self.bucket_size}, balance_factor={self.balance_factor}, "
+                f"local_raise={self.local_raise}, local_adjust={self.local_adjust}, "
+                f"global_adjust={self.global_adjust})")
+
+
+def _raise_threshold(acc, idx, threshold, factor, limit):
+    """The authors' ``threshold *= factor while count(|acc| >= threshold) > limit``, evaluated
+    over ``idx`` (the entries passing the unraised threshold: a raised one passes a subset).
+    NaN entries always pass, so the loop also stops once the threshold exceeds every finite
+    magnitude.  Returns the raised threshold and the entries that pass it."""
+    mag = np.abs(acc[idx])
+    finite = mag[np.isfinite(mag)]
+    top = float(finite.max()) if finite.size else 0.0
+    passing = ~(mag < threshold)
+    while np.count_nonzero(passing) > limit and threshold <= top:
+        threshold *= factor
+        passing = ~(mag < threshold)
+    return threshold, idx[passing]
+
+
+def _adjusted(threshold, count, k, high, factor):
+    """The next step's threshold: ÷ ``factor`` below ``2k/3`` entries, × above ``high * k``."""
+    if factor == 1.0 or k <= 0 or threshold is None or not 0.0 < threshold < np.inf:
+        return threshold
+    if count < 2 * k / 3:
+        return threshold / factor
+    if count > high * k:
+        return threshold * factor
+    return threshold
+
+
+def _factor(name, value, default) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 1.0:
+        raise ValueError(f"{name}={value!r} must be a number >= 1 (the authors' threshold adjustment "
+                         f"factor; default {default}, 1.0 turns it off)")
+    return float(value)
 
 
 def _positive_int(name, value) -> int:
