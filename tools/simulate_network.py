@@ -82,24 +82,21 @@ def _positive_int(text):
     return value
 
 
-def _density(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{text!r} is not valid; accepted: a number in (0, 1]")
-    return value
+def _float(ok, accepted):
+    """A float argument type accepting what ``ok`` accepts (``accepted`` says what that is)."""
+    def convert(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not ok(value):
+            raise ValueError(f"{text!r} is not valid; accepted: {accepted}")
+        return value
+    return convert
 
 
-def _gamma(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0 or value == float("inf"):
-        raise ValueError(f"{text!r} is not valid; accepted: seconds per element, a number >= 0")
-    return value
+_density = _float(lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+_gamma = _float(lambda v: 0.0 <= v < float("inf"), "seconds per element, a number >= 0")
 
 
 def _rate(text):
