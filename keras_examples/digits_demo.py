@@ -7,6 +7,8 @@
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
+``--json`` also holds, per run, rank 0's ``epoch_end_s`` (wall seconds from the start of ``fit``
+to each epoch's end, validation included) and ``train_s`` (the training batches alone, cumulative).
 
 ``--memory momentum`` is momentum correction (DGC / GradientFlow): the exchange applies the
 momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
@@ -44,6 +46,26 @@ class StepTimer(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch > 0:
             self.times.append(time.perf_counter() - self.t0)
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Wall seconds from the start of ``fit`` to each epoch's end (after its validation), and
+    the training part alone (first batch to last batch of each epoch), cumulative."""
+
+    def on_train_begin(self, logs=None):
+        self.start, self.epoch_end_s, self.train_s, self.train = time.perf_counter(), [], [], 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.t1 = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.train += self.t1 - self.t0
+        self.train_s.append(self.train)
+        self.epoch_end_s.append(time.perf_counter() - self.start)
 
 
 def build_model():
@@ -105,8 +127,8 @@ def main():
         if rank == 0:
             print(f"\n== {algorithm} (density {strategy.density if algorithm != 'dense' else 1.0}) "
                   f"on {size} processes, {model.count_params()} parameters", flush=True)
-        timer = StepTimer()
-        callbacks = [tfsparse.keras.callbacks.CommunicationStats(), timer]
+        timer, clock = StepTimer(), EpochClock()
+        callbacks = [tfsparse.keras.callbacks.CommunicationStats(), timer, clock]
         if args.warmup_epochs > 0 and algorithm != "dense":
             callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(
                 tfsparse.schedules.WarmUp(epochs=args.warmup_epochs, ramp=args.warmup_ramp)))
@@ -118,7 +140,8 @@ def main():
         rows.append((algorithm, acc, hist.history["comm_bytes"][-1], hist.history["density"][-1],
                      1e3 * float(np.mean(timer.times))))
         runs[algorithm] = {**{k: [float(v) for v in vals] for k, vals in hist.history.items()},
-                           "test_accuracy": float(acc), "step_ms": rows[-1][-1]}
+                           "test_accuracy": float(acc), "step_ms": rows[-1][-1],
+                           "epoch_end_s": clock.epoch_end_s, "train_s": clock.train_s}
 
     if rank == 0:
         print(f"\n{size} processes, digits ({len(x_train)} train / {len(x_test)} test), "

@@ -1,0 +1,45 @@
+"""The benchmark tools' offline paths (no MPI): redrawing from a JSON record."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _step(step_ms):
+    return {"step_ms": step_ms, "mb_per_step": 1.0, "encode_ms": 0.2 * step_ms, "comm_ms": 0.3 * step_ms,
+            "decode_ms": 0.1 * step_ms, "wait_ms": 0.35 * step_ms, "other_ms": 0.4 * step_ms, "parameters": 100}
+
+
+def _tta(seconds):
+    return {"time_to_target_s": seconds, "train_to_target_s": seconds,
+            "epochs_to_target": None if seconds is None else 3,
+            "total_s": 12.0, "best_accuracy": 0.96 if seconds else 0.9, "test_accuracy": 0.9, "step_ms": 5.0,
+            "comm_bytes": 1000.0, "density": 0.01, "val_accuracy": [0.5, 0.9, 0.96], "epoch_end_s": [4.0, 8.0, 12.0],
+            "train_s": [3.0, 6.0, 9.0]}
+
+
+def test_bench_training_plot_only(tmp_path):
+    algorithms = ["dense", "topk"]
+    cells = [{"link": link, "procs": p,
+              "step": {"launch_s": 60.0, "runs": {"dense": _step(700.0 * f), "topk": _step(300.0 * f)}},
+              "tta": {"launch_s": 30.0, "runs": {"dense": _tta(8.0 * f), "topk": _tta(None)}}}
+             for link, f in (("shm", 1.0), ("1gbit", 3.0)) for p in (2, 3)]
+    cells.append({"link": "shm", "procs": 4, "step": {"error": "timed out after 1 s"},
+                  "tta": {"launch_s": 30.0, "runs": {"dense": _tta(9.0)}}})
+    record = {"tool": "tools/bench_training.py",
+              "machine": {"cpu_count": 2, "kernel": "test", "date": "2024-01-01T00:00:00+00:00"},
+              "settings": {"algorithms": algorithms, "procs": [2, 3, 4], "links": ["shm", "1gbit"],
+                           "step": {"density": 0.001}, "tta": {"density": 0.01, "target": 0.95, "epochs": 3}},
+              "cells": cells}
+    out = tmp_path / "bench"
+    (tmp_path / "bench.json").write_text(json.dumps(record))
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_training.py"), "--plot-only", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    png = tmp_path / "bench.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "| shm | 2 | 700 (140 / 210 / 70) | 300 (60 / 90 / 30) |" in done.stdout
+    assert "| 1gbit | 3 | 24.0 (3) | — (0.900) |" in done.stdout
+    assert "shm P=4 step: timed out after 1 s" in done.stdout
