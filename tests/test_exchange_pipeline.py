@@ -19,7 +19,10 @@ from tfsparse.exchange import GradientExchange
 ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "csc")
 WIRES = ("float32", "float16", "bfloat16", "int8")
 PLANS = {"fused": {}, "buckets": {"bucket_bytes": 2000}, "per_tensor": {"plan": "per_tensor"}}
-OPTIONS = {"dgc": {"seed": 5}, "oktopk": {"tau": 2, "tau_prime": 2}, "csc": {"chunk_size": 32}}
+# Ok-Topk with the paper's plain threshold reuse (§3.1.3), which exchange_ref models; the
+# authors' per-step adjustment (the default) is tested rule by rule in test_aggregators.py
+PLAIN_REUSE = {"local_raise": 1.0, "local_adjust": 1.0, "global_adjust": 1.0}
+OPTIONS = {"dgc": {"seed": 5}, "oktopk": {"tau": 2, "tau_prime": 2, **PLAIN_REUSE}, "csc": {"chunk_size": 32}}
 SHAPES = [(40, 30), (30,), (30, 20), (20,), (25, 8)]
 STEPS, DENSITY = 3, 0.05
 
