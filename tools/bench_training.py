@@ -292,36 +292,36 @@ def plot(results, path: Path) -> None:
     plt.close(fig)
 
 
-def tables(results) -> str:
+def _markdown(results, part: str, title: str, cell) -> list[str]:
+    """One markdown table: a row per (link, P), a column per algorithm, ``cell(run)`` in each
+    (``run`` is None where the launch has no result for that algorithm)."""
     algorithms, links, procs, cells = _grid(results)
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    lines = ["step time, ms (encode / comm / decode per step, rank 0):", "",
-             "| link | P | " + " | ".join(algorithms) + " |", "|---|---|" + "---|" * len(algorithms)]
+    lines = [title, "", "| link | P | " + " | ".join(algorithms) + " |", "|---|---|" + "---|" * len(algorithms)]
     for link in links:
         for p in procs:
-            runs = ((cells.get((link, p)) or {}).get("step") or {}).get("runs", {})
-            row = []
-            for a in algorithms:
-                r = runs.get(a)
-                row.append("—" if not r else f"{r['step_ms']:.0f} ({r['encode_ms']:.0f} / {r['comm_ms']:.0f} / "
-                                             f"{r['decode_ms']:.0f})")
-            lines.append(f"| {link} | {p} | " + " | ".join(row) + " |")
+            runs = ((cells.get((link, p)) or {}).get(part) or {}).get("runs", {})
+            lines.append(f"| {link} | {p} | " + " | ".join(cell(runs.get(a)) for a in algorithms) + " |")
+    return lines
+
+
+def _step_cell(r) -> str:
+    return "—" if not r else f"{r['step_ms']:.0f} ({r['encode_ms']:.0f} / {r['comm_ms']:.0f} / {r['decode_ms']:.0f})"
+
+
+def _tta_cell(r) -> str:
+    if not r:
+        return "n/a"
+    if r["time_to_target_s"] is None:
+        best = r["best_accuracy"]
+        return f"— ({'—' if best is None else format(best, '.3f')})"
+    return f"{r['time_to_target_s']:.1f} ({r['epochs_to_target']})"
+
+
+def tables(results) -> str:
     target = results.get("settings", {}).get("tta", {}).get("target")
-    lines += ["", f"time to {target} test accuracy on digits, s (epochs; — not reached, best accuracy):", "",
-              "| link | P | " + " | ".join(algorithms) + " |", "|---|---|" + "---|" * len(algorithms)]
-    for link in links:
-        for p in procs:
-            runs = ((cells.get((link, p)) or {}).get("tta") or {}).get("runs", {})
-            row = []
-            for a in algorithms:
-                r = runs.get(a)
-                if not r:
-                    row.append("n/a")
-                elif r["time_to_target_s"] is None:
-                    row.append(f"— ({fmt(r['best_accuracy'], '.3f')})")
-                else:
-                    row.append(f"{r['time_to_target_s']:.1f} ({r['epochs_to_target']})")
-            lines.append(f"| {link} | {p} | " + " | ".join(row) + " |")
+    lines = _markdown(results, "step", "step time, ms (encode / comm / decode per step, rank 0):", _step_cell)
+    lines += [""] + _markdown(results, "tta", f"time to {target} test accuracy on digits, s (epochs; — not "
+                                              f"reached, best accuracy):", _tta_cell)
     errors = [f"{c['link']} P={c['procs']} {part}: {c[part]['error'].splitlines()[0]}"
               for c in results["cells"] for part in ("step", "tta") if (c.get(part) or {}).get("error")]
     if errors:
