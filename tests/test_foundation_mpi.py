@@ -187,11 +187,11 @@ def hello_lines(tmp_path):
     return sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
 
 
-def test_tfsparse_run_launches_ranks(tmp_path):
+def test_tfsparse_run_launches_ranks_on_the_mpi_backend_by_default(tmp_path):
     script = tmp_path / "hello.py"
-    script.write_text(HELLO)
+    script.write_text(HELLO)  # tfsparse.init() with backend "auto": MPI unless horovodrun launched the job
     run_locked([sys.executable, "-m", "tfsparse.run", "-np", "3", sys.executable, str(script), str(tmp_path)],
-               timeout=120, env={"TFSPARSE_BACKEND": "mpi"})
+               timeout=120, env={"TFSPARSE_BACKEND": "auto"})
     assert hello_lines(tmp_path) == ["mpi 0 3 3.0", "mpi 1 3 3.0", "mpi 2 3 3.0"]
 
 
