@@ -115,3 +115,20 @@ def test_split_counts():
 def test_sendrecv_pairs():
     out = InProcessWorld(2).run(lambda c: c.sendrecv(np.array([c.rank + 0.5]), 1 - c.rank))
     assert [o.tolist() for o in out] == [[1.5], [0.5]]
+
+
+def test_agreement_passes_when_ranks_agree_and_names_the_odd_rank_otherwise():
+    from tfsparse.collectives.agreement import ConfigurationMismatch, check_agreement
+
+    same = InProcessWorld(3).run(lambda c: check_agreement(c, "the test", {"a": 1, "f": np.sum}))
+    assert same == [None, None, None]
+
+    def odd(c):
+        try:
+            check_agreement(c, "the test", {"a": 1, "shape": [8, 5 if c.rank == 2 else 4]}, "hint here")
+        except ConfigurationMismatch as e:
+            return str(e)
+    messages = InProcessWorld(3).run(odd)
+    assert len(set(messages)) == 1  # the same error on every rank
+    assert messages[0].startswith("ranks disagree on the test: rank 2 differs from rank 0")
+    assert "rank 2 vs rank 0: shape: [8, 5] vs [8, 4]" in messages[0] and messages[0].endswith("hint here")

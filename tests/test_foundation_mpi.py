@@ -159,6 +159,27 @@ def test_uneven_step_counts_fail_fast_instead_of_hanging(case):
     assert "different numbers of batches per epoch: [4, 6, 6]" in text
 
 
+@pytest.mark.parametrize("case, expected", [
+    ("other_algorithm", ["ranks disagree on the gradient exchange: rank 2 differs from rank 0",
+                         "settings.algorithm: 'gtopk' vs 'topk'"]),
+    ("other_density_optimizer", ["ranks disagree on the gradient exchange: rank 1 differs from rank 0",
+                                 "settings.density: 0.05 vs 0.5"]),
+    ("other_layer_size", ["ranks disagree on the variable 'kernel' created in the SparseStrategy scope: rank 1",
+                          "shape: [8, 5] vs [8, 4]"]),
+])
+def test_ranks_configured_differently_stop_with_the_same_error(case, expected):
+    _, text = mpirun(3, "pitfalls.py", case, timeout=150, expect_fail=True)
+    for line in expected:
+        assert line in text, text[-3000:]
+
+
+def test_distributed_optimizer_starts_every_rank_from_rank_zero_without_the_callback():
+    res, _ = mpirun(3, "pitfalls.py", "forgot_broadcast", timeout=150)
+    assert not np.array_equal(res[0]["initial"], res[1]["initial"])  # the seeds did differ
+    for r in res[1:]:
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+
+
 def test_optimizer_created_outside_scope_has_a_clear_error():
     _, text = mpirun(2, "pitfalls.py", "optimizer_outside_scope", timeout=150, expect_fail=True)
     assert "optimizer was created outside the SparseStrategy scope" in text

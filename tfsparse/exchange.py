@@ -53,6 +53,7 @@ import numpy as np
 
 from .aggregators import available_aggregators, get_aggregator
 from .aggregators.dense import DenseAllreduce
+from .collectives.agreement import check_agreement
 from .collectives.thread import CommThread
 from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
@@ -349,8 +350,11 @@ class GradientExchange:
     def build(self, layout: Layout) -> None:
         """Plans the buckets for ``layout`` (the first time; later calls check the layout).
 
-        The first call duplicates the world communicator for the communication thread: a
-        collective, reached by every rank at the same point (the first step)."""
+        The first call checks that every rank has the same settings, transport and gradient
+        layout (:func:`~tfsparse.collectives.agreement.check_agreement`: the same
+        ``ConfigurationMismatch`` on every rank otherwise) and duplicates the world communicator
+        for the communication thread: collectives, reached by every rank at the same point (the
+        first step)."""
         if self.layout is not None:
             if not layout.same_shapes(self.layout):
                 raise ValueError(f"this exchange was built for gradients {self.layout.describe()} but got "
@@ -366,6 +370,9 @@ class GradientExchange:
             memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy)
             buckets.append(_BucketState(spec, aggregator, wire, density, memory))
         comm = self.comm
+        check_agreement(comm, "the gradient exchange", self._agreement(layout, buckets),
+                        "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer "
+                        "settings.")
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
@@ -381,6 +388,15 @@ class GradientExchange:
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
+
+    def _agreement(self, layout: Layout, buckets) -> dict:
+        """What every rank must share, compared at the first exchange (one 32-byte allgather):
+        the settings, the transport, the gradient layout and the planned buckets."""
+        config = {k: v for k, v in self.config().items() if k != "assign"}  # a function: compared by its buckets
+        return {"settings": config, "transport": type(self.comm).__name__,
+                "gradients": [[s.name, list(s.shape), s.dtype] for s in layout.specs],
+                "buckets": [{"elements": [b.spec.start, b.spec.stop], "algorithm": type(b.aggregator).__name__,
+                             "density": b.density, "wire": b.wire.name} for b in buckets]}
 
     def close(self) -> None:
         """Stops the communication thread (after the jobs already submitted)."""

@@ -54,5 +54,33 @@ elif case == "optimizer_outside_scope":
         model.compile(opt, loss)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     save_result(rank, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+elif case == "other_algorithm":
+    # rank 2 is configured with another algorithm: every rank must stop with the same error
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    with tfsparse.SparseStrategy("gtopk" if rank == 2 else "topk", 0.5):
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+elif case == "other_density_optimizer":
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    model = small_model()
+    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.05 if rank == 1 else 0.5),
+                  loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+elif case == "other_layer_size":
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    with tfsparse.SparseStrategy("topk", 0.5):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(5 if rank == 1 else 4)])
+        model.compile(keras.optimizers.SGD(0.1), loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+elif case == "forgot_broadcast":
+    # DistributedOptimizer, different seeds per rank, no BroadcastInitialState: rank 0's start
+    keras.utils.set_random_seed(100 + rank)
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    model = small_model()
+    initial = np.concatenate([w.ravel() for w in model.get_weights()])
+    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "topk", 0.5), loss)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    save_result(rank, initial=initial, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
 else:
     raise SystemExit(f"unknown case {case}")

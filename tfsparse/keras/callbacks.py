@@ -15,6 +15,7 @@ import numpy as np
 import keras
 
 from .. import runtime
+from ..collectives.agreement import check_agreement
 
 
 def find_exchange(model):
@@ -38,6 +39,10 @@ def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> Non
     by_dtype: dict = {}
     for v in variables:
         by_dtype.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)), []).append(v)
+    check_agreement(comm, "the variables to broadcast",
+                    [[str(getattr(v, "path", v.name)), list(v.shape), np.dtype(dt).name]
+                     for dt, vs in by_dtype.items() for v in vs],
+                    "Every rank must build the same model (layer sizes, dtypes) and optimizer.")
     for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].str):
         flat = np.concatenate([np.asarray(keras.ops.convert_to_numpy(v), dtype=dtype).reshape(-1) for v in vs])
         flat = comm.bcast(flat, root=root_rank)

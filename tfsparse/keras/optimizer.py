@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from ..exchange import GradientExchange, check_float_variables
+from .callbacks import broadcast_variables
 
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
@@ -88,6 +89,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(inner_optimizer).__name__}")
         self.inner_optimizer = inner_optimizer
         self.exchange = exchange
+        self._started_from_root = False
 
     @property
     def algorithm(self) -> str:
@@ -127,9 +129,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             # call stack), and Keras scales the loss by 1/P
             self.inner_optimizer.apply(grads, trainable_variables)
             return
+        self._start_from_root(variables)
         summed = self.exchange([g for g, _ in pairs], names=[getattr(v, "path", v.name) for _, v in pairs])
         p = float(self.exchange.comm.size)
         self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
+
+    def _start_from_root(self, variables) -> None:
+        """Every rank starts from rank 0's weights and optimizer state, whether or not the user
+        added ``BroadcastInitialState`` (ranks with different seeds would otherwise train apart,
+        silently): at the first trace of the train step -- reached by every rank at its first
+        step, before that step runs -- the trainable variables are broadcast from rank 0
+        (eagerly, out of the graph being traced).  The optimizer's own variables start equal
+        (zeros, the same learning rate) unless restored, and a restored checkpoint is the same
+        file on every rank; ``BroadcastInitialState`` also covers non-trainable variables and
+        restored optimizer state."""
+        comm = self.exchange.comm
+        if self._started_from_root or comm.size == 1:
+            return
+        self._started_from_root = True
+        with tf.init_scope():
+            broadcast_variables(list(variables), 0, comm)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise ValueError("DistributedOptimizer exchanges gradients with a stateful collective and "

@@ -34,6 +34,7 @@ import tensorflow as tf
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps,
                            keras_optimizer_apply, keras_running, reject_xla)
+from ..collectives.agreement import check_agreement
 from ..exchange import GradientExchange, check_float_variables
 from ..runtime import StepCountMismatch, check_step_counts  # noqa: F401  (StepCountMismatch: public here too)
 
@@ -169,6 +170,10 @@ def _broadcast_initial_value(comm, kwargs):
         if not tf.executing_eagerly():
             return kwargs
         arr = value.numpy()
+    name = str(kwargs.get("name"))
+    check_agreement(comm, f"the variable {name!r} created in the SparseStrategy scope",
+                    {"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype)},
+                    "Every rank must build the same model (layer sizes, dtypes) in the same order.")
     arr = comm.bcast(arr if comm.rank == 0 else np.empty_like(arr), root=0)
     kwargs = dict(kwargs)
     kwargs["initial_value"] = tf.constant(arr, dtype=value.dtype)
