@@ -226,3 +226,21 @@ def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     run_locked([shutil.which("horovodrun") or "horovodrun", "-np", "2", "-H", "localhost:2",
                 sys.executable, str(script), str(tmp_path)], timeout=180)
     assert hello_lines(tmp_path) == ["horovod 0 2 2.0", "horovod 1 2 2.0"]
+
+
+@pytest.mark.parametrize("case, algorithm", [("fp16_overflow", "topk"), ("fp16_overflow", "oktopk"),
+                                             ("nan_input", "gtopk")])
+def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(case, algorithm):
+    """Rank 1's second batch overflows (mixed_float16: Keras' LossScaleOptimizer would skip it on
+    rank 1 alone and the others would wait forever) or is NaN (no loss scaling): every rank skips
+    that step together, the loss scale stays identical, residuals stay finite, weights identical."""
+    res, _ = mpirun(3, "nonfinite.py", case, algorithm, timeout=200)
+    for r in res:
+        assert r["skipped"] == 2 and r["residual_finite"]  # the poisoned batch, in each of 2 epochs
+        assert np.isfinite(r["weights"]).all()
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+        assert r["scale"] == res[0]["scale"]
+    if case == "fp16_overflow":
+        assert res[0]["scale"] == 2.0 ** 13  # Keras' initial 2**15, halved twice
+    else:
+        assert all(r["warned"] == 2 for r in res)

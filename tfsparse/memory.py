@@ -70,6 +70,9 @@ class NoMemory(Stateful):
     def update(self, acc: np.ndarray, result) -> None:
         return None
 
+    def drop_nonfinite(self) -> None:
+        """After a skipped round (a non-finite gradient): nothing is kept, nothing to clean."""
+
 
 def _clear_contributed(buf: np.ndarray, result) -> None:
     if result.contributed is None:
@@ -100,6 +103,10 @@ class ResidualMemory(Stateful):
         """``out[:] = grad + residual`` (float32, in one pass)."""
         np.add(np.reshape(grad, -1), residual, out=out, casting="same_kind")
         return out
+
+    def drop_nonfinite(self) -> None:
+        """After a skipped round (a non-finite gradient): the residual is the exchange's and
+        was not touched by the round; nothing else is kept."""
 
     def update(self, acc: np.ndarray, result) -> np.ndarray:
         """The new residual, in place of ``acc``: the contributed entries removed
@@ -151,6 +158,11 @@ class MomentumMemory(ResidualMemory):
         if result.contributed is not None:
             self.velocity[result.contributed] = 0.0
         return super().update(acc, result)
+
+    def drop_nonfinite(self) -> None:
+        """After a skipped round: the velocity took the round's gradient in ``compensate``;
+        its non-finite entries are cleared, so that it never keeps NaN/Inf."""
+        np.nan_to_num(self.velocity, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
 
     def get_state(self):
         return {"velocity": self.velocity.copy()}

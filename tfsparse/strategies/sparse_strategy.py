@@ -48,6 +48,7 @@ class SparseExtended(OneDeviceExtended):
         self._active = exchange  # the exchange the last traced step ran (the model's one)
         self._metric_vars: list = []
         self._pending_steps = None
+        self._reduced = None  # a LossScaleOptimizer step's exchanged gradients (see _agreed_finite)
 
     # -- world ------------------------------------------------------------
     @property
@@ -80,19 +81,51 @@ class SparseExtended(OneDeviceExtended):
         return dataset
 
     # -- gradient exchange ------------------------------------------------
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        values = [v for v, _ in value_destination_pairs]
+    def _model_exchange(self, values, optimizers=()):
+        """``(exchange, names)``: the model's one exchange -- that of a DistributedOptimizer
+        among the optimizers applying ``values`` (looking through wrappers), else the
+        strategy's -- checked against those optimizers."""
         check_float_variables(values)
-        optimizers, names = keras_optimizer_apply(len(values))
-        # the model's one exchange: its DistributedOptimizer's, else the strategy's
-        exchange = next((o.exchange for o in optimizers if isinstance(getattr(o, "exchange", None), GradientExchange)),
+        found, names = keras_optimizer_apply(len(values))
+        chain = []
+        for opt in [*optimizers, *found]:
+            while opt is not None and opt not in chain:
+                chain.append(opt)
+                opt = getattr(opt, "inner_optimizer", None)
+        exchange = next((o.exchange for o in chain if isinstance(getattr(o, "exchange", None), GradientExchange)),
                         self.exchange)
-        for optimizer in optimizers:
+        for optimizer in chain:
             exchange.check_optimizer(optimizer)
         if exchange is not self.exchange and exchange.sync_points is None:
             exchange.sync_points = self.exchange.sync_points
         self._active = exchange
-        reduced = exchange(values, names=names)
+        return exchange, names
+
+    def _agreed_finite(self, loss_scaler, grads):
+        """Keras' ``LossScaleOptimizer.check_finite`` under this strategy: it would test each
+        rank's own gradients, and a rank that overflowed would skip the step (and its
+        all-reduce) alone while the others wait for it.  Here the exchange runs first, on the
+        unscaled gradients of every rank, whatever they hold: a bucket that is not finite on
+        some rank is skipped on every rank and returns NaN (:meth:`GradientExchange._skip_bucket`),
+        so the test below -- on the exchanged sum, identical on every rank -- agrees everywhere:
+        all ranks apply the step, or all skip it and halve their loss scale.  The summed
+        gradients are kept for the all-reduce that the finite branch then asks for."""
+        values = [g for g in grads if g is not None]
+        exchange, names = self._model_exchange(values, [loss_scaler])
+        exchange.nonfinite_result = "nan"
+        scale = loss_scaler.dynamic_scale
+        reduced = exchange([g / tf.cast(scale, g.dtype) for g in values], names=names)
+        self._reduced = reduced
+        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(r)) for r in reduced]))
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        values = [v for v, _ in value_destination_pairs]
+        if self._reduced is not None and len(self._reduced) == len(values):
+            # the unscaled gradients that _agreed_finite already exchanged in this step
+            reduced, self._reduced = self._reduced, None
+        else:
+            exchange, names = self._model_exchange(values)
+            reduced = exchange(values, names=names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             p = float(self.exchange.comm.size)
             reduced = [r / tf.cast(p, r.dtype) for r in reduced]
@@ -117,6 +150,9 @@ class SparseExtended(OneDeviceExtended):
 
     # -- per-step metric agreement ----------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
+        owner = getattr(fn, "__self__", None)
+        if getattr(fn, "__name__", "") == "check_finite" and hasattr(owner, "dynamic_scale"):
+            return self._agreed_finite(owner, *args, **(kwargs or {}))
         outputs = super()._call_for_each_replica(fn, args, kwargs)
         if getattr(fn, "__name__", "") in _SYNCED_STEPS and self.exchange.comm.size > 1:
             outputs = self._sync_step(outputs)
