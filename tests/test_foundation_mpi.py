@@ -6,7 +6,7 @@ import pytest
 
 import sys
 
-from mpi_harness import MPIJobError, mpirun, run_locked
+from mpi_harness import MPIJobError, launcher, mpirun, run_locked
 
 pytestmark = pytest.mark.mpi
 
@@ -219,11 +219,9 @@ def test_tfsparse_run_launches_ranks_on_the_mpi_backend_by_default(tmp_path):
 @pytest.mark.horovod
 def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     _horovod_or_skip()
-    import shutil
-
     script = tmp_path / "hello.py"
-    script.write_text(HELLO)
-    run_locked([shutil.which("horovodrun") or "horovodrun", "-np", "2", "-H", "localhost:2",
+    script.write_text(HELLO)  # horovodrun next to sys.executable: a venv need not be activated
+    run_locked([launcher("horovodrun"), "-np", "2", "-H", "localhost:2",
                 sys.executable, str(script), str(tmp_path)], timeout=180)
     assert hello_lines(tmp_path) == ["horovod 0 2 2.0", "horovod 1 2 2.0"]
 
@@ -244,3 +242,29 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(case, algori
         assert res[0]["scale"] == 2.0 ** 13  # Keras' initial 2**15, halved twice
     else:
         assert all(r["warned"] == 2 for r in res)
+
+
+@pytest.mark.parametrize("case, route, backend", [
+    ("raise", "strategy", "mpi"), ("kill", "optimizer", "mpi"), ("leave", "strategy", "mpi"),
+    ("leave", "optimizer", "mpi"),
+    pytest.param("raise", "optimizer", "horovod", marks=pytest.mark.horovod),
+    pytest.param("leave", "strategy", "horovod", marks=pytest.mark.horovod),
+])
+def test_a_failing_or_departing_rank_ends_every_rank_within_a_minute(case, route, backend):
+    """Rank 1 raises in a callback, is SIGKILLed, or returns from fit early (stop_training on
+    that rank alone) in epoch 2 of 3: the job ends non-zero, soon, saying what happened."""
+    import re
+    import time
+
+    if backend == "horovod":
+        _horovod_or_skip()
+    _, text = mpirun(3, "faults.py", case, backend, timeout=180, env={"ROUTE": route}, expect_fail=True)
+    ended = time.time()
+    started = float(re.search(rf"rank 1: {case} at ([0-9.]+)", text).group(1))
+    assert ended - started < 60, text[-3000:]
+    expected = {"raise": "rank 1 stopped with an uncaught RuntimeError",
+                "kill": "exited on signal 9",
+                "leave": "fit returned early on that rank"}[case]
+    if case == "leave":
+        assert "rank 1 ended" in text or "rank 1 had ended" in text, text[-3000:]
+    assert expected in text, text[-3000:]

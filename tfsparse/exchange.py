@@ -816,8 +816,9 @@ class GradientExchange:
                 raise ValueError(f"gradient of shape {g.shape} is not fully defined; tfsparse needs static "
                                  f"variable shapes")
         names = list(names) if names is not None else [f"gradient_{i}" for i in range(len(grads))]
-        self.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
-                          for nm, g in zip(names, grads)))
+        with tf.init_scope():  # the first build's collectives run now, eagerly (Horovod's need it)
+            self.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
+                              for nm, g in zip(names, grads)))
         as_f32 = [g if g.dtype == tf.float32 else tf.cast(g, tf.float32) for g in grads]
         tokens = [tf.numpy_function(functools.partial(self._tf_start, b.spec.index),
                                     as_f32[b.spec.first:b.spec.last], tf.int64, stateful=True,

@@ -8,7 +8,7 @@ import numpy as np
 from .collectives.communicator import Communicator
 
 _BACKENDS = ("auto", "mpi", "horovod")
-_state: dict = {"comm": None, "local_rank": 0, "backend": None}
+_state: dict = {"comm": None, "local_rank": 0, "backend": None, "watch": None}
 
 
 def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True,
@@ -26,7 +26,10 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         other than 0, so only rank 0 prints.
       abort_on_error: an exception that reaches the top of a rank (uncaught) prints its
         traceback and then ends *every* rank with ``MPI_Abort`` -- instead of the other ranks
-        waiting forever in a collective (a pending pipelined round included).
+        waiting forever in a collective (a pending pipelined round included); and a rank whose
+        program ends while another still waits for it in a collective (``fit`` returned early
+        on one rank) makes that rank abort the job within 10 s, naming the rank that left
+        (:class:`~tfsparse.collectives.watchdog.DepartureWatch`; needs MPI_THREAD_MULTIPLE).
       cores_per_rank: how many threads this rank's kernels may use: ``"auto"`` (default) --
         its share of the node's cores, ``max(1, cores // ranks_on_this_node)``, for the Numba
         kernels and, when TensorFlow is imported and not yet started, TensorFlow's intra-op pool
@@ -63,6 +66,7 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
     _state.update(comm=comm, local_rank=local, backend=backend)
     if abort_on_error and comm.size > 1:
         _abort_on_uncaught_exception(comm.rank, comm.size)
+        _watch_departures()
     _share_cores(cores_per_rank, backend)
     if quiet_workers and comm.rank != 0:
         import keras
@@ -133,8 +137,12 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
         try:
             previous(exc_type, exc, tb)
         finally:
-            sys.stderr.write(f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}; aborting all "
-                             f"{size} ranks (MPI_Abort)\n")
+            watch = _state.get("watch")
+            gone = watch.gone() if watch is not None else []
+            cause = (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
+                     f"finished or fit returned early on that rank)") if gone else ""
+            sys.stderr.write(f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}{cause}; aborting "
+                             f"all {size} ranks (MPI_Abort)\n")
             sys.stderr.flush()
             sys.stdout.flush()
             from mpi4py import MPI
@@ -142,6 +150,23 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
+
+
+def _watch_departures() -> None:
+    """Starts the departure watch (collective: every rank is in init()) and tells the other
+    ranks at a normal exit that this one is gone.  Registered after mpi4py's own ``atexit``
+    finalisation, so it runs before it."""
+    import atexit
+
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        return
+    from .collectives.watchdog import DepartureWatch
+
+    watch = DepartureWatch()
+    _state["watch"] = watch
+    atexit.register(watch.depart)
 
 
 def _mpi_local_rank() -> int:

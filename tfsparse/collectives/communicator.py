@@ -23,6 +23,10 @@ picks internally, so that measured volumes compare against the papers:
 ``send/isend``  the payload
 ==============  ==============================================================
 
+Every blocking call marks its thread as waiting in a collective
+(:func:`~tfsparse.collectives.watchdog.tracked`), so that a rank whose peers have left can
+tell (:class:`~tfsparse.collectives.watchdog.DepartureWatch`).
+
 Results of ``allreduce`` are bit-identical on every rank (each element is
 reduced exactly once, by its owner in the reduce-scatter), which is what keeps
 the replicas' weights bit-identical after every step.
@@ -32,6 +36,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+from .watchdog import tracked
 
 _OPS = ("sum", "max", "min")
 
@@ -63,6 +69,7 @@ class Request:
         self._done = False
         self._value = None
 
+    @tracked
     def wait(self):
         if not self._done:
             self._value = self._wait_fn()
@@ -103,6 +110,7 @@ class Communicator(ABC):
         self.calls += 1
 
     # -- collectives ------------------------------------------------------
+    @tracked
     def allreduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
         """Element-wise reduction over ranks; identical (bit for bit) on every rank."""
         _check_op(op)
@@ -113,6 +121,7 @@ class Communicator(ABC):
         self._count(2 * x.nbytes * (self.size - 1) // self.size)
         return self._allreduce(x, op).reshape(shape)
 
+    @tracked
     def allgather(self, x: np.ndarray) -> list[np.ndarray]:
         """Gathers one 1-D array per rank (sizes may differ); returns them in rank order."""
         x = np.ascontiguousarray(x).reshape(-1)
@@ -123,6 +132,7 @@ class Communicator(ABC):
         self._count(sum(p.nbytes for p in parts) - parts[succ].nbytes)
         return parts
 
+    @tracked
     def bcast(self, x: np.ndarray | None, root: int = 0, *, shape=None, dtype=None) -> np.ndarray:
         """Broadcast from ``root``.  Non-root ranks may pass ``None`` with ``shape``/``dtype``,
         or pass an array of the right shape and dtype (its content is ignored)."""
@@ -143,6 +153,7 @@ class Communicator(ABC):
         out = self._bcast(x if self.rank == root else None, root, tuple(shape), np.dtype(dtype))
         return np.asarray(out).reshape(shape)
 
+    @tracked
     def alltoall(self, blocks: list[np.ndarray]) -> list[np.ndarray]:
         """Sends ``blocks[j]`` to rank j; returns the blocks received, in source-rank order."""
         if len(blocks) != self.size:
@@ -156,10 +167,12 @@ class Communicator(ABC):
         self._count(sum(b.nbytes for j, b in enumerate(blocks) if j != self.rank))
         return self._alltoall(blocks)
 
+    @tracked
     def barrier(self) -> None:
         if self.size > 1:
             self._barrier()
 
+    @tracked
     def duplicate(self) -> "Communicator":
         """A communicator over the same ranks whose traffic never mixes with this one's
         (``MPI_Comm_dup``), with its own byte counters.  Collective: every rank calls it, in
@@ -171,6 +184,7 @@ class Communicator(ABC):
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{what}={peer} must be another rank in [0, {self.size})")
 
+    @tracked
     def send(self, x: np.ndarray, dest: int, tag: int = 0) -> None:
         self._check_peer(dest, "dest")
         x = np.ascontiguousarray(x)
@@ -183,6 +197,7 @@ class Communicator(ABC):
         self._count(x.nbytes)
         return self._isend(x, dest, tag)
 
+    @tracked
     def recv(self, source: int, tag: int = 0, dtype=np.float32) -> np.ndarray:
         """Blocking receive of a 1-D array of unknown length."""
         self._check_peer(source, "source")
@@ -193,6 +208,7 @@ class Communicator(ABC):
         self._check_peer(source, "source")
         return self._irecv(source, int(count), tag, np.dtype(dtype))
 
+    @tracked
     def sendrecv(self, x: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
         """Exchange with ``peer`` (both send, both receive), deadlock-free."""
         req = self.isend(x, peer, tag)
