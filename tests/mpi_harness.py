@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfsparse.run import build_command
+from tfsparse.run import build_command, find_program
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
@@ -27,6 +27,17 @@ LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 
 class MPIJobError(AssertionError):
     pass
+
+
+def launcher(name: str) -> str:
+    """The absolute path of a launcher (``horovodrun``, ``mpirun``, ``tfsparse-run``): the one
+    next to the Python running the tests first -- a virtual environment's bin/, activated or
+    not (``make test PYTHON=venv/bin/python``) -- then the one on PATH."""
+    path = find_program(name)
+    if path is None:
+        raise FileNotFoundError(f"{name} is neither next to {sys.executable} nor on PATH; "
+                                "install it (bash tools/install.sh --horovod)")
+    return path
 
 
 def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dict | None = None,

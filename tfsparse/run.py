@@ -2,11 +2,20 @@
 
     tfsparse-run -np 4 python train.py [args...]
     tfsparse-run -np 4 --net 1gbit python train.py      # on an emulated 1 Gbit/s cluster
+    tfsparse-run -np 4 -x FOO=1 --mca btl self,vader python train.py   # mpirun flags pass through
 
 Adds ``--oversubscribe`` when more processes than cores are asked for, the
 run-as-root flags when run by root, ``--bind-to none`` (TensorFlow manages its own
 threads) and exports ``PYTHONUNBUFFERED=1`` so ranks' output is not held back.
-Extra mpirun options go after ``--mpi-args`` as one quoted string.
+
+Any other flag before the program is mpirun's and is passed on (``-x VAR[=value]``,
+``--mca key value``, ``--map-by ...``, ``--tag-output``, ...): Open MPI's flags are known with the
+number of values each takes (:data:`MPIRUN_FLAGS`), so the program is the first word that is
+neither a flag nor a flag's value, and everything from it on belongs to the program.  A flag
+tfsparse-run does not know is accepted in ``--flag=value`` form or before a ``--`` that ends
+mpirun's flags (``tfsparse-run -np 2 --new-flag v -- python train.py``); extra mpirun options
+can also go after ``--mpi-args`` as one quoted string.  A ``--bind-to`` of the caller's replaces
+``--bind-to none``; ``--nooversubscribe`` drops ``--oversubscribe``.
 
 ``--net RATE[,latency=DELAY]`` runs every rank in its own network namespace behind a link
 shaped to RATE in both directions, Open MPI restricted to TCP over those links (see
@@ -22,25 +31,170 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from .network import EmulatedNetwork, NetSpec
 
+# Open MPI's mpirun flags and how many values each takes (mpirun --help all, Open MPI 4.1; and
+# the PRRTE flags of Open MPI 5).  Keys without their leading dashes: mpirun accepts its long
+# flags with one dash or two.  The process count and the host list are tfsparse-run's own.
+_MPIRUN_FLAGS_BY_ARITY = {
+    0: """allow-run-as-root bind-to-core bind-to-socket bycore bynode byslot continuous d debug-devel
+          debug debug-daemons debug-daemons-file disable-recovery display-allocation
+          display-devel-allocation display-devel-map display-diffable-map display-map display-topo
+          do-not-launch do-not-resolve dvm enable-instant-on-support enable-recovery fwd-mpirun-port
+          get-stack-traces index-argv-by-rank leave-session-attached merge-stderr-to-stdout nolocal
+          nooversubscribe noprefix novm output-proctable oversubscribe pernode q quiet
+          report-bindings report-child-jobs-separately report-state-on-timeout s preload-binary
+          set-cwd-to-session-dir show-progress tag-output timestamp-output tv use-hwthread-cpus
+          use-regexp v verbose V version xml""",
+    1: """am app bind-to cf cartofile cpu-list cpu-set cpus-per-proc cpus-per-rank debugger
+          default-hostfile hnp hostfile launch-agent machinefile map-by max-restarts max-vm-size N
+          npernode npersocket ompi-server output-filename path personality ppr prefix preload-files
+          rank-by report-events report-pid report-uri rf rankfile stdin timeout tune wd wdir x
+          xml-file xterm display output runtime-options add-host add-hostfile""",
+    2: "gmca mca prtemca pmixmca",
+}
+MPIRUN_FLAGS = {name: n for n, names in _MPIRUN_FLAGS_BY_ARITY.items() for name in names.split()}
+
+# tfsparse-run's own options: (flags, argparse keyword arguments)
+_OPTIONS = (
+    (("-np", "-n", "--np", "-c"), dict(dest="np", type=int, required=True, help="number of processes")),
+    (("-H", "--hosts", "--host", "-host"), dict(dest="hosts", default=None, help="host list, as for mpirun -H")),
+    (("--mpi-args",), dict(default="", help="extra mpirun arguments (one quoted string)")),
+    (("--net",), dict(default=None, metavar="RATE[,latency=DELAY]",
+                      help="run on an emulated network: each rank in its own network namespace, its link "
+                           "shaped to RATE both ways (e.g. 1gbit, 100mbit,latency=50us); needs root")),
+    (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
+    (("-h", "--help"), dict(action="help", help="show this help message and exit")),
+)
+_OWN_ARITY = {flag: 0 if kw.get("action") in ("store_true", "help") else 1
+              for flags, kw in _OPTIONS for flag in flags}
+
+_DESCRIPTION = """\
+Launch one process per worker through mpirun with the right flags: adds
+--oversubscribe when more processes than cores are asked for (or no host list
+is given), the run-as-root flags when run by root, --bind-to none (TensorFlow
+manages its own threads), and exports PYTHONUNBUFFERED=1 so that the ranks'
+output is not held back.
+
+Any other flag before the program is passed on to mpirun (-x VAR[=value],
+--mca key value, --map-by ..., --tag-output, ...). The program is the first
+word that is neither a flag nor a flag's value; everything from it on belongs
+to the program. A flag tfsparse-run does not know goes in --flag=value form, or
+before a -- that ends mpirun's flags."""
+
+_EPILOG = """\
+examples:
+  tfsparse-run -np 4 python train.py
+      4 ranks on this machine
+  tfsparse-run -np 4 --net 1gbit python train.py
+      each rank in its own network namespace behind a 1 Gbit/s link (root)
+  tfsparse-run -np 4 --net 100mbit,latency=50us python train.py
+      a slower link with 50 us of one-way delay (needs the netem qdisc)
+  tfsparse-run -np 2 -x FOO=1 --mca btl self,vader,tcp python train.py
+      mpirun's flags pass through: FOO=1 in every rank, Open MPI on these
+      transports
+  tfsparse-run -np 8 -H node1:4,node2:4 --map-by node python train.py
+      two hosts, ranks placed round-robin over the nodes
+  tfsparse-run -np 2 --some-new-flag value -- python train.py
+      a flag tfsparse-run does not know: end mpirun's flags with --
+  tfsparse-run -np 4 --dry-run python train.py
+      print the mpirun command line instead of running it"""
+
+
+def find_program(name: str) -> str | None:
+    """``name`` next to the running Python (a virtual environment's bin/, activated or not),
+    else on PATH; None when neither has it."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+def _flag_name(token: str) -> str:
+    return token.partition("=")[0].lstrip("-")
+
+
+def split_argv(argv) -> tuple[list[str], list[str], list[str]]:
+    """Splits a tfsparse-run command line into (its own options, mpirun's flags, the program).
+
+    The program starts at the first word that is neither a flag nor a flag's value (Open MPI's
+    flags are known with their number of values, :data:`MPIRUN_FLAGS`), or right after ``--``.
+    Before a ``--`` any flag is accepted and passed on as written.
+    """
+    argv = [str(a) for a in argv]
+    cut = argv.index("--") if "--" in argv else None
+    end = len(argv) if cut is None else cut
+    own: list[str] = []
+    mpi: list[str] = []
+    i = 0
+    while i < end:
+        token = argv[i]
+        name, eq, _ = token.partition("=")
+        if name in _OWN_ARITY:
+            n = 0 if eq else _OWN_ARITY[name]
+            own += argv[i:min(i + 1 + n, end)]
+            i += 1 + n
+            continue
+        if not token.startswith("-") or token == "-":
+            if cut is None:
+                return own, mpi, argv[i:]
+            mpi.append(token)  # a value of a flag tfsparse-run does not know, before --
+            i += 1
+            continue
+        n = MPIRUN_FLAGS.get(_flag_name(token))
+        if n is None:
+            if cut is None and not eq:
+                raise ValueError(
+                    f"mpirun flag {token!r} is not one tfsparse-run knows, so it cannot tell whether "
+                    f"{argv[i + 1] if i + 1 < end else 'what follows'!r} is its value or the program; "
+                    f"accepted: Open MPI's mpirun flags (mpirun --help all), {name}=VALUE, or any flags "
+                    f"before a -- that ends them (tfsparse-run -np 2 {name} VALUE -- python train.py)")
+            n = 0
+        n = 0 if eq else n
+        values = argv[i + 1:i + 1 + n]
+        if len(values) < n or i + 1 + n > end or any(v.startswith("-") and v != "-" and not _is_number(v)
+                                                     for v in values):
+            raise ValueError(f"mpirun flag {token!r} takes {n} value{'s' if n > 1 else ''}, got "
+                             f"{argv[i + 1:min(i + 1 + n, end)]}; e.g. "
+                             f"{'-x FOO=1' if n == 1 else '--mca btl self,vader,tcp'}")
+        mpi += [token, *values]
+        i += 1 + n
+    return own, mpi, ([] if cut is None else argv[cut + 1:])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str | None = None,
-                  network: EmulatedNetwork | None = None) -> tuple[list[str], dict]:
-    """The mpirun command line and environment; ``network`` (already built) confines the ranks."""
+                  network: EmulatedNetwork | None = None, mpi_flags=()) -> tuple[list[str], dict]:
+    """The mpirun command line and environment; ``network`` (already built) confines the ranks.
+
+    ``mpi_flags`` (a list) and ``mpi_args`` (one string, split like a shell) go to mpirun as they
+    are, after tfsparse-run's own flags and before the program.
+    """
     if np_ < 1:
         raise ValueError(f"-np {np_}: the number of processes must be >= 1")
     if not command:
         raise ValueError("no command given; usage: tfsparse-run -np 4 python train.py")
-    mpirun = shutil.which("mpirun")
+    mpirun = find_program("mpirun")
     if mpirun is None:
         raise FileNotFoundError("mpirun not found; install Open MPI (bash tools/install.sh)")
-    cmd = [mpirun, "-np", str(np_), "--bind-to", "none"]
+    extra = [*mpi_flags, *shlex.split(mpi_args)]
+    given = {_flag_name(a) for a in extra if a.startswith("-")}
+    cmd = [mpirun, "-np", str(np_)]
+    if not given & {"bind-to", "bind-to-core", "bind-to-socket"}:
+        cmd += ["--bind-to", "none"]
     env = dict(os.environ)
     if hosts:
         cmd += ["-H", hosts]
-    if np_ > (os.cpu_count() or 1) or hosts is None:
+    if (np_ > (os.cpu_count() or 1) or hosts is None) and "nooversubscribe" not in given:
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -53,7 +207,7 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
     if network is not None:
         cmd += network.mpirun_args()
         env.update(network.environment())
-    cmd += shlex.split(mpi_args)
+    cmd += extra
     # mpirun started by its absolute path acts as if given --prefix and puts its own bin/ first
     # on the ranks' PATH (/usr/bin/python3 instead of the caller's python3): resolve the program
     # against the caller's PATH here
@@ -66,7 +220,7 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = "") -> int:
+def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = "", mpi_flags=()) -> int:
     """Builds the emulated network, runs mpirun in it, removes it; returns mpirun's exit status.
 
     Signals are passed on to mpirun (which stops the ranks) and the network is removed after
@@ -83,7 +237,7 @@ def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
         with EmulatedNetwork(np_, spec) as net:
-            cmd, env = build_command(np_, command, mpi_args, network=net)
+            cmd, env = build_command(np_, command, mpi_args, network=net, mpi_flags=mpi_flags)
             print(f"tfsparse-run: {np_} ranks on an emulated network, {spec} per rank link "
                   f"(both directions), subnet {net.subnet}", file=sys.stderr, flush=True)
             child.append(subprocess.Popen(cmd, env=env))
@@ -94,28 +248,35 @@ def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = 
     return 128 - code if code < 0 else code
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfsparse-run", usage="tfsparse-run -np N [options] [mpirun flags] [--] program [args...]",
+        description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False, allow_abbrev=False)
+    for flags, kwargs in _OPTIONS:
+        parser.add_argument(*flags, **kwargs)
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tfsparse-run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-np", "-n", dest="np", type=int, required=True, help="number of processes")
-    parser.add_argument("-H", "--hosts", default=None, help="host list, as for mpirun -H")
-    parser.add_argument("--mpi-args", default="", help="extra mpirun arguments (one quoted string)")
-    parser.add_argument("--net", default=None, metavar="RATE[,latency=DELAY]",
-                        help="run on an emulated network: each rank in its own network namespace, "
-                             "its link shaped to RATE both ways (e.g. 1gbit); needs root")
-    parser.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run")
-    args = parser.parse_args(argv)
+    parser = make_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        own, mpi_flags, command = split_argv(argv)
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(own)
     try:
         spec = NetSpec.parse(args.net) if args.net is not None else None
         if spec is not None and args.hosts:
             raise ValueError(f"--net with -H {args.hosts}: the emulated network lives on this "
                              "machine; accepted: one of them")
-        cmd, env = build_command(args.np, args.command, args.mpi_args, args.hosts)
+        cmd, env = build_command(args.np, command, args.mpi_args, args.hosts, mpi_flags=mpi_flags)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     if spec is not None and not args.dry_run:
         try:
-            return run_on_network(args.np, spec, args.command, args.mpi_args)
+            return run_on_network(args.np, spec, command, args.mpi_args, mpi_flags)
         except (RuntimeError, PermissionError, ValueError) as e:
             print(f"tfsparse-run: {e}", file=sys.stderr)
             return 1
