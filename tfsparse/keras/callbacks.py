@@ -155,7 +155,10 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
 
 
 class _RankZeroOnly(keras.callbacks.Callback):
-    """Forwards every hook to ``callback`` on rank 0; on other ranks the hooks do nothing."""
+    """Forwards every hook to ``callback`` on rank 0; on other ranks ``callback`` is never
+    called, ``set_model`` and ``set_params`` included (TensorBoard creates its log directory and
+    writes the model summary in ``set_model``).  The wrapper's own ``model`` and ``params`` are
+    set on every rank."""
 
     def __init__(self, callback, rank: int):
         super().__init__()
@@ -164,11 +167,13 @@ class _RankZeroOnly(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        self.callback.set_model(model)
+        if self._active:
+            self.callback.set_model(model)
 
     def set_params(self, params):
         super().set_params(params)
-        self.callback.set_params(params)
+        if self._active:
+            self.callback.set_params(params)
 
     def _forward(self, hook, *args, **kwargs):
         if self._active:
@@ -254,7 +259,9 @@ class DSyncWarmUp(keras.callbacks.Callback):
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:
-    """Wraps ``callback`` so it only acts on rank 0 (Keras callbacks have no notion of chief).
+    """Wraps ``callback`` so it only acts on rank 0 (Keras callbacks have no notion of chief):
+    on other ranks nothing reaches it, not even ``set_model``, so a TensorBoard or CSVLogger
+    there creates no file.  The wrapper's ``model`` is the model on every rank.
 
     >>> callbacks=[tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.ModelCheckpoint("ckpt.keras"))]
     """
