@@ -240,3 +240,38 @@ def test_optimizer_config_carries_every_option():
     assert again.exchange.config()["momentum"] == 0.8 and again.exchange.memory == "momentum"
     again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert again.exchange.config() == opt.exchange.config()
+
+
+def test_load_model_after_a_plain_import_tfsparse(tmp_path):
+    """A model file with a DistributedOptimizer loads in a fresh process that only did
+    ``import tfsparse, keras`` (tfsparse's Keras classes register themselves when Keras is
+    imported); Keras' own loader stays in place."""
+    import json
+    import subprocess
+    import sys
+
+    model = small_model()
+    model.compile(DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.25, communicator=solo()), LOSS)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = tmp_path / "distributed.keras"
+    model.save(path)
+    np.save(tmp_path / "weights.npy", np.concatenate([w.ravel() for w in model.get_weights()]))
+    code = ("import json, sys, numpy as np\n"
+            "import tfsparse, keras\n"
+            f"m = keras.models.load_model({str(path)!r})\n"
+            "w = np.concatenate([v.ravel() for v in m.get_weights()])\n"
+            "print(json.dumps({'cls': type(m.optimizer).__module__ + '.' + type(m.optimizer).__name__,\n"
+            "  'algorithm': m.optimizer.algorithm, 'density': m.optimizer.get_config()['density'],\n"
+            "  'inner': type(m.optimizer.inner_optimizer).__name__, 'weights': w.tolist(),\n"
+            "  'keras_loader': type(keras.__spec__.loader).__name__,\n"
+            "  'finders': [type(f).__name__ for f in sys.meta_path]}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["cls"] == "tfsparse.keras.optimizer.DistributedOptimizer"
+    assert (got["algorithm"], got["density"], got["inner"]) == ("topk", 0.25, "SGD")
+    np.testing.assert_array_equal(np.float32(got["weights"]), np.load(tmp_path / "weights.npy"))
+    assert got["keras_loader"] == "SourceFileLoader"  # not tfsparse's wrapper
+    assert "_RegisterAfterKeras" not in got["finders"]  # the one-shot finder is gone

@@ -16,7 +16,7 @@ LAYERS = [
     {"aggregators"},
     {"plan"},
     {"exchange"},
-    {"strategies", "keras", "run", "network"},
+    {"strategies", "keras", "run", "network", "_keras_registration"},
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
@@ -62,3 +62,37 @@ def test_imports_point_downward(path):
             continue
         assert other in LEVEL, f"{path} imports {target}: unknown layer"
         assert LEVEL[other] <= LEVEL[own], f"{path.relative_to(PKG)} ({own}) imports {target} ({other}), a layer above"
+
+
+@pytest.mark.parametrize("statement", ["import tfsparse", "from tfsparse import collectives, aggregators, exchange"])
+def test_import_tfsparse_stays_cheap(statement):
+    """``import tfsparse`` and the numpy-level parts import neither TensorFlow nor Keras (seconds);
+    tfsparse's Keras classes register themselves once Keras is imported."""
+    import subprocess
+    import sys
+
+    code = f"import sys\n{statement}\nprint(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
+
+
+def test_a_failed_keras_registration_warns_and_leaves_import_keras_working(tmp_path):
+    """The registration runs inside the user's ``import keras``: if tfsparse.keras cannot be
+    imported (here: a stand-in keras package without Keras' API) ``import keras`` still succeeds,
+    with a RuntimeWarning that says what to do."""
+    import subprocess
+    import sys
+
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "keras" / "__init__.py").write_text("VALUE = 7\n")
+    code = ("import sys, warnings\nsys.path.insert(0, sys.argv[1])\nimport tfsparse\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n    import keras\n"
+            "print(keras.VALUE, 'tfsparse.keras' in sys.modules)\n"
+            "print([str(w.message) for w in caught if w.category is RuntimeWarning])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()[-2:]
+    assert first == "7 False"
+    assert "tfsparse could not register its Keras objects" in second and "import tfsparse.keras" in second
