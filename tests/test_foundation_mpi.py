@@ -226,13 +226,15 @@ def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     assert hello_lines(tmp_path) == ["horovod 0 2 2.0", "horovod 1 2 2.0"]
 
 
-@pytest.mark.parametrize("case, algorithm", [("fp16_overflow", "topk"), ("fp16_overflow", "oktopk"),
-                                             ("nan_input", "gtopk")])
-def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(case, algorithm):
+@pytest.mark.parametrize("case, algorithm, route", [
+    ("fp16_overflow", "topk", "strategy"), ("fp16_overflow", "oktopk", "optimizer"),
+    ("fp16_overflow", "gtopk", "strategy_optimizer"), ("nan_input", "gtopk", "strategy"),
+    ("nan_input", "oktopk", "optimizer")])
+def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(case, algorithm, route):
     """Rank 1's second batch overflows (mixed_float16: Keras' LossScaleOptimizer would skip it on
     rank 1 alone and the others would wait forever) or is NaN (no loss scaling): every rank skips
     that step together, the loss scale stays identical, residuals stay finite, weights identical."""
-    res, _ = mpirun(3, "nonfinite.py", case, algorithm, timeout=200)
+    res, _ = mpirun(3, "nonfinite.py", case, algorithm, route, timeout=200)
     for r in res:
         assert r["skipped"] == 2 and r["residual_finite"]  # the poisoned batch, in each of 2 epochs
         assert np.isfinite(r["weights"]).all()
@@ -240,6 +242,8 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(case, algori
         assert r["scale"] == res[0]["scale"]
     if case == "fp16_overflow":
         assert res[0]["scale"] == 2.0 ** 13  # Keras' initial 2**15, halved twice
+        # Keras wraps a plain optimizer in its LossScaleOptimizer; DistributedOptimizer is one itself
+        assert res[0]["optimizer"] == ("LossScaleOptimizer" if route == "strategy" else "DistributedOptimizer")
     else:
         assert all(r["warned"] == 2 for r in res)
 
@@ -268,3 +272,15 @@ def test_a_failing_or_departing_rank_ends_every_rank_within_a_minute(case, route
     if case == "leave":
         assert "rank 1 ended" in text or "rank 1 had ended" in text, text[-3000:]
     assert expected in text, text[-3000:]
+
+
+@pytest.mark.parametrize("route", ["strategy", "optimizer"])
+def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(route):
+    """Moving mean/variance come from each rank's own batches; they are averaged across ranks
+    (strategy: after every step; wrapper: MetricAverage at each epoch's end), so every variable
+    and every prediction is identical on every rank."""
+    res, _ = mpirun(3, "batchnorm.py", route, timeout=200)
+    assert np.abs(res[0]["moving_mean"]).max() > 0.05  # the statistics did move
+    for r in res[1:]:
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+        np.testing.assert_array_equal(r["predict"], res[0]["predict"])

@@ -405,10 +405,12 @@ class GradientExchange:
 
     def _agreement(self, layout: Layout, buckets) -> dict:
         """What every rank must share, compared at the first exchange (one 32-byte allgather):
-        the settings, the transport, the gradient layout and the planned buckets."""
+        the settings, the transport, the gradient layout (shapes and dtypes in order -- not the
+        names: Keras numbers layers per process, so a rank that built one more model has other
+        names for the same layers) and the planned buckets."""
         config = {k: v for k, v in self.config().items() if k != "assign"}  # a function: compared by its buckets
         return {"settings": config, "transport": type(self.comm).__name__,
-                "gradients": [[s.name, list(s.shape), s.dtype] for s in layout.specs],
+                "gradients": [[list(s.shape), s.dtype] for s in layout.specs],
                 "buckets": [{"elements": [b.spec.start, b.spec.stop], "algorithm": type(b.aggregator).__name__,
                              "density": b.density, "wire": b.wire.name} for b in buckets]}
 

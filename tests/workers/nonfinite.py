@@ -1,5 +1,6 @@
-"""Worker: a non-finite gradient on one rank (fp16 overflow under LossScaleOptimizer, or NaN
-input without loss scaling).  argv: case algorithm.  Rank 1's batch 2 of 4 is poisoned."""
+"""Worker: a non-finite gradient on one rank (fp16 overflow under loss scaling, or NaN input
+without).  argv: case algorithm [route: strategy | optimizer | strategy_optimizer].  Rank 1's
+batch 2 of 4 is poisoned."""
 import sys
 import warnings
 
@@ -18,16 +19,31 @@ rng = np.random.default_rng(rank)
 x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
 if rank == 1:
     x[20] = 1e30 if case == "fp16_overflow" else np.nan  # inside batch 2 of 4 (batch size 16)
-strategy = tfsparse.SparseStrategy(algorithm, 0.5)
-with strategy.scope():
+route = sys.argv[3] if len(sys.argv) > 3 else "strategy"
+
+
+def build():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)])
-    model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = tfsparse.keras.DistributedOptimizer(sgd, algorithm, 0.5) if route != "strategy" else sgd
+    model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+if route == "optimizer":  # the wrapper alone, no strategy
+    model = build()
+    exchange = model.optimizer.exchange
+else:  # the strategy with a plain optimizer, or with the wrapper inside its scope
+    strategy = tfsparse.SparseStrategy(algorithm, 0.5)
+    with strategy.scope():
+        model = build()
+    exchange = tfsparse.keras.callbacks.find_exchange(model)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
 opt = model.optimizer
 save_result(rank, weights=np.concatenate([w.ravel() for w in model.get_weights()]),
             scale=float(opt.dynamic_scale.numpy()) if hasattr(opt, "dynamic_scale") else 0.0,
-            skipped=strategy.exchange.total.skipped_buckets, residual_finite=bool(np.isfinite(strategy.residual).all()),
+            skipped=exchange.total.skipped_buckets, residual_finite=bool(np.isfinite(exchange.residual).all()),
+            optimizer=type(opt).__name__,
             warned=sum("is skipped on every rank" in str(w.message) for w in caught))

@@ -40,8 +40,7 @@ def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> Non
     for v in variables:
         by_dtype.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)), []).append(v)
     check_agreement(comm, "the variables to broadcast",
-                    [[str(getattr(v, "path", v.name)), list(v.shape), np.dtype(dt).name]
-                     for dt, vs in by_dtype.items() for v in vs],
+                    [[list(v.shape), np.dtype(dt).name] for dt, vs in by_dtype.items() for v in vs],
                     "Every rank must build the same model (layer sizes, dtypes) and optimizer.")
     for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].str):
         flat = np.concatenate([np.asarray(keras.ops.convert_to_numpy(v), dtype=dtype).reshape(-1) for v in vs])
@@ -113,7 +112,10 @@ class CommunicationStats(keras.callbacks.Callback):
 
 
 class MetricAverage(keras.callbacks.Callback):
-    """Averages the numeric epoch logs (and evaluate's logs) across ranks.
+    """Averages the numeric epoch logs (and evaluate's logs) across ranks, and at each epoch's
+    end the model's moving statistics (BatchNormalization's moving mean and variance: the
+    non-trainable float weights of its trainable layers), so that every rank predicts alike and
+    saved files hold the average (under SparseStrategy both happen after every step).
 
     What CommunicationStats adds (bytes, density, phase times) stays per rank, as under
     SparseStrategy.
@@ -133,7 +135,22 @@ class MetricAverage(keras.callbacks.Callback):
             logs[k] = float(v)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._average_moving_statistics()
         self._average(logs)
+
+    def _average_moving_statistics(self):
+        from ..strategies.sparse_strategy import moving_statistics
+
+        weights = moving_statistics(self.model)
+        comm = runtime.communicator()
+        if not weights or comm.size == 1:
+            return
+        values = [np.asarray(keras.ops.convert_to_numpy(w), np.float64) for w in weights]
+        flat = comm.allreduce(np.concatenate([v.reshape(-1) for v in values])) / comm.size
+        off = 0
+        for w, v in zip(weights, values):
+            w.assign(flat[off:off + v.size].reshape(v.shape).astype(keras.backend.standardize_dtype(w.dtype)))
+            off += v.size
 
     def on_test_end(self, logs=None):
         self._average(logs)

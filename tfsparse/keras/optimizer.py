@@ -1,4 +1,4 @@
-"""DistributedOptimizer: a Keras optimizer wrapper (like ``keras.optimizers.LossScaleOptimizer``)
+"""DistributedOptimizer: a Keras optimizer wrapper (a ``keras.optimizers.LossScaleOptimizer``)
 that exchanges gradients across ranks before the wrapped optimizer applies them.
 
 >>> opt = tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
@@ -14,6 +14,16 @@ is divided by the world size (Horovod-style averaging).  Inside a
 :class:`~tfsparse.SparseStrategy` scope the wrapper and the strategy share one exchange: the
 strategy's, or -- when the wrapper is given settings of its own -- the wrapper's, which the
 strategy then runs; Keras scales the loss by 1/P there.
+
+**Mixed precision.**  Keras' ``compile`` wraps any optimizer that is not a
+``LossScaleOptimizer`` in one under ``mixed_float16``, and that wrapper tests each rank's own
+gradients: a rank that overflowed would skip the step, and its exchange, alone, and the others
+would wait forever.  So the wrapper *is* a ``LossScaleOptimizer`` (Keras does not wrap it
+again) and, with ``loss_scale`` on, scales the loss itself and decides on the **exchanged**
+gradient: every rank's unscaled gradient goes through the exchange, whatever it holds (a bucket
+that is not finite on some rank is skipped on every rank and comes back NaN, see
+:class:`~tfsparse.exchange.GradientExchange`), so all ranks apply the step, or all skip it and
+halve the loss scale, together.
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ from .callbacks import broadcast_variables
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
+_LOSS_SCALES = (None, True, False)
 _DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
              "memory": "residual", "pipeline": 1}
 
@@ -38,7 +49,7 @@ def _strategy_exchange():
 
 
 @keras.saving.register_keras_serializable(package="tfsparse")
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     """Wraps ``inner_optimizer``; gradients go through memory -> compressor -> aggregator first.
 
     Args:
@@ -60,6 +71,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         (``finalize_variable_values``) the round in flight is finished and held for the next
         step.
       communicator: transport (default: ``tfsparse.init()``'s world).
+      loss_scale: dynamic loss scaling (Keras' ``LossScaleOptimizer`` rules, applied to the
+        exchanged gradient): ``None`` (default) -- on when the global dtype policy is
+        ``mixed_float16`` as the wrapper is created (what Keras' ``compile`` would add); ``True``
+        or ``False``.
+      initial_scale, dynamic_growth_steps: as in ``keras.optimizers.LossScaleOptimizer``.
       **algorithm_options: options of the algorithm (``tau=...`` for ``oktopk``, ...).
 
     Every argument is validated here, before any communication.
@@ -68,10 +84,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
                  wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, memory: str | None = None,
                  momentum: float | None = None, pipeline: int | None = None, communicator=None, name: str | None = None,
+                 loss_scale: bool | None = None, initial_scale: float = 2.0 ** 15, dynamic_growth_steps: int = 2000,
                  algorithm_options: dict | None = None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"inner_optimizer must be a keras.optimizers.Optimizer instance, got "
                              f"{type(inner_optimizer).__name__}; e.g. DistributedOptimizer(keras.optimizers.SGD(0.1))")
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(f"inner_optimizer is a {type(inner_optimizer).__name__}: DistributedOptimizer does the "
+                             f"loss scaling itself (loss_scale=True), on the exchanged gradient; pass the optimizer "
+                             f"that LossScaleOptimizer wraps")
+        if loss_scale not in _LOSS_SCALES or not isinstance(loss_scale, (bool, type(None))):
+            raise ValueError(f"loss_scale={loss_scale!r} is not supported; accepted: None (on under the "
+                             f"mixed_float16 policy), True, False")
         for arg, default in _BASE_DEFAULTS.items():
             if arg in kwargs and kwargs.pop(arg) != default:
                 raise ValueError(f"DistributedOptimizer does not take `{arg}`; set it on the inner optimizer")
@@ -86,8 +110,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             exchange = GradientExchange(**{**_DEFAULTS, **given}, communicator=communicator, **options)
         exchange.check_optimizer(inner_optimizer)
         exchange.owner = "optimizer"  # saved with the optimizer, not with the strategy
-        super().__init__(learning_rate=0.0, name=name or f"Distributed{type(inner_optimizer).__name__}")
-        self.inner_optimizer = inner_optimizer
+        if loss_scale is None:
+            loss_scale = keras.config.dtype_policy().name == "mixed_float16"
+        factor = inner_optimizer.loss_scale_factor
+        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps,
+                         name=name or f"Distributed{type(inner_optimizer).__name__}")
+        if not loss_scale:
+            inner_optimizer.loss_scale_factor = factor  # LossScaleOptimizer turned it off: no scaling here
+        self.loss_scale = bool(loss_scale)
         self.exchange = exchange
         self._started_from_root = False
 
@@ -106,12 +136,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         check_float_variables(var_list)
-        self.inner_optimizer.build(var_list)
-        super().build(var_list)
-
-    @property
-    def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        super().build(var_list)  # LossScaleOptimizer's: the scale and its counter, then the inner optimizer
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
@@ -126,13 +151,40 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                              f"gradients each step; mark unused variables trainable=False")
         if _strategy_exchange() is not None:
             # under SparseStrategy its all-reduce runs this optimizer's exchange (found on the
-            # call stack), and Keras scales the loss by 1/P
-            self.inner_optimizer.apply(grads, trainable_variables)
+            # call stack), and Keras scales the loss by 1/P; with loss scaling, Keras' own
+            # LossScaleOptimizer logic, whose finite test the strategy runs on the exchanged sum
+            if self.loss_scale:
+                self._tf_apply(grads, trainable_variables)
+            else:
+                self.inner_optimizer.apply(grads, trainable_variables)
             return
         self._start_from_root(variables)
-        summed = self.exchange([g for g, _ in pairs], names=[getattr(v, "path", v.name) for _, v in pairs])
+        names = [getattr(v, "path", v.name) for _, v in pairs]
         p = float(self.exchange.comm.size)
-        self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
+        if not self.loss_scale:
+            summed = self.exchange([g for g, _ in pairs], names=names)
+            self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
+            return
+        scale = self.dynamic_scale
+        self.exchange.nonfinite_result = "nan"  # a skipped bucket must fail the finite test on every rank
+        summed = self.exchange([g / tf.cast(scale, g.dtype) for g, _ in pairs], names=names)
+
+        def finite():
+            self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
+            grow = keras.ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
+            keras.ops.cond(grow, self._double_scale, self._count_finite_step)
+
+        keras.ops.cond(self.check_finite(summed), finite, self._stateful_handle_non_finite_grads)
+
+    def _double_scale(self):  # LossScaleOptimizer's growth rule: after dynamic_growth_steps finite steps
+        self.step_counter.assign(0)
+        self.dynamic_scale.assign(keras.ops.multiply(self.dynamic_scale, 2.0))
+
+    def _count_finite_step(self):
+        self.step_counter.assign_add(1)
+
+    def scale_loss(self, loss):
+        return super().scale_loss(loss) if self.loss_scale else self.inner_optimizer.scale_loss(loss)
 
     def _start_from_root(self, variables) -> None:
         """Every rank starts from rank 0's weights and optimizer state, whether or not the user
@@ -153,9 +205,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise ValueError("DistributedOptimizer exchanges gradients with a stateful collective and "
                          "cannot be used with stateless_apply")
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
 
     @property
     def learning_rate(self):
@@ -208,6 +257,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "memory": ex.memory,
             "momentum": ex.momentum,
             "pipeline": ex.pipeline,
+            "loss_scale": self.loss_scale,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
             "algorithm_options": dict(ex.options),
         }
 

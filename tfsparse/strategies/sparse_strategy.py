@@ -150,20 +150,25 @@ class SparseExtended(OneDeviceExtended):
 
     # -- per-step metric agreement ----------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
-        owner = getattr(fn, "__self__", None)
+        owner = _bound_to(fn)
         if getattr(fn, "__name__", "") == "check_finite" and hasattr(owner, "dynamic_scale"):
             return self._agreed_finite(owner, *args, **(kwargs or {}))
         outputs = super()._call_for_each_replica(fn, args, kwargs)
-        if getattr(fn, "__name__", "") in _SYNCED_STEPS and self.exchange.comm.size > 1:
-            outputs = self._sync_step(outputs)
+        name = getattr(fn, "__name__", "")
+        if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
+            model = owner if name == "train_step" else None
+            outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [])
         return outputs
 
-    def _sync_step(self, outputs):
+    def _sync_step(self, outputs, moving=()):
+        """Averages, after the step, the metric states, the step's scalar outputs and
+        ``moving`` -- the model's non-trainable float weights that training updates (BatchNorm's
+        moving mean and variance) -- across ranks, in one allreduce."""
         reject_xla("the per-step metric averaging")
         flat = tf.nest.flatten(outputs)
         out_pos = [i for i, o in enumerate(flat)
                    if isinstance(o, tf.Tensor) and o.dtype.is_floating and o.shape.rank == 0]
-        mvars = list(self._metric_vars)
+        mvars = list(self._metric_vars) + [v for v in moving if all(v is not m for m in self._metric_vars)]
         pieces = [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in mvars]
         pieces += [tf.reshape(tf.cast(flat[i], tf.float64), [-1]) for i in out_pos]
         if not pieces:
@@ -196,6 +201,35 @@ class SparseExtended(OneDeviceExtended):
         return self._active.run_collective(average)
 
 
+def _bound_to(fn):
+    """The object a (possibly wrapped, e.g. by autograph) bound method belongs to, or None."""
+    while fn is not None:
+        owner = getattr(fn, "__self__", None)
+        if owner is not None:
+            return owner
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def moving_statistics(model) -> list:
+    """The non-trainable float weights of the model's trainable leaf layers -- what a train step
+    updates besides the trainable weights (BatchNormalization's moving mean and variance); each
+    rank computes them from its own batches, so they are averaged with the step's metrics.  A
+    frozen layer (``trainable=False``) is left out: its weights do not change."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        children = list(getattr(layer, "layers", None) or [])
+        if children:
+            stack.extend(reversed(children))
+        elif getattr(layer, "trainable", False):
+            out += [w for w in layer.non_trainable_weights if tf.as_dtype(w.dtype).is_floating]
+    return out
+
+
 def _broadcast_initial_value(comm, kwargs):
     init = kwargs.get("initial_value")
     if init is None:
@@ -207,8 +241,10 @@ def _broadcast_initial_value(comm, kwargs):
             return kwargs
         arr = value.numpy()
     name = str(kwargs.get("name"))
+    # shapes and dtypes, not names: Keras numbers layers per process (a rank that built another
+    # model first names the same layer differently)
     check_agreement(comm, f"the variable {name!r} created in the SparseStrategy scope",
-                    {"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype)},
+                    {"shape": list(arr.shape), "dtype": str(arr.dtype)},
                     "Every rank must build the same model (layer sizes, dtypes) in the same order.")
     arr = comm.bcast(arr if comm.rank == 0 else np.empty_like(arr), root=0)
     kwargs = dict(kwargs)
