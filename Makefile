@@ -1,21 +1,32 @@
 # The two set-up commands of the README:
 #   make demo   installs what the demo needs and runs the 4-process sparse training demo
 #   make test   installs everything (Horovod included) and runs the whole test suite
+# PYTHON (default python3) is the interpreter to use; an externally managed one (PEP 668, such as
+# Debian's python3) gets the project virtualenv .venv instead, and everything runs with that.
 PYTHON ?= python3
 NP ?= 4
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
+# the interpreter tools/install.sh installs into: $(PYTHON) itself, or .venv/bin/python
+RUN_PYTHON := $(shell PYTHON='$(PYTHON)' bash tools/install.sh --print-python)
+ifeq ($(RUN_PYTHON),)
+$(error PYTHON=$(PYTHON) is not an interpreter on this machine; accepted: a python3 command or path)
+endif
+ifneq ($(RUN_PYTHON),$(PYTHON))
+export PATH := $(dir $(RUN_PYTHON)):$(PATH)
+endif
+
 .PHONY: demo test install install-horovod
 
 install:
-	PYTHON=$(PYTHON) bash tools/install.sh
+	PYTHON='$(PYTHON)' bash tools/install.sh
 
 install-horovod:
-	PYTHON=$(PYTHON) bash tools/install.sh --horovod
+	PYTHON='$(PYTHON)' bash tools/install.sh --horovod
 
 demo: install
-	$(PYTHON) -m tfsparse.run -np $(NP) $(PYTHON) keras_examples/digits_demo.py $(ARGS)
+	$(RUN_PYTHON) -m tfsparse.run -np $(NP) $(RUN_PYTHON) keras_examples/digits_demo.py $(ARGS)
 
 test: install-horovod
-	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+	$(RUN_PYTHON) -m pytest -ra $(PYTEST_ARGS)

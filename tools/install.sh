@@ -2,33 +2,83 @@
 # One install script for tfsparse: system MPI, Python dependencies, the package itself
 # and (optionally) Horovod 0.28.1 built from source against the installed TensorFlow.
 #
-#   bash tools/install.sh            # MPI + TF + tfsparse[test]
-#   bash tools/install.sh --horovod  # ... and Horovod (about 5-10 min on 2 cores)
+#   bash tools/install.sh                 # MPI + TF + TensorBoard + tfsparse[test]
+#   bash tools/install.sh --horovod       # ... and Horovod (about 5-10 min on 2 cores)
+#   bash tools/install.sh --print-python  # only print the interpreter it installs into
+#
+# PYTHON (default python3) is the interpreter to install into.  When it is externally managed
+# (PEP 668: an EXTERNALLY-MANAGED file in its stdlib directory, as Debian's own python3 has) and
+# not a virtualenv, pip may not install into it: the script then creates the project virtualenv
+# .venv from it and installs everything there; the Makefile runs everything with the
+# interpreter --print-python names.
 #
 # Idempotent: every step checks whether it is already done, so CI re-runs are cheap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WITH_HOROVOD=0
+PRINT_PYTHON=0
 for a in "$@"; do
   case "$a" in
     --horovod) WITH_HOROVOD=1 ;;
-    *) echo "install.sh: unknown argument '$a' (accepted: --horovod)" >&2; exit 2 ;;
+    --print-python) PRINT_PYTHON=1 ;;
+    *) echo "install.sh: unknown argument '$a' (accepted: --horovod, --print-python)" >&2; exit 2 ;;
   esac
 done
+if ! command -v "$PY" >/dev/null; then
+  echo "install.sh: PYTHON='$PY' is not an interpreter on this machine (accepted: a python3 command or path)" >&2
+  exit 2
+fi
+
+VENV="$PWD/.venv"
+externally_managed() {
+  "$PY" -c 'import os, sys, sysconfig
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if sys.prefix == sys.base_prefix and os.path.isfile(marker) else 1)'
+}
+USE_VENV=0
+if externally_managed; then USE_VENV=1; fi
+if [ "$PRINT_PYTHON" = 1 ]; then
+  if [ "$USE_VENV" = 1 ]; then echo "$VENV/bin/python"; else echo "$PY"; fi
+  exit 0
+fi
+
+APT_UPDATED=0
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  apt-get install -y -qq "$@" >/dev/null
+}
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
   echo "== installing OpenMPI (Debian packages)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  apt_install openmpi-bin libopenmpi-dev
+fi
+
+if [ "$USE_VENV" = 1 ]; then
+  if ! [ -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    if ! "$PY" -c "import ensurepip, venv" 2>/dev/null; then
+      echo "== installing venv support for $PY (Debian packages)"
+      apt_install "python$PYVER-venv"
+    fi
+    echo "== $PY is externally managed (PEP 668): creating the project virtualenv .venv"
+    "$PY" -m venv --clear "$VENV"
+  fi
+  PY="$VENV/bin/python"
+fi
+# Python's C headers: mpi4py builds from source where no wheel fits, Horovod always does
+if ! "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+  echo "== installing the C headers of Python $PYVER (Debian packages)"
+  apt_install "python$PYVER-dev"
 fi
 
 pipi() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 
-if ! "$PY" -c "import tensorflow, keras, mpi4py, numba, sklearn, matplotlib, pytest, pytest_timeout" 2>/dev/null; then
+# tensorflow-cpu 2.21 does not depend on TensorBoard; keras.callbacks.TensorBoard needs it
+if ! "$PY" -c "import tensorflow, keras, mpi4py, numba, sklearn, matplotlib, pytest, pytest_timeout, tensorboard" 2>/dev/null; then
   echo "== installing Python dependencies"
-  pipi "tensorflow-cpu==2.21.*" "keras>=3.10" "numpy" "mpi4py>=4" "numba>=0.60" \
+  pipi "tensorflow-cpu==2.21.*" "tensorboard==2.21.*" "keras>=3.10" "numpy" "mpi4py>=4" "numba>=0.60" \
        "scikit-learn" "matplotlib" "pytest" "pytest-timeout"
 fi
 if ! "$PY" -c "import numba.cuda; from numba.cuda.cudadrv import nvvm" 2>/dev/null \
@@ -54,7 +104,14 @@ if [ "$WITH_HOROVOD" = 1 ]; then
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
            HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI \
            MAKEFLAGS="-j$(nproc)"
+    if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+      echo "== installing cmake and g++ (Debian packages)"
+      apt_install cmake g++
+    fi
     pipi cloudpickle psutil pyyaml packaging cffi
+    # built without isolation: setuptools and wheel must be in the environment (a fresh venv of
+    # Python >= 3.12 has neither)
+    "$PY" -c "import setuptools, wheel" 2>/dev/null || pipi setuptools wheel
     pipi --no-build-isolation --no-cache-dir --no-deps "horovod==0.28.1"
     rm -rf "$SHIM"
     "$PY" -c "import horovod.tensorflow as h; assert h.mpi_built(); print('horovod', h.__version__ if hasattr(h,'__version__') else 'ok', 'mpi_built')"
