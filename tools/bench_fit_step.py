@@ -4,7 +4,7 @@ SGD momentum, MSE on random data), 12 steps per setting, median over steps 4-12 
 rank's step time, the bytes one rank sends per step, and rank 0's exchange phases per step
 (``encode_ms``, ``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``).
 
-    tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--out results/bench_fit_step]
+    tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--out results/bench_fit_step] [--backend horovod]
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``
 (``wire_dtype``, ``bucket_bytes``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
@@ -85,12 +85,14 @@ def main():
     parser.add_argument("configs", help="JSON list of {label, algorithm, density, **options}")
     parser.add_argument("--network", default="shared memory", help="a label for the link, e.g. '1 Gbit/s'")
     parser.add_argument("--out", default="results/bench_fit_step")
+    parser.add_argument("--backend", default="mpi", choices=("mpi", "horovod"),
+                        help="tfsparse.init(backend=...): mpi4py (default) or Horovod's TF collectives")
     args = parser.parse_args()
     configs = json.loads(args.configs)
-    comm = tfsparse.init(backend="mpi")
+    comm = tfsparse.init(backend=args.backend)
     x = np.random.default_rng(comm.rank).standard_normal((BATCH * STEPS, 1024)).astype(np.float32)
     y = np.random.default_rng(comm.rank + 9).standard_normal((BATCH * STEPS, 1024)).astype(np.float32)
-    results = {"processes": comm.size, "network": args.network, "runs": []}
+    results = {"processes": comm.size, "network": args.network, "backend": args.backend, "runs": []}
     for config in configs:
         results["runs"].append({**config, **measure(comm, config, x, y)})
         if comm.rank == 0:
