@@ -527,3 +527,12 @@ def test_zero_gradients_and_k_zero(name):
 
     for za, ca, zb, cb in InProcessWorld(3).run(fn):
         assert not za.any() and not zb.any() and cb.size == 0
+
+
+def test_topk_compressor_option_is_validated_up_front():
+    import tfsparse
+    from tfsparse.compressors import GaussianKThreshold
+
+    with pytest.raises(ValueError, match=r"compressor='x' is not supported; accepted: .*'topk', 'identity', 'dgc'"):
+        tfsparse.GradientExchange("topk", 0.1, compressor="x")
+    assert isinstance(A.get_aggregator("topk", compressor="gaussiank").compressor, GaussianKThreshold)

@@ -291,3 +291,20 @@ class GaussianKThreshold(Compressor):
 
     def __repr__(self):
         return f"{type(self).__name__}(scale={self.scale}, max_adjust={self.max_adjust})"
+
+
+def compressors_by_name() -> dict:
+    """The compressors a ``compressor=`` option may name, by their ``name``."""
+    return {cls.name: cls for cls in (TopK, Identity, DGCSampledThreshold, GaussianKThreshold)}
+
+
+def check_compressor(compressor) -> Compressor:
+    """``compressor=``: a :class:`Compressor` instance or the name of one (built with its
+    defaults); ValueError otherwise, before anything communicates."""
+    if isinstance(compressor, Compressor):
+        return compressor
+    names = compressors_by_name()
+    if isinstance(compressor, str) and compressor in names:
+        return names[compressor]()
+    raise ValueError(f"compressor={compressor!r} is not supported; accepted: a tfsparse.compressors.Compressor "
+                     f"instance or one of {', '.join(repr(n) for n in names)}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compressors import Compressor, TopK
+from ..compressors import Compressor, TopK, check_compressor
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, sum_sparse
 from .registry import register
@@ -30,8 +30,10 @@ class _SparsePayload:
 class AllgatherAggregator(Aggregator):
     """Compress locally, allgather (index, value) messages, sum in rank order."""
 
-    def __init__(self, compressor: Compressor | None = None):
-        self.compressor = compressor if compressor is not None else TopK()
+    def __init__(self, compressor: Compressor | str | None = None):
+        """``compressor``: a :class:`~tfsparse.compressors.Compressor` or its name (``"topk"``,
+        ``"dgc"``, ``"gaussiank"``, ``"identity"``); default exact top-k."""
+        self.compressor = check_compressor(compressor) if compressor is not None else TopK()
 
     def encode(self, comm, acc, k, wire):
         acc, k = check_acc(acc, k)
