@@ -95,6 +95,16 @@ def check_float_variables(variables) -> None:
                              f"Mark it trainable=False or make it a float variable.")
 
 
+@functools.lru_cache(maxsize=None)
+def _warm_kernels() -> None:
+    """Once per process, before the first step: every Numba CPU kernel compiled, or loaded from
+    its on-disk cache (< 1 s when ``tools/install.sh`` filled it; ~30 s to compile on 2 cores
+    otherwise), so that no step stalls on a compile half-way."""
+    from .ops import cpu
+
+    cpu.warmup()
+
+
 def all_finite(x: np.ndarray) -> bool:
     """Whether every element of the float32 vector ``x`` is finite: one BLAS dot product
     (``x·x`` is NaN or Inf when any element is; ~3 ms for 25M elements), confirmed element by
@@ -383,6 +393,7 @@ class GradientExchange:
             aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or self.wire.name)
             memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy)
             buckets.append(_BucketState(spec, aggregator, wire, density, memory))
+        _warm_kernels()
         comm = self.comm
         check_agreement(comm, "the gradient exchange", self._agreement(layout, buckets),
                         "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer "
