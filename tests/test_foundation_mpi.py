@@ -284,3 +284,13 @@ def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(r
     for r in res[1:]:
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         np.testing.assert_array_equal(r["predict"], res[0]["predict"])
+
+
+def test_callbacks_before_metric_average_see_the_averaged_logs():
+    """Wrapper route, EarlyStopping and a recorder listed before MetricAverage: every rank's
+    callbacks see the same (averaged) epoch logs, and all ranks stop at the same epoch."""
+    res, _ = mpirun(3, "callback_order.py", timeout=200)
+    assert 1 < res[0]["epochs"] < 30  # EarlyStopping did stop the run
+    for r in res[1:]:
+        assert r["epochs"] == res[0]["epochs"]
+        np.testing.assert_array_equal(r["seen"], res[0]["seen"])
