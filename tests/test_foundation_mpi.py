@@ -294,3 +294,10 @@ def test_callbacks_before_metric_average_see_the_averaged_logs():
     for r in res[1:]:
         assert r["epochs"] == res[0]["epochs"]
         np.testing.assert_array_equal(r["seen"], res[0]["seen"])
+
+
+def test_only_rank_zero_warns_and_no_terminal_codes_reach_a_pipe():
+    _, text = mpirun(3, "pitfalls.py", "quiet", timeout=150)
+    assert "(this is rank 0)" in text and "(this is rank 1)" not in text and "(this is rank 2)" not in text, \
+        text[-2000:]
+    assert "\x1b[" not in text and "4/4" in text, text[-2000:]

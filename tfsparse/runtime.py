@@ -12,7 +12,7 @@ _state: dict = {"comm": None, "local_rank": 0, "backend": None, "watch": None}
 
 
 def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True,
-         cores_per_rank: int | str | None = "auto") -> Communicator:
+         cores_per_rank: int | str | None = "auto", plain_output: bool = True) -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
 
     Args:
@@ -22,8 +22,12 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).  MPI is the default
         because it is the faster one here: Horovod's TF collectives cost 1.7-1.9x the step time
         of the MPI backend on a 1.3M-parameter MLP at P = 2 (README, "Backends").
-      quiet_workers: silence Keras' interactive output (progress bars) on ranks
-        other than 0, so only rank 0 prints.
+      quiet_workers: on ranks other than 0, silence Keras' interactive output (progress
+        bars), Python warnings and TensorFlow's/absl's Python loggers below ERROR, so only rank 0
+        prints (TensorFlow's C++ start-up lines are governed by ``TF_CPP_MIN_LOG_LEVEL``, which
+        ``tfsparse-run`` sets to 2).
+      plain_output: when stdout is not a terminal (a pipe, a log file, ``mpirun``'s
+        forwarding), drop the ANSI colour codes Keras' progress bars write anyway.
       abort_on_error: an exception that reaches the top of a rank (uncaught) prints its
         traceback and then ends *every* rank with ``MPI_Abort`` -- instead of the other ranks
         waiting forever in a collective (a pending pipelined round included); and a rank whose
@@ -69,10 +73,63 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         _watch_departures()
     _share_cores(cores_per_rank, backend)
     if quiet_workers and comm.rank != 0:
-        import keras
-
-        keras.config.disable_interactive_logging()
+        _quiet_worker()
+    if plain_output:
+        _strip_terminal_codes()
     return comm
+
+
+def _quiet_worker() -> None:
+    """Ranks other than 0: no progress bars (Keras' interactive logging off), no Python
+    warnings (rank 0 shows the same ones) and only errors from TensorFlow's and absl's loggers."""
+    import logging
+    import warnings
+
+    import keras
+
+    keras.config.disable_interactive_logging()
+    warnings.simplefilter("ignore")
+    for name in ("tensorflow", "absl", "keras"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _PlainText:
+    """A text stream that drops ANSI colour/bold codes (Keras' progress bars write them even
+    when stdout is a pipe, e.g. under mpirun); everything else is the wrapped stream's."""
+
+    def __init__(self, stream):
+        import re
+
+        self._stream = stream
+        self._codes = re.compile(r"\x1b\[[0-9;]*m")
+
+    def write(self, text):
+        self._stream.write(self._codes.sub("", text))
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_is_terminal(out) -> bool:
+    """Whether what this rank prints ends on a terminal.  Under ``mpirun`` a rank's stdout is a
+    pseudo-terminal that mpirun reads and forwards to *its* stdout, so what counts is mpirun's
+    (the rank's parent process on the launch node): a terminal, or a pipe / file (Linux /proc)."""
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        try:
+            target = os.readlink(f"/proc/{os.getppid()}/fd/1")
+            return target.startswith(("/dev/pts/", "/dev/tty"))
+        except OSError:
+            pass
+    return bool(hasattr(out, "isatty") and out.isatty())
+
+
+def _strip_terminal_codes() -> None:
+    import sys
+
+    out = sys.stdout
+    if out is not None and not isinstance(out, _PlainText) and not _stdout_is_terminal(out):
+        sys.stdout = _PlainText(out)
 
 
 def _launched_by_horovodrun() -> bool:

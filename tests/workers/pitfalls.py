@@ -82,5 +82,14 @@ elif case == "forgot_broadcast":
     model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "topk", 0.5), loss)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     save_result(rank, initial=initial, weights=np.concatenate([w.ravel() for w in model.get_weights()]))
+elif case == "quiet":
+    import warnings
+
+    warnings.warn(f"a warning raised on every rank (this is rank {rank})")
+    x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
+    with tfsparse.SparseStrategy("topk", 0.5):
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=1)
 else:
     raise SystemExit(f"unknown case {case}")
