@@ -26,7 +26,7 @@ install-horovod:
 	PYTHON='$(PYTHON)' bash tools/install.sh --horovod
 
 demo: install
-	$(RUN_PYTHON) -m tfsparse.run -np $(NP) $(RUN_PYTHON) keras_examples/digits_demo.py $(ARGS)
+	$(RUN_PYTHON) -m tfsparse.run -np $(NP) $(RUN_PYTHON) keras_examples/digits_demo.py --tensorboard results/tensorboard $(ARGS)
 
 test: install-horovod
 	$(RUN_PYTHON) -m pytest -ra $(PYTEST_ARGS)

@@ -3,7 +3,7 @@
     tfsparse-run -np 4 python keras_examples/digits_demo.py [--algorithms dense,topk] [--density 0.01]
         [--wire float16] [--bucket-bytes 65536]
         [--memory momentum --warmup-epochs 2] [--chunk-size 64]
-        [--pipeline 2 --wire int8 --dsync-epochs 1] [--json out.json]
+        [--pipeline 2 --wire int8 --dsync-epochs 1] [--json out.json] [--tensorboard results/tensorboard]
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
@@ -15,7 +15,11 @@ momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds
 warm-up (``DensitySchedule(WarmUp(epochs=E))``); ``--chunk-size`` is CSC's (``algorithm="csc"``).
 ``--pipeline 2`` is Pipe-SGD (each step applies the previous step's aggregated gradient while its
 own is on the wire); ``--dsync-epochs E`` trains the first E epochs synchronously over float32
-(``DSyncWarmUp``), Pipe-SGD's warm-up.
+(``DSyncWarmUp``), Pipe-SGD's warm-up.  ``--tensorboard DIR`` writes, on rank 0 only, one
+TensorBoard run per algorithm (``DIR/<algorithm>``): loss, accuracy, and what
+``CommunicationStats`` adds -- ``comm_bytes``, ``density``, ``encode_ms``, ``comm_ms``,
+``decode_ms``, ``wait_ms`` -- as epoch scalars (``tensorboard --logdir DIR``).  ``make demo``
+passes ``--tensorboard results/tensorboard``.
 """
 import argparse
 import json
@@ -97,6 +101,8 @@ def main():
     parser.add_argument("--pipeline", type=int, default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
     parser.add_argument("--dsync-epochs", type=int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
+    parser.add_argument("--tensorboard", default=None, metavar="DIR",
+                        help="TensorBoard logs (rank 0): one run per algorithm under DIR")
     args = parser.parse_args()
 
     tfsparse.init()
@@ -134,6 +140,9 @@ def main():
                 tfsparse.schedules.WarmUp(epochs=args.warmup_epochs, ramp=args.warmup_ramp)))
         if args.dsync_epochs:
             callbacks.insert(0, tfsparse.keras.callbacks.DSyncWarmUp(epochs=args.dsync_epochs))
+        if args.tensorboard:  # after CommunicationStats, so its keys are in the logs it writes
+            callbacks.append(tfsparse.keras.callbacks.rank_zero_only(
+                keras.callbacks.TensorBoard(os.path.join(args.tensorboard, algorithm), write_graph=False)))
         hist = model.fit(x_local, y_local, batch_size=args.batch_size, epochs=args.epochs, callbacks=callbacks,
                          validation_data=(x_test, y_test), verbose=2 if rank == 0 else 0)
         _, acc = model.evaluate(x_test, y_test, verbose=0)
@@ -150,6 +159,9 @@ def main():
         print(f"{'algorithm':<12}{'accuracy':>10}{'bytes/step':>14}{'density':>10}{'step ms':>10}")
         for algorithm, acc, nbytes, dens, ms in rows:
             print(f"{algorithm:<12}{acc:>10.4f}{nbytes:>14.0f}{dens:>10.4f}{ms:>10.1f}")
+        if args.tensorboard:
+            print(f"\nTensorBoard logs (comm_bytes, density, encode/comm/decode/wait ms per epoch): "
+                  f"tensorboard --logdir {args.tensorboard}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"processes": size, "args": vars(args), "runs": runs}, f, indent=1)

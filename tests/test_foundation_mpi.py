@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import sys
+from pathlib import Path
 
 from mpi_harness import MPIJobError, launcher, mpirun, run_locked
 
@@ -301,3 +302,19 @@ def test_only_rank_zero_warns_and_no_terminal_codes_reach_a_pipe():
     assert "(this is rank 0)" in text and "(this is rank 1)" not in text and "(this is rank 2)" not in text, \
         text[-2000:]
     assert "\x1b[" not in text and "4/4" in text, text[-2000:]
+
+
+def test_demo_writes_the_exchange_statistics_to_tensorboard_on_rank_zero(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    demo = Path(__file__).resolve().parents[1] / "keras_examples" / "digits_demo.py"
+    run_locked([sys.executable, "-m", "tfsparse.run", "-np", "2", sys.executable, str(demo), "--epochs", "2",
+                "--algorithms", "topk", "--tensorboard", str(tmp_path)], timeout=240)
+    files = list((tmp_path / "topk" / "train").glob("events*"))
+    assert len(files) == 1  # rank 0's only
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
+    assert {f"epoch_{k}" for k in ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms", "wait_ms",
+                                   "loss", "accuracy")} <= tags
