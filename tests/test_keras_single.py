@@ -275,3 +275,28 @@ def test_load_model_after_a_plain_import_tfsparse(tmp_path):
     np.testing.assert_array_equal(np.float32(got["weights"]), np.load(tmp_path / "weights.npy"))
     assert got["keras_loader"] == "SourceFileLoader"  # not tfsparse's wrapper
     assert "_RegisterAfterKeras" not in got["finders"]  # the one-shot finder is gone
+
+
+def test_mixed_precision_keeps_the_wrapper_and_the_callbacks_find_its_exchange():
+    """Under mixed_float16 Keras does not wrap DistributedOptimizer again (it is a
+    LossScaleOptimizer): it scales the loss itself, and CommunicationStats / DensitySchedule
+    find the exchange -- also through any wrapper exposing inner_optimizer."""
+    previous = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        opt = DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.25, communicator=solo())
+        model = small_model()
+        model.compile(opt, LOSS)
+        assert model.optimizer is opt and opt.loss_scale
+        x, y = data()
+        hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+            tfsparse.keras.callbacks.DensitySchedule(lambda epoch: 0.5 if epoch == 0 else 0.25),
+            tfsparse.keras.callbacks.CommunicationStats()])
+        assert len(hist.history["density"]) == 2 and hist.history["density"][0] > hist.history["density"][1]
+        assert float(opt.dynamic_scale.numpy()) == 2.0 ** 15  # no overflow here: the scale was kept
+        outer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        outer.inner_optimizer.exchange = opt.exchange  # any wrapper chain exposing inner_optimizer
+        holder = type("M", (), {"optimizer": outer})()
+        assert tfsparse.keras.callbacks.find_exchange(holder) is opt.exchange
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
