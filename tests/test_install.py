@@ -27,7 +27,10 @@ def externally_managed(python) -> bool:
 
 
 def make_dry_run(target, python):
-    done = subprocess.run(["make", "-n", target, f"PYTHON={python}"], cwd=REPO, capture_output=True, text=True,
+    # --no-print-directory: under a parent make (make test runs this suite) MAKEFLAGS would add
+    # "make[1]: Entering directory" lines
+    done = subprocess.run(["make", "--no-print-directory", "-n", target, f"PYTHON={python}"], cwd=REPO,
+                          capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
