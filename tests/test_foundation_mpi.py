@@ -318,3 +318,14 @@ def test_demo_writes_the_exchange_statistics_to_tensorboard_on_rank_zero(tmp_pat
     tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
     assert {f"epoch_{k}" for k in ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms", "wait_ms",
                                    "loss", "accuracy")} <= tags
+
+
+def test_terminate_on_nan_on_one_rank_stops_every_rank_after_the_same_batch():
+    """Wrapper route: only rank 1's loss is NaN; TerminateOnNaN (listed before MetricAverage)
+    stops rank 1, and MetricAverage's agreement on stop_training stops every rank there -- no
+    rank is left waiting, the NaN step was skipped everywhere, weights identical and finite."""
+    res, _ = mpirun(3, "terminate_on_nan.py", timeout=200)
+    assert [r["batches"] for r in res] == [3, 3, 3]
+    for r in res:
+        assert np.isfinite(r["weights"]).all()
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])

@@ -122,51 +122,66 @@ class MetricAverage(keras.callbacks.Callback):
     after every step without a callback.  The averaging runs after the exchange's round, over its
     communicator (one small allreduce per batch).
 
+    The same allreduce agrees on ``model.stop_training``: when a callback listed *before*
+    MetricAverage stops training on one rank (``TerminateOnNaN`` seeing that rank's NaN loss, a
+    custom rule), every rank stops after the same batch (or epoch) instead of leaving the others
+    waiting.  So list it last; the batch logs that later callbacks see are then the averaged ones.
+
     What CommunicationStats adds (bytes, density, phase times) stays per rank, as under
     SparseStrategy.
     """
 
     PER_RANK = CommunicationStats.KEYS
 
-    def _average(self, logs):
-        if not logs:
-            return
+    def _allreduce(self, values: np.ndarray, stop: bool = False) -> np.ndarray:
+        """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training."""
         comm = runtime.communicator()
+        flat = np.concatenate([np.asarray(values, np.float64).reshape(-1), [1.0 if stop else 0.0]])
+        exchange = find_exchange(self.model)
+        total = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
+        if stop is not None and total[-1] > 0:
+            self.model.stop_training = True
+        return total[:-1] / comm.size
+
+    def _average(self, logs, stop=None):
+        logs = logs if logs is not None else {}
         keys = sorted(k for k, v in logs.items()
                       if (np.isscalar(v) or np.ndim(v) == 0) and k not in self.PER_RANK)
-        vals = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        vals = comm.allreduce(vals) / comm.size
+        if runtime.communicator().size == 1 or (not keys and stop is None):
+            return
+        vals = self._allreduce(np.array([float(logs[k]) for k in keys], dtype=np.float64), stop)
         for k, v in zip(keys, vals):
             logs[k] = float(v)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._average_metric_states()
+        self._average_metric_states(logs, bool(getattr(self.model, "stop_training", False)))
 
     def on_test_batch_end(self, batch, logs=None):
-        self._average_metric_states()
+        self._average_metric_states(logs, None)
 
-    def _average_metric_states(self):
+    def _average_metric_states(self, logs, stop):
         """The metrics' state variables (totals, counts, ...) replaced by their mean over ranks:
         every metric's result is then the all-rank value (a ratio of sums: the mean's scale
-        cancels), and so are the epoch logs Keras derives from them."""
+        cancels), and so are the epoch logs Keras derives from them; ``logs`` (this batch's)
+        takes the averaged results; ``stop``: this rank's ``stop_training`` (None: not agreed)."""
+        if runtime.communicator().size == 1:
+            return
         variables = [v for v in getattr(self.model, "metrics_variables", [])
                      if np.dtype(keras.backend.standardize_dtype(v.dtype)).kind == "f"]
-        comm = runtime.communicator()
-        if not variables or comm.size == 1:
-            return
         values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-        flat = np.concatenate([v.reshape(-1) for v in values])
-        exchange = find_exchange(self.model)
-        mean = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
-        mean = mean / comm.size
+        mean = self._allreduce(np.concatenate([v.reshape(-1) for v in values]) if values else np.empty(0), stop)
         off = 0
         for v, x in zip(variables, values):
             v.assign(mean[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
             off += x.size
+        if logs is not None and variables:
+            for key, value in self.model.get_metrics_result().items():
+                if key in logs and np.ndim(value) == 0:
+                    logs[key] = float(value)
 
     def on_epoch_end(self, epoch, logs=None):
         self._average_moving_statistics()
-        self._average(logs)
+        self._average(logs, bool(getattr(self.model, "stop_training", False)))
 
     def _average_moving_statistics(self):
         from ..strategies.sparse_strategy import moving_statistics
