@@ -7,8 +7,6 @@ Workers write ``np.savez`` / JSON results into ``$TFSPARSE_TEST_OUT`` with
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -19,10 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tfsparse.run import build_command, find_program
+from tfsparse.run import build_command, find_program, mpi_lock  # noqa: F401  (mpi_lock: for tests)
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 
 
 class MPIJobError(AssertionError):
@@ -76,14 +73,6 @@ def job_env(env: dict | None = None) -> dict:
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
                                               full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return full_env
-
-
-@contextlib.contextmanager
-def mpi_lock():
-    """Held while an MPI job runs: one job at a time on a small machine."""
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):

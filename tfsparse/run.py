@@ -25,12 +25,15 @@ and links when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM are passe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .network import EmulatedNetwork, NetSpec
@@ -101,6 +104,24 @@ examples:
       a flag tfsparse-run does not know: end mpirun's flags with --
   tfsparse-run -np 4 --dry-run python train.py
       print the mpirun command line instead of running it"""
+
+
+MPI_LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
+
+
+@contextlib.contextmanager
+def mpi_lock(announce: bool = False):
+    """Held while one MPI job runs: the tests, the benchmarks and the tools take it, so that
+    jobs on a small machine run one at a time instead of sharing its cores.  ``announce``:
+    say so on stdout when the lock is held by another job and this one waits."""
+    with open(MPI_LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if announce:
+                print(f"  waiting for the MPI lock {MPI_LOCK} ...", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def find_program(name: str) -> str | None:

@@ -29,7 +29,6 @@ printed and written as JSON to ``results/bench_collectives.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -42,7 +41,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
 
 
@@ -130,7 +128,7 @@ def summarize(row: dict) -> dict:
 
 def run_job(P: int, args) -> list[dict]:
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import build_command
+    from tfsparse.run import build_command, mpi_lock
 
     with tempfile.TemporaryDirectory(prefix="tfsparse-bench-") as tmp:
         result = Path(tmp) / "rows.json"
@@ -141,8 +139,7 @@ def run_job(P: int, args) -> list[dict]:
             cmd.insert(1, "--oversubscribe")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMPI_MCA_btl", "self,vader,tcp")
-        with open(LOCK, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with mpi_lock():
             t0 = time.time()
             proc = subprocess.run(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, timeout=args.timeout)

@@ -23,7 +23,6 @@ bars per configuration, the round time as a marker).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import shlex
@@ -36,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 WIDTHS = (1024, 4096, 4096, 1024)
 
 
@@ -103,7 +101,7 @@ def worker(args) -> None:
 
 def run_job(args) -> list[dict]:
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import build_command
+    from tfsparse.run import build_command, mpi_lock
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
@@ -113,8 +111,7 @@ def run_job(args) -> list[dict]:
             inner += [f"--{name}", str(getattr(args, name))]
         cmd, env = build_command(args.np, inner, args.mpi_args)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        with open(LOCK, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with mpi_lock():
             subprocess.run(cmd, env=env, check=True, timeout=args.timeout)
         return json.loads(out.read_text())
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import fcntl
 import json
 import os
 import platform
@@ -55,7 +54,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 FIT_STEP = REPO / "tools" / "bench_fit_step.py"
 DIGITS = REPO / "keras_examples" / "digits_demo.py"
 PHASES = ("encode", "comm", "decode", "other")
@@ -68,6 +66,9 @@ DIGITS_BATCH, DIGITS_LR, WARMUP_EPOCHS = 32, 0.05, 2
 def launch(procs: int, link: str, program: list[str], timeout: float, log: Path) -> float:
     """``tfsparse-run -np procs [--net link] program`` under the MPI lock; returns its wall seconds.
     Raises RuntimeError (with the output's tail) on failure or timeout."""
+    sys.path.insert(0, str(REPO))
+    from tfsparse.run import mpi_lock
+
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(procs)]
     if link != "shm":
         cmd += ["--net", link]
@@ -77,12 +78,7 @@ def launch(procs: int, link: str, program: list[str], timeout: float, log: Path)
     shown = ["python" if a == sys.executable else os.path.relpath(a, REPO) if a.startswith(str(REPO)) else a
              for a in program]
     print(f"$ tfsparse-run -np {procs}{'' if link == 'shm' else ' --net ' + link} {' '.join(shown)}", flush=True)
-    with open(LOCK, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"  waiting for the MPI lock {LOCK} ...", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with mpi_lock(announce=True):
         t0 = time.perf_counter()
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,

@@ -23,19 +23,16 @@ Output: a table, ``results/validate_network_model.json``.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 RING = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk")
 TOLERANCE = 0.25
@@ -81,6 +78,9 @@ def worker(args) -> None:
 
 
 def launch(P: int, rate: str, args) -> dict:
+    sys.path.insert(0, str(REPO))
+    from tfsparse.run import mpi_lock
+
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(P), "--net", rate]
     if not args.mpi_default:
         cmd += ["--mpi-args", RING]
@@ -88,8 +88,7 @@ def launch(P: int, rate: str, args) -> dict:
             "--density", str(args.density), "--steps", str(args.steps), "--algorithms", *args.algorithms]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    with open(LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with mpi_lock():
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
     for line in done.stdout.splitlines():
         if "RESULT " in line:
