@@ -847,6 +847,16 @@ class GradientExchange:
                 out[i] = tf.cast(tf.reshape(part, grads[i].shape), grads[i].dtype)
         return out
 
+    def loss_scaled(self, grads, scale, names=None):
+        """:meth:`__call__` for a loss-scaling optimizer that decides on the exchanged gradient:
+        ``grads / scale`` go through the exchange on every rank, whatever they hold, and a bucket
+        that is not finite on some rank comes back NaN on every rank (:attr:`nonfinite_result`),
+        so that every rank's finite test fails together."""
+        import tensorflow as tf
+
+        self.nonfinite_result = "nan"
+        return self([g / tf.cast(scale, g.dtype) for g in grads], names=names)
+
     def _tf_start(self, bucket: int, *arrays):
         return np.int64(self._begin(self._buckets[bucket], arrays))
 

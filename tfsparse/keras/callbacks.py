@@ -133,8 +133,9 @@ class MetricAverage(keras.callbacks.Callback):
 
     PER_RANK = CommunicationStats.KEYS
 
-    def _allreduce(self, values: np.ndarray, stop: bool = False) -> np.ndarray:
-        """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training."""
+    def _allreduce(self, values: np.ndarray, stop: bool | None = None) -> np.ndarray:
+        """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training
+        (``None``: nothing to agree on)."""
         comm = runtime.communicator()
         flat = np.concatenate([np.asarray(values, np.float64).reshape(-1), [1.0 if stop else 0.0]])
         exchange = find_exchange(self.model)
@@ -168,12 +169,7 @@ class MetricAverage(keras.callbacks.Callback):
             return
         variables = [v for v in getattr(self.model, "metrics_variables", [])
                      if np.dtype(keras.backend.standardize_dtype(v.dtype)).kind == "f"]
-        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-        mean = self._allreduce(np.concatenate([v.reshape(-1) for v in values]) if values else np.empty(0), stop)
-        off = 0
-        for v, x in zip(variables, values):
-            v.assign(mean[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
-            off += x.size
+        self._mean_into(variables, stop)
         if logs is not None and variables:
             for key, value in self.model.get_metrics_result().items():
                 if key in logs and np.ndim(value) == 0:
@@ -187,15 +183,18 @@ class MetricAverage(keras.callbacks.Callback):
         from ..strategies.sparse_strategy import moving_statistics
 
         weights = moving_statistics(self.model)
-        comm = runtime.communicator()
-        if not weights or comm.size == 1:
-            return
-        values = [np.asarray(keras.ops.convert_to_numpy(w), np.float64) for w in weights]
-        flat = comm.allreduce(np.concatenate([v.reshape(-1) for v in values])) / comm.size
+        if weights and runtime.communicator().size > 1:
+            self._mean_into(weights)
+
+    def _mean_into(self, variables, stop=None):
+        """Each of ``variables`` replaced by its mean over ranks (one allreduce, which also
+        agrees on ``stop``, see :meth:`_allreduce`)."""
+        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
+        mean = self._allreduce(np.concatenate([x.reshape(-1) for x in values]) if values else np.empty(0), stop)
         off = 0
-        for w, v in zip(weights, values):
-            w.assign(flat[off:off + v.size].reshape(v.shape).astype(keras.backend.standardize_dtype(w.dtype)))
-            off += v.size
+        for v, x in zip(variables, values):
+            v.assign(mean[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
+            off += x.size
 
     def on_test_end(self, logs=None):
         self._average(logs)

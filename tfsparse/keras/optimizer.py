@@ -37,7 +37,6 @@ from .callbacks import broadcast_variables
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
-_LOSS_SCALES = (None, True, False)
 _DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
              "memory": "residual", "pipeline": 1}
 
@@ -93,7 +92,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError(f"inner_optimizer is a {type(inner_optimizer).__name__}: DistributedOptimizer does the "
                              f"loss scaling itself (loss_scale=True), on the exchanged gradient; pass the optimizer "
                              f"that LossScaleOptimizer wraps")
-        if loss_scale not in _LOSS_SCALES or not isinstance(loss_scale, (bool, type(None))):
+        if not isinstance(loss_scale, (bool, type(None))):
             raise ValueError(f"loss_scale={loss_scale!r} is not supported; accepted: None (on under the "
                              f"mixed_float16 policy), True, False")
         for arg, default in _BASE_DEFAULTS.items():
@@ -165,9 +164,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             summed = self.exchange([g for g, _ in pairs], names=names)
             self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
             return
-        scale = self.dynamic_scale
-        self.exchange.nonfinite_result = "nan"  # a skipped bucket must fail the finite test on every rank
-        summed = self.exchange([g / tf.cast(scale, g.dtype) for g, _ in pairs], names=names)
+        summed = self.exchange.loss_scaled([g for g, _ in pairs], self.dynamic_scale, names)
 
         def finite():
             self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)

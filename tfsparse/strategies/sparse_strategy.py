@@ -112,11 +112,8 @@ class SparseExtended(OneDeviceExtended):
         gradients are kept for the all-reduce that the finite branch then asks for."""
         values = [g for g in grads if g is not None]
         exchange, names = self._model_exchange(values, [loss_scaler])
-        exchange.nonfinite_result = "nan"
-        scale = loss_scaler.dynamic_scale
-        reduced = exchange([g / tf.cast(scale, g.dtype) for g in values], names=names)
-        self._reduced = reduced
-        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(r)) for r in reduced]))
+        self._reduced = exchange.loss_scaled(values, loss_scaler.dynamic_scale, names)
+        return loss_scaler.check_finite(self._reduced)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [v for v, _ in value_destination_pairs]
@@ -150,11 +147,10 @@ class SparseExtended(OneDeviceExtended):
 
     # -- per-step metric agreement ----------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
-        owner = _bound_to(fn)
-        if getattr(fn, "__name__", "") == "check_finite" and hasattr(owner, "dynamic_scale"):
+        owner, name = _bound_to(fn), getattr(fn, "__name__", "")
+        if name == "check_finite" and hasattr(owner, "dynamic_scale"):
             return self._agreed_finite(owner, *args, **(kwargs or {}))
         outputs = super()._call_for_each_replica(fn, args, kwargs)
-        name = getattr(fn, "__name__", "")
         if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
             outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [])
