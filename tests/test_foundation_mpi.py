@@ -305,7 +305,7 @@ def test_only_rank_zero_warns_and_no_terminal_codes_reach_a_pipe():
 
 
 def test_demo_writes_the_exchange_statistics_to_tensorboard_on_rank_zero(tmp_path):
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs the tensorboard package (tools/install.sh installs it)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     demo = Path(__file__).resolve().parents[1] / "keras_examples" / "digits_demo.py"

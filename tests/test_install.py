@@ -41,7 +41,7 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 def test_an_interpreter_that_is_not_externally_managed_is_used_as_it_is():
     if externally_managed(sys.executable):
-        pytest.skip("the tests run on an externally managed interpreter")
+        pytest.skip("needs a Python that is not externally managed (PEP 668); the tests run on one that is")
     assert print_python(sys.executable)[:2] == (0, sys.executable)
 
 
@@ -78,7 +78,7 @@ def test_make_runs_the_demo_and_the_tests_with_the_project_venv():
 @needs_make
 def test_make_uses_a_plain_interpreter_directly():
     if externally_managed(sys.executable):
-        pytest.skip("the tests run on an externally managed interpreter")
+        pytest.skip("needs a Python that is not externally managed (PEP 668); the tests run on one that is")
     assert make_dry_run("test", sys.executable)[-1].startswith(f"{sys.executable} -m pytest")
     assert make_dry_run("demo", sys.executable)[-1].startswith(
         f"{sys.executable} -m tfsparse.run -np 4 {sys.executable} keras_examples/digits_demo.py")

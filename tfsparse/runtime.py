@@ -20,8 +20,9 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         TF collectives; point-to-point still over mpi4py on the same world) or
         ``"auto"``: Horovod when the job was launched by ``horovodrun`` (and Horovod imports),
         else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).  MPI is the default
-        because it is the faster one here: Horovod's TF collectives cost 1.7-1.9x the step time
-        of the MPI backend on a 1.3M-parameter MLP at P = 2 (README, "Backends").
+        because it is the faster one here: measured at P = 2 on the 25.2M-parameter MLP, a dense
+        step took 316-317 ms on MPI and 399-446 ms on Horovod's TF collectives, a topk step 223
+        ms and 266-285 ms (README, "Everyday Keras notes").
       quiet_workers: on ranks other than 0, silence Keras' interactive output (progress
         bars), Python warnings and TensorFlow's/absl's Python loggers below ERROR, so only rank 0
         prints (TensorFlow's C++ start-up lines are governed by ``TF_CPP_MIN_LOG_LEVEL``, which

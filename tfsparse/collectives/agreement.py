@@ -38,7 +38,7 @@ def _flatten(value, prefix="") -> dict:
         out = {}
         for i, v in enumerate(value):
             out.update(_flatten(v, f"{prefix}[{i}]"))
-        if len(value) and prefix:
+        if prefix:
             out[f"len({prefix})"] = len(value)
         return out
     return {prefix: value}
