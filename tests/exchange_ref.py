@@ -55,7 +55,8 @@ def dense_round(accs, wire):
 
 
 def selection_round(accs, sels, wire):
-    """topk / dgc / gaussiank: every rank's selection travels once, all-gathered."""
+    """topk / dgc / gaussiank / dragonn: every rank's selection travels once (in the order of
+    ``sels``, which the int8 wire's chunk scales depend on), all-gathered."""
     n = accs[0].size
     result = np.zeros(n, np.float64)
     residuals = []
@@ -252,6 +253,9 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
                 sels = [refs.dgc_selection(a, k, rngs[(r, b)], **{kk: v for kk, v in options.items() if kk != "seed"})
                         for r, a in enumerate(part)]
                 res_b, resid_b, _ = selection_round(part, sels, wire)
+            elif algorithm == "dragonn":  # the bucket's s-th round hashes with seed·2**32 + s
+                sels = [refs.dragonn_selection(a, k, s, slot_order=True, **options) for a in part]
+                res_b, resid_b, _ = selection_round(part, sels, wire)
             elif algorithm == "gtopk":
                 res_b, resid_b, _ = gtopk_round(part, k, wire)
             elif algorithm == "csc":
@@ -305,8 +309,13 @@ def momentum_reference(algorithm, grads, density, m=0.9, options=None):
         if algorithm == "dense":
             result = np.sum(np.stack(accs).astype(np.float64), axis=0)
             sent = [np.arange(n)] * P
-        elif algorithm == "topk":
-            sent = [refs.exact_topk(a, k) for a in accs]
+        elif algorithm in ("topk", "dragonn", "dgc"):
+            if algorithm == "topk":
+                sent = [refs.exact_topk(a, k) for a in accs]
+            elif algorithm == "dragonn":
+                sent = [refs.dragonn_selection(a, k, len(out), **(options or {})) for a in accs]
+            else:  # every element sampled (options["min_samples"] >= n): no random draws
+                sent = [refs.dgc_selection(a, k, None, **options) for a in accs]
             result = np.zeros(n)
             for a, idx in zip(accs, sent):
                 result[idx] += a[idx]

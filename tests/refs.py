@@ -124,15 +124,60 @@ def gaussiank_selection(a, k, scale=0.9, max_adjust=50):
     return np.flatnonzero(mag > t)
 
 
-def dgc_selection(a, k, rng, sample_ratio=0.01, min_samples=1024):
+def dgc_selection(a, k, rng, sample_ratio=0.01, min_samples=1024, adapt_iters=10, lower=1.0, upper=1.3,
+                  adapt_factor=0.9, truncate="largest", exact_below=16384):
     """DGC (dragonn-wang2022 §2.3, App. B Alg. 3): threshold = the estimated k-th largest |a|
-    from a uniform sample (drawn from ``rng`` exactly as the compressor does); select |a| > t."""
+    from a uniform sample (drawn from ``rng`` exactly as the compressor does); select |a| > t;
+    then DGC's published adaptation (÷/× adapt_factor until the count is in [lower k, upper k])
+    and truncation to k (the largest, or the first positions); exact top-k for small tensors."""
     n = a.size
+    mag = np.abs(a)
+    if n <= exact_below:
+        return np.sort(np.argsort(-mag, kind="stable")[:k])
     s = int(max(np.ceil(sample_ratio * n), min(n, min_samples)))
-    sample = np.abs(a) if s >= n else np.abs(a[rng.integers(0, n, size=s)])
+    sample = mag if s >= n else mag[rng.integers(0, n, size=s)]
     ks = int(min(s, max(1, np.ceil(k * s / n))))
-    t = np.sort(sample)[::-1][ks - 1]
-    return np.flatnonzero(np.abs(a) > t)
+    t = float(np.sort(sample)[::-1][ks - 1])
+    sel = np.flatnonzero(mag > t)
+    for _ in range(adapt_iters):
+        if sel.size > upper * k:
+            t /= adapt_factor
+        elif sel.size < lower * k:
+            t *= adapt_factor
+        else:
+            break
+        sel = np.flatnonzero(mag > t)
+    if truncate is not None and sel.size > k:
+        sel = sel[:k] if truncate == "first" else np.sort(sel[np.argsort(-mag[sel], kind="stable")[:k]])
+    return sel
+
+
+def dragonn_selection(a, k, step, capacity_factor=4, sample_ratio=0.01, min_samples=1024, seed=0, slot_order=False):
+    """DRAGONN (dragonn-wang2022 Alg. 1) run sequentially, from the numpy reference kernels
+    (tfsparse.ops.reference): the sampled threshold of step ``step``'s seed ``seed·2**32 + step``
+    (the exact k-th largest |a| below ``min_samples`` samples), every index passing ``|a| >= t``
+    written in ascending order to its hash slot of ``capacity_factor·k`` (a later index
+    overwrites an earlier one), empty slots dropped.  Returns the surviving indices, sorted
+    (``slot_order``: in slot order, as they travel)."""
+    from tfsparse.ops import reference as R
+
+    n = a.size
+    st = seed * 2**32 + step
+    samples = min(n, min_samples)
+    if sample_ratio * n >= samples:
+        t = R.sample_threshold(a, k, sample_ratio, st)
+    elif samples < n:
+        t = R.sample_threshold(a, k, samples / n, st)
+    else:
+        t = R.kth_largest_abs(a, k)
+    passing = np.flatnonzero(~(np.abs(a) < t))
+    m = capacity_factor * k
+    table = {}
+    for i, slot in zip(passing, R.hash_slots(passing, m, st)):
+        table[int(slot)] = int(i)  # Alg. 1: "the previous index is overwritten by the latter ones"
+    if slot_order:
+        return np.array([table[j] for j in sorted(table)], dtype=np.int64)
+    return np.array(sorted(table.values()), dtype=np.int64)
 
 
 def sum_selected(accs, sels):

@@ -10,14 +10,20 @@ import pytest
 
 from mpi_harness import mpirun
 
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn")
 SPARSE = ALGOS[1:]
 DENSITY = 0.05
 EPOCHS = 30  # long enough that every algorithm has converged on digits
 HALF_WIRES = ("float16", "bfloat16")
 # (algorithm, density, options): CSC at 15 % of 32-element chunks (151 chunks of this 4,810-parameter
 # model; GradientFlow's 32K chunks would make one), the others at density 0.01
-RECIPE = [("csc", 0.15, {"chunk_size": 32}), ("topk", 0.01, {}), ("gtopk", 0.01, {}), ("oktopk", 0.01, {})]
+RECIPE = [("csc", 0.15, {"chunk_size": 32}), ("topk", 0.01, {}), ("gtopk", 0.01, {}), ("oktopk", 0.01, {}),
+          ("dgc", 0.01, {}), ("dragonn", 0.01, {})]
+# DRAGONN's efficiency-aware selection (dragonn-wang2022 §4.2) and DGC's local clipping, both routes
+COST_MODEL = [{"algo": "dragonn", "route": "strategy", "epochs": 2, "density": 0.01,
+               "options": {"selection": "cost_model"}},
+              {"algo": "dgc", "route": "optimizer", "epochs": 2, "density": 0.01,
+               "options": {"selection": "cost_model", "clip_norm": 5.0}}]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +40,8 @@ def fits():
               "warmup_epochs": 2, "options": o} for a, d, o in RECIPE]
     runs += [{"algo": "csc", "route": "optimizer", "epochs": 2, "density": 0.15, "memory": "momentum",
               "options": {"chunk_size": 32, "selection": "previous"}}]
-    results, text = mpirun(4, "fit_worker.py", json.dumps(runs), timeout=480)
+    runs += COST_MODEL
+    results, text = mpirun(4, "fit_worker.py", json.dumps(runs), timeout=720)
     for key, run in results[0]["runs"].items():  # shown with pytest -s
         print(f"{key:<26} accuracy {run['accuracy']:.4f}  bytes/step {run['comm_bytes']:9.1f}  "
               f"density {run['density']:.4f}  {run['seconds']:5.1f} s")
@@ -109,6 +116,31 @@ def test_momentum_correction_and_warmup_reach_dense_accuracy(fits, algo):
     for r in results:
         assert r["runs"][f"{algo}/strategy+mc+warmup"]["identical"]
 
+
+
+def check_cost_model_runs(results, P):
+    """Every rank trained to identical weights, with identical per-tensor decisions (buckets)."""
+    for key in ("dragonn/strategy+cm", "dgc/optimizer+cm+clip"):
+        runs = [r["runs"][key] for r in results]
+        assert len(results) == P
+        for run in runs:
+            assert run["identical"] and run["accuracy"] > 0.5, (key, run)
+            assert run["buckets"] == runs[0]["buckets"]
+        covered = sorted((first, last) for first, last, _ in runs[0]["buckets"])
+        assert covered[0][0] == 0 and covered[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        assert {alg for *_, alg in runs[0]["buckets"]} <= {"dense", key.split("/")[0]}
+
+
+@pytest.mark.mpi
+def test_cost_model_selection_in_fit(fits):
+    check_cost_model_runs(fits[0], 4)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("P", [2, 3])
+def test_cost_model_selection_in_fit_small_worlds(P):
+    results, _ = mpirun(P, "fit_worker.py", json.dumps(COST_MODEL), timeout=300)
+    check_cost_model_runs(results, P)
 
 
 @pytest.mark.mpi

@@ -16,7 +16,7 @@ from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import CommThread, Communicator, InProcessWorld
 from tfsparse.exchange import GradientExchange
 
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "csc")
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "csc", "dragonn")
 WIRES = ("float32", "float16", "bfloat16", "int8")
 PLANS = {"fused": {}, "buckets": {"bucket_bytes": 2000}, "per_tensor": {"plan": "per_tensor"}}
 # Ok-Topk with the paper's plain threshold reuse (§3.1.3), which exchange_ref models; the

@@ -161,9 +161,12 @@ def test_mpi_cases_in_process(name):
     assert_steps_equal(got, mpi_case_reference(name, P), P)
 
 
-@pytest.mark.parametrize("algorithm,options", [("topk", {}), ("csc", {"chunk_size": CS}), ("dense", {})])
+@pytest.mark.parametrize("algorithm,options", [("topk", {}), ("csc", {"chunk_size": CS}), ("dense", {}),
+                                               ("dragonn", {}), ("dragonn", {"capacity_factor": 1, "seed": 3}),
+                                               ("dgc", {"min_samples": 10**9, "exact_below": 0})])
 @pytest.mark.parametrize("P", [2, 3])
 def test_momentum_correction_equals_reference(P, algorithm, options):
+    """Momentum correction composes with every sparsifier (DGC §3.2; DRAGONN runs it, §5)."""
     steps = 4
     got = run_exchange(P, steps, lambda c: GradientExchange(algorithm, 0.05, memory="momentum", momentum=0.9,
                                                            communicator=c, **options),

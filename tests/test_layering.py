@@ -14,7 +14,7 @@ LAYERS = [
     {"collectives"},
     {"compressors", "memory", "runtime", "data"},
     {"aggregators"},
-    {"plan"},
+    {"plan", "selection"},
     {"exchange"},
     {"strategies", "keras", "run", "network", "_keras_registration"},
 ]

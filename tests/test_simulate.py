@@ -68,7 +68,8 @@ def test_simulator_takes_the_aggregators_options(name):
 
 EXACT = [("dense", {}), ("topk", {}), ("gtopk", {}), ("csc", {"chunk_size": 1000}),
          ("csc", {"chunk_size": 1000, "selection": "previous"}),
-         ("dgc", {"min_samples": N, "seed": 3})]  # every element sampled: exactly k-1 entries
+         ("dgc", {"min_samples": N, "seed": 3, "adapt_iters": 0, "truncate": None}),  # all sampled: k-1 entries
+         ("dgc", {"exact_below": N})]  # the exact top-k: k entries
 
 
 @pytest.mark.parametrize("P", WORLDS)
@@ -108,6 +109,8 @@ def test_threshold_selections_match_bytes_sent(P):
     assert np.abs(got.max(axis=0) / schedule("gaussiank", P, N, DENSITY).bytes - 1).max() < 0.2
     got = real_bytes("dgc", P, 6, {"seed": 11})  # the sampled threshold: only its mean is predictable
     assert got.mean() == pytest.approx(schedule("dgc", P, N, DENSITY).sent.mean(), rel=0.2)
+    got = real_bytes("dragonn", P, 6)  # occupied hash slots of a sampled threshold's selection
+    assert got.mean() == pytest.approx(schedule("dragonn", P, N, DENSITY).sent.mean(), rel=0.2)
 
 
 def test_one_rank_communicates_nothing():

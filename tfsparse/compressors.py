@@ -94,6 +94,19 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_real(name: str, value, lo, hi=None, hi_open=False) -> float:
+    """A real number ``> lo`` (and ``< hi`` / ``<= hi``); ValueError naming ``name`` otherwise."""
+    import numbers
+
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and float(value) > lo and np.isfinite(value)
+    if ok and hi is not None:
+        ok = float(value) < hi if hi_open else float(value) <= hi
+    if not ok:
+        upper = "" if hi is None else (f" and < {hi}" if hi_open else f" and <= {hi}")
+        raise ValueError(f"{name}={value!r} must be a number > {lo}{upper}")
+    return float(value)
+
+
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
     """Indices (ascending, int64) of the entries of ``acc`` whose magnitude passes ``threshold``.
 
@@ -114,40 +127,68 @@ def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag
 
 class DGCSampledThreshold(Compressor):
     """Deep Gradient Compression's sampled threshold (approximate top-k), as described in
-    dragonn-wang2022 §2.3 and App. B (Alg. 3 "Existing approximate TopK GS").
+    dragonn-wang2022 §2.3 and App. B (Alg. 3 "Existing approximate TopK GS"), with the
+    threshold adaptation and truncation of the DGC baseline the DRAGONN authors run.
 
     "It first estimates the kth largest absolute value from a subset where each gradient in
     this set is uniformly sampled from the gradient tensor.  Next, DGC uses this approximate
     value as a threshold.  Only gradients with absolute values greater than this threshold
     [are] selected" (§2.3).  Concretely, with ``n`` elements and a budget ``k``:
 
-    1. draw ``s = max(ceil(sample_ratio * n), min(n, min_samples))`` positions uniformly
+    1. tensors of at most ``exact_below`` elements take the exact top-k (no estimate);
+    2. draw ``s = max(ceil(sample_ratio * n), min(n, min_samples))`` positions uniformly
        (with replacement) and take ``|acc|`` there;
-    2. ``t`` = the ``ceil(k * s / n)``-th largest sampled magnitude (the sample's estimate of
+    3. ``t`` = the ``ceil(k * s / n)``-th largest sampled magnitude (the sample's estimate of
        the k-th largest magnitude of the whole tensor);
-    3. select ``mask = |acc| > t`` (Alg. 3 line 1) and send those entries.
+    4. select ``mask = |acc| > t`` (Alg. 3 line 1);
+    5. adaptation (DGC's published implementation, which the DRAGONN authors' baseline
+       keeps): while the count is outside ``[lower * k, upper * k]`` = ``[k, 1.3k]`` the
+       threshold is divided (too many) or multiplied (too few) by ``adapt_factor`` = 0.9 and
+       the mask recomputed, at most ``adapt_iters`` = 10 times;
+    6. truncation: more than ``k`` entries left are cut to exactly ``k`` -- ``"largest"``
+       keeps the ``k`` of largest magnitude (DGC's own code re-selects the top-k among the
+       candidates), ``"first"`` the ``k`` lowest positions (the DRAGONN authors' baseline,
+       ``indices[:num_selects]``).  The cut entries stay in the residual.
 
-    The number of entries sent is therefore only approximately ``k``.  The seeds do not fix
-    the sample size; ``sample_ratio=0.01`` is the 1% that DGC samples, and ``min_samples``
-    keeps the estimate meaningful on small tensors (when ``s >= n`` every element is used and
-    the threshold is exact).
+    ``adapt_iters=0, truncate=None, exact_below=0`` is the plain Alg. 3 of the paper (only
+    approximately ``k`` entries).  The seeds do not fix the sample size; ``sample_ratio=0.01``
+    is the 1% that DGC samples, and ``min_samples`` keeps the estimate meaningful on small
+    tensors (when ``s >= n`` every element is used and the threshold is exact).
 
     Args:
       sample_ratio: fraction of the elements sampled, in (0, 1].
       min_samples: lower bound on the sample size (capped at ``n``).
       seed: seed of this compressor's random generator (None: fresh OS entropy).
+      adapt_iters: most threshold adaptation steps (>= 0; default 10).
+      lower, upper: the accepted count range ``[lower * k, upper * k]`` (default 1.0, 1.3).
+      adapt_factor: threshold factor per adaptation step, in (0, 1) (default 0.9).
+      truncate: ``"largest"`` (default), ``"first"`` or None (no cut).
+      exact_below: tensors of at most this many elements take the exact top-k (default
+        16384, the DRAGONN authors' DGC baseline; 0: never).
     """
 
     name = "dgc"
+    TRUNCATE = ("largest", "first", None)
 
-    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None):
+    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, *, adapt_iters: int = 10,
+                 lower: float = 1.0, upper: float = 1.3, adapt_factor: float = 0.9, truncate="largest",
+                 exact_below: int = 16384):
         self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
         self.min_samples = _check_positive_int("min_samples", min_samples)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"seed={seed!r} must be None or a non-negative integer")
         self.seed = seed
+        self.adapt_iters = _check_positive_int("adapt_iters", adapt_iters, minimum=0)
+        self.lower = _check_real("lower", lower, 0.0, None)
+        self.upper = _check_real("upper", upper, self.lower, None)
+        self.adapt_factor = _check_real("adapt_factor", adapt_factor, 0.0, 1.0, hi_open=True)
+        if truncate not in self.TRUNCATE:
+            raise ValueError(f"truncate={truncate!r} is not supported; accepted: 'largest', 'first', None")
+        self.truncate = truncate
+        self.exact_below = _check_positive_int("exact_below", exact_below, minimum=0)
         self._rng = np.random.default_rng(seed)
         self.last_threshold = None
+        self.last_adaptations = 0
 
     def get_state(self) -> dict:
         """The sampler's PCG64 state as six uint64 words (state and increment, 128 bits
@@ -192,14 +233,32 @@ class DGCSampledThreshold(Compressor):
             idx = threshold_select(acc, 0.0)
             self.last_threshold = 0.0
             return idx, acc[idx]
+        if acc.size <= self.exact_below:
+            idx = topk_indices(acc, k)
+            self.last_threshold, self.last_adaptations = None, 0
+            return idx, acc[idx]
         t = self.threshold(acc, k)
-        self.last_threshold = t
-        idx = threshold_select(acc, t, strict=True)
+        mag = np.abs(acc)
+        idx = threshold_select(acc, t, strict=True, mag=mag)
+        adaptations = 0
+        while adaptations < self.adapt_iters and np.isfinite(t) and t > 0:
+            if idx.size > self.upper * k:
+                t /= self.adapt_factor
+            elif idx.size < self.lower * k:
+                t *= self.adapt_factor
+            else:
+                break
+            adaptations += 1
+            idx = threshold_select(acc, t, strict=True, mag=mag)
+        self.last_threshold, self.last_adaptations = t, adaptations
+        if self.truncate is not None and idx.size > k:
+            idx = idx[:k] if self.truncate == "first" else idx[topk_indices(acc[idx], k)]
         return idx, acc[idx]
 
     def __repr__(self):
         return (f"{type(self).__name__}(sample_ratio={self.sample_ratio}, min_samples={self.min_samples}, "
-                f"seed={self.seed})")
+                f"seed={self.seed}, adapt_iters={self.adapt_iters}, lower={self.lower}, upper={self.upper}, "
+                f"adapt_factor={self.adapt_factor}, truncate={self.truncate!r}, exact_below={self.exact_below})")
 
 
 def _mean_std(acc: np.ndarray, chunk: int = 1 << 20) -> tuple[float, float]:

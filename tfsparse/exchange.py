@@ -58,10 +58,37 @@ from .collectives.thread import CommThread
 from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
 from .schedules import check_density
+from .selection import make_selection
 from .wire import FLOAT32, get_wire
 
 CHECKPOINT_PREFIX = "tfsparse."
 PIPELINES = (1, 2)  # pipe-sgd-li2018 §3.1: K = 2 is optimal under limited resources, K > 2 only adds staleness
+_AGREE_HINT = "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer settings."
+
+
+def check_clip_norm(clip_norm) -> float | None:
+    """``clip_norm``: None (no clipping) or a positive finite number."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not math.isfinite(clip_norm) \
+            or clip_norm <= 0:
+        raise ValueError(f"clip_norm={clip_norm!r} is not valid; accepted: None (no clipping) or a positive number "
+                         f"(DGC's local gradient clipping: each rank clips its gradient to clip_norm / sqrt(P))")
+    return float(clip_norm)
+
+
+def clip_by_global_norm(arrays, max_norm: float) -> list:
+    """DGC's local gradient clipping (Lin et al. 2018 §3.3, "we perform the gradient clipping
+    locally before adding the current gradient to previous accumulation"): ``arrays`` scaled by
+    ``max_norm / max(norm, max_norm)``, ``norm`` the L2 norm over all of them (as
+    ``tf.clip_by_global_norm``).  New arrays when scaled; the input is never modified.  A
+    non-finite norm leaves the arrays as they are (the exchange skips that round)."""
+    norm = math.sqrt(sum(float(np.dot(a.reshape(-1).astype(np.float64), a.reshape(-1).astype(np.float64)))
+                         for a in arrays))
+    if not math.isfinite(norm) or norm <= max_norm:
+        return list(arrays)
+    scale = max_norm / norm
+    return [(a * scale).astype(a.dtype, copy=False) for a in arrays]
 
 
 def check_pipeline(pipeline) -> int:
@@ -236,6 +263,15 @@ class GradientExchange:
       pipeline: Pipe-SGD's iteration dependency K: ``1`` (default) synchronous; ``2``
         pipelined -- :meth:`step` returns the previous round's result while this round's
         communication overlaps the next step's compute (pipe-sgd-li2018 §3.1, Alg. 1).
+      selection: ``None`` (default: every tensor takes ``algorithm``), ``"cost_model"``
+        (DRAGONN's efficiency-aware tensor selection, dragonn-wang2022 §4.2 Eq. 1: α, β and the
+        compression cost measured at the first step; a tensor is compressed only where that
+        saves time, the others go dense) or a :class:`tfsparse.selection.CostModel` (stated
+        numbers).  Plans the buckets itself (no ``plan``/``bucket_bytes``).
+      clip_norm: DGC's local gradient clipping (Lin et al. 2018 §3.3): each rank clips its
+        gradient (all tensors together) to the L2 norm ``clip_norm / sqrt(P)`` before it enters
+        the memory.  Default None (no clipping).  The norm needs every gradient, so the first
+        bucket starts only once back-propagation has finished.
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
       **algorithm_options: passed to every bucket's aggregator (validated here).
 
@@ -251,7 +287,8 @@ class GradientExchange:
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
                  bucket_bytes: int | None = None, plan=None, memory: str = "residual",
-                 momentum: float | None = None, pipeline: int = 1, communicator=None, **algorithm_options):
+                 momentum: float | None = None, pipeline: int = 1, selection=None, clip_norm: float | None = None,
+                 communicator=None, **algorithm_options):
         self._density = validate_config(algorithm, density)
         self.pipeline = check_pipeline(pipeline)
         self.dsync = False  # D-Sync warm-up: synchronous float32 rounds (tfsparse.keras.callbacks.DSyncWarmUp)
@@ -265,7 +302,13 @@ class GradientExchange:
         self.schedule = None  # callable round -> density, or None (the density as set)
         self._next_round = 0  # the round the next start of bucket 0 begins
         self.wire = get_wire(wire_dtype)
-        self.plan = make_plan(plan, bucket_bytes)
+        self.selection = selection
+        chosen = make_selection(selection, algorithm)
+        if chosen is not None and (plan is not None or bucket_bytes is not None):
+            raise ValueError(f"selection={selection!r} plans the buckets itself (one per compressed tensor); it "
+                             f"cannot be combined with plan={plan!r} or bucket_bytes={bucket_bytes!r}")
+        self.plan = chosen if chosen is not None else make_plan(plan, bucket_bytes)
+        self.clip_norm = check_clip_norm(clip_norm)
         self._comm = communicator
         self._xcomm = None
         self._side = None  # pipelined: the communicator of run_collective (the caller's thread)
@@ -361,7 +404,7 @@ class GradientExchange:
         """Every setting, as plain values (for configs and cross-rank comparison)."""
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire.name,
                 **self.plan.config(), "memory": self.memory, **self.memory_options, "pipeline": self.pipeline,
-                **self.options}
+                "clip_norm": self.clip_norm, **self.options}
 
     def k_for(self, n: int, density: float | None = None, aggregator=None) -> int:
         """The ``k`` of a bucket of ``n`` elements (``n`` for dense)."""
@@ -385,6 +428,11 @@ class GradientExchange:
                                  f"{layout.describe()}; every model needs its own exchange (its own "
                                  f"SparseStrategy or DistributedOptimizer)")
             return
+        comm = self.comm
+        if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
+            _warm_kernels()
+            check_agreement(comm, "the gradient exchange", self._agreement(layout, []), _AGREE_HINT)
+            self.plan.prepare(comm, self)
         buckets = []
         for spec in self.plan.buckets(layout):
             algorithm = spec.algorithm or self.algorithm
@@ -394,10 +442,7 @@ class GradientExchange:
             memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy)
             buckets.append(_BucketState(spec, aggregator, wire, density, memory))
         _warm_kernels()
-        comm = self.comm
-        check_agreement(comm, "the gradient exchange", self._agreement(layout, buckets),
-                        "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer "
-                        "settings.")
+        check_agreement(comm, "the gradient exchange", self._agreement(layout, buckets), _AGREE_HINT)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
@@ -477,7 +522,15 @@ class GradientExchange:
         flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
         arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
         self.build(Layout.of(arrays))
+        if self.clip_norm is not None:
+            arrays = clip_by_global_norm(arrays, self.local_clip_norm)
         return flat, arrays
+
+    @property
+    def local_clip_norm(self) -> float | None:
+        """The norm each rank clips its gradient to: ``clip_norm / sqrt(P)`` (DGC §3.3: "scale the
+        threshold by N^{-1/2}", so that the sum over P ranks is clipped to ``clip_norm``)."""
+        return None if self.clip_norm is None else self.clip_norm / math.sqrt(self.comm.size)
 
     def _assemble(self, dense: dict, flat: bool):
         """Bucket results (``{bucket index: flat array}``) as one flat array or per tensor."""
@@ -833,6 +886,8 @@ class GradientExchange:
             self.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
                               for nm, g in zip(names, grads)))
         as_f32 = [g if g.dtype == tf.float32 else tf.cast(g, tf.float32) for g in grads]
+        if self.clip_norm is not None:  # DGC's local clipping, over all of this rank's gradients
+            as_f32 = tf.clip_by_global_norm(as_f32, self.local_clip_norm)[0]
         tokens = [tf.numpy_function(functools.partial(self._tf_start, b.spec.index),
                                     as_f32[b.spec.first:b.spec.last], tf.int64, stateful=True,
                                     name=f"tfsparse_start_{b.spec.index}") for b in self._buckets]

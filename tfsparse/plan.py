@@ -121,6 +121,13 @@ class Plan:
     """Maps a :class:`Layout` to buckets.  Subclasses implement :meth:`buckets`."""
 
     name = "base"
+    #: whether :meth:`prepare` must run (on every rank, collectively) before :meth:`buckets`
+    prepares = False
+
+    def prepare(self, comm, exchange) -> None:
+        """Called by the exchange on every rank at its first step, before :meth:`buckets`, when
+        :attr:`prepares` is set (e.g. the cost model of :mod:`tfsparse.selection` measures the
+        network there)."""
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         raise TypeError(f"{type(self).__name__} does not define buckets()")

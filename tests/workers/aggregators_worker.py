@@ -24,7 +24,7 @@ from tfsparse.exchange import GradientExchange  # noqa: E402
 
 N, K, STEPS = 3000, 60, 3
 SGD_N, SGD_DENSITY, SGD_STEPS = 500, 0.04, 50
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn")
 OPTIONS = {"dgc": {"seed": 5}}
 
 

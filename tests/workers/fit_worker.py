@@ -3,7 +3,7 @@
 Usage: fit_worker.py SPEC_JSON
   SPEC_JSON: a list of runs ``{"algo": NAME, "route": "strategy"|"optimizer", "epochs": E,
   "density": D, "schedule": bool, "wire": W, "bucket_bytes": B, "memory": M, "warmup_epochs": E,
-  "options": {...}}``; ``schedule`` adds DensitySchedule() (gTop-k's warm-up), ``warmup_epochs``
+  "options": {...}}`` (``options`` may hold ``selection``, ``clip_norm``); ``schedule`` adds DensitySchedule() (gTop-k's warm-up), ``warmup_epochs``
   DensitySchedule(WarmUp(epochs=E)) (the dense warm-up), ``memory="momentum"`` momentum
   correction (the optimizer then has no momentum of its own), ``wire``/``bucket_bytes``/
   ``options`` the exchange's options.
@@ -80,12 +80,15 @@ for run in runs:
     allw = comm.allgather(w.astype(np.float64))
     key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "") + \
         (f"+{run['wire']}" if run.get("wire") else "") + (f"+b{run['bucket_bytes']}" if "bucket_bytes" in run else "") + \
-        ("+mc" if run.get("memory") == "momentum" else "") + ("+warmup" if run.get("warmup_epochs") else "")
+        ("+mc" if run.get("memory") == "momentum" else "") + ("+warmup" if run.get("warmup_epochs") else "") + \
+        ("+cm" if run.get("options", {}).get("selection") else "") + \
+        ("+clip" if run.get("options", {}).get("clip_norm") else "")
     out[key] = {"accuracy": float(ev["accuracy"]), "identical": all(np.array_equal(allw[0], a) for a in allw),
                 "comm_bytes": float(np.mean(hist.history["comm_bytes"])),
                 "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
                 "densities": [float(d) for d in hist.history["density"]],
-                "seconds": time.time() - t0}
+                "seconds": time.time() - t0,
+                "buckets": [[b.first, b.last, b.algorithm or algo] for b in find_exchange(model).buckets]}
     if comm.rank == 0:
         print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out[key].items()
                     if k != "densities_set"}, flush=True)

@@ -21,22 +21,39 @@ from .topk import AllgatherAggregator
 
 @register("dgc")
 class DGCAllgather(AllgatherAggregator):
-    """DGC sampled-threshold selection + allgather (dragonn-wang2022 §2.3, App. B).
+    """DGC sampled-threshold selection + allgather (dragonn-wang2022 §2.3, App. B), with the
+    threshold adaptation toward ``[k, 1.3k]``, the truncation to exactly ``k`` and the exact
+    top-k of small tensors of DGC's published implementation (see
+    :class:`~tfsparse.compressors.DGCSampledThreshold`).
 
     Args:
       sample_ratio: fraction of the gradient sampled to estimate the k-th largest magnitude
         (default 0.01, DGC's 1%).
       min_samples: lower bound on the sample size (default 1024; capped at n).
       seed: seed of the sampler (None: fresh entropy per instance).
+      adapt_iters, lower, upper, adapt_factor: the threshold adaptation (default 10 steps of
+        ×/÷ 0.9 until the count is in ``[1.0 k, 1.3 k]``).
+      truncate: ``"largest"`` (default: the k largest candidates, DGC's code), ``"first"``
+        (the k lowest positions, the DRAGONN authors' DGC baseline) or None.
+      exact_below: tensors of at most this many elements take the exact top-k (default 16384).
 
     State (``get_state``): the sampler's random generator, so a resumed run draws the same
     samples as an uninterrupted one.
+
+    Momentum correction (DGC §3.2) is the exchange's ``memory="momentum"``; local gradient
+    clipping (DGC §3.3) its ``clip_norm``.
     """
 
-    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, **unknown):
-        reject_unknown_options("dgc", unknown, ("sample_ratio", "min_samples", "seed"))
-        super().__init__(compressor=DGCSampledThreshold(sample_ratio=sample_ratio, min_samples=min_samples,
-                                                        seed=seed))
+    OPTIONS = ("sample_ratio", "min_samples", "seed", "adapt_iters", "lower", "upper", "adapt_factor",
+               "truncate", "exact_below")
+
+    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, adapt_iters: int = 10,
+                 lower: float = 1.0, upper: float = 1.3, adapt_factor: float = 0.9, truncate="largest",
+                 exact_below: int = 16384, **unknown):
+        reject_unknown_options("dgc", unknown, self.OPTIONS)
+        super().__init__(compressor=DGCSampledThreshold(
+            sample_ratio=sample_ratio, min_samples=min_samples, seed=seed, adapt_iters=adapt_iters, lower=lower,
+            upper=upper, adapt_factor=adapt_factor, truncate=truncate, exact_below=exact_below))
 
 
 @register("gaussiank")

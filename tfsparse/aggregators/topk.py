@@ -46,7 +46,12 @@ class AllgatherAggregator(Aggregator):
         return _SparsePayload(message, idx, itype, wire, loss)
 
     def exchange(self, comm, payload):
-        pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in comm.allgather(payload.message)]
+        return self.combine(comm.allgather(payload.message), payload)
+
+    def combine(self, messages, payload) -> AllreduceResult:
+        """The local half of :meth:`exchange`: every rank's message (rank order) summed.  Also
+        what the cost model (:mod:`tfsparse.selection`) times as the decoding cost."""
+        pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
         g_idx, g_val = sum_sparse([p[0] for p in pieces], [p[1] for p in pieces])
         return AllreduceResult(indices=g_idx, values=g_val, contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)

@@ -49,7 +49,11 @@ collectives layer may not import them, the fidelity test ties the two together):
   ``gaussiank`` are the same schedule with their *expected* selection size: DGC's sampled
   threshold (the ``ks``-th largest of ``s`` samples leaves a fraction ``ks/(s+1)`` of the
   gradient above it; exact -- ``k-1`` strictly above -- when every element is sampled),
-  Gaussian-k's ``k`` (its threshold is the Gaussian quantile of density ``k/n``; oktopk §2).
+  moved into ``[k, 1.3k]`` by the published adaptation and cut to ``k`` (so ``k`` with the
+  defaults), Gaussian-k's ``k`` (its threshold is the Gaussian quantile of density ``k/n``; oktopk §2).
+* ``dragonn`` -- the same allgather with the expected number of occupied hash slots: the
+  threshold passes about ``k`` elements, ``m(1-(1-1/m)^l)`` of the ``m = 4k`` slots keep one
+  (dragonn-wang2022 §3.2, App. A.2), and one sparse decode of the ``P`` payloads (§4.3).
 * ``gtopk`` -- the reduction tree of Alg. 3 (gtopk §III): a fold round for the ranks above the
   largest power of two, then ``log2`` recursive-doubling rounds, one ``k``-entry message per
   sender (a ⊤ merge always keeps exactly ``k`` entries) and a ``2k``-element merge per
@@ -93,7 +97,7 @@ import numpy as np
 from .alphabeta import AlphaBeta
 from .communicator import binomial_children, split_counts
 
-ALGORITHMS = ("dense", "topk", "dgc", "gaussiank", "gtopk", "oktopk", "csc")
+ALGORITHMS = ("dense", "topk", "dgc", "gaussiank", "dragonn", "gtopk", "oktopk", "csc")
 VALUE_BYTES = 4          # float32 wire
 
 
@@ -340,8 +344,44 @@ def dgc_expected_count(n: int, k: int, sample_ratio: float = 0.01, min_samples: 
     return float(ks - 1) if s >= n else n * ks / (s + 1)
 
 
+def dgc_adapted_count(n: int, k: int, opts: dict) -> float:
+    """Expected entries of DGC as published (tfsparse.compressors.DGCSampledThreshold): the exact
+    top-k (``k``) for tensors of at most ``exact_below`` elements; otherwise the sampled
+    estimate's count, moved into ``[lower k, upper k]`` by the adaptation (assumed to succeed
+    when ``adapt_iters > 0``) and cut to ``k`` by the truncation."""
+    if n <= opts["exact_below"] or k >= n:
+        return float(min(k, n))
+    count = dgc_expected_count(n, k, opts["sample_ratio"], opts["min_samples"])
+    if opts["adapt_iters"] > 0:
+        count = min(max(count, opts["lower"] * k), opts["upper"] * k)
+    if opts["truncate"] is not None:
+        count = min(count, k)
+    return float(count)
+
+
 def _dgc(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, dgc_expected_count(n, k, opts["sample_ratio"], opts["min_samples"]))
+    _allgather_sparse(b, n, dgc_adapted_count(n, k, opts))
+
+
+def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_ratio: float = 0.01,
+                           min_samples: int = 1024) -> float:
+    """Expected entries DRAGONN sends (tfsparse.aggregators.dragonn): its sampled threshold
+    passes ``l`` elements (``>=``: ``k`` when every element is sampled, else DGC's ``n·ks/(s+1)``
+    plus the one at the threshold), hashed into ``m = capacity_factor·k`` slots, of which
+    ``m(1 - (1 - 1/m)^l)`` are occupied (balls into bins; dragonn-wang2022 App. A.2)."""
+    if k >= n:
+        return float(n)
+    s = int(max(math.ceil(sample_ratio * n), min(n, min_samples)))
+    ks = int(min(s, max(1, math.ceil(k * s / n))))
+    passed = float(k) if s >= n else n * ks / (s + 1)
+    m = capacity_factor * k
+    return float(m * -math.expm1(passed * math.log1p(-1.0 / m))) if m > 1 else min(1.0, passed)
+
+
+def _dragonn(b, n, k, step, opts) -> None:
+    count = dragonn_expected_count(n, k, opts["capacity_factor"], opts["sample_ratio"], opts["min_samples"])
+    b.allgather("allgather (index, value)", count * (index_bytes(n) + VALUE_BYTES))
+    b.local("sparse decode of the gathered pairs", b.P * count)
 
 
 def _gaussiank(b, n, k, step, opts) -> None:
@@ -436,6 +476,12 @@ def _selection(name, value):
     return value
 
 
+def _truncate(name, value):
+    if value not in ("largest", "first", None):
+        raise ValueError(f"{name}={value!r} is not valid; accepted: 'largest', 'first', None")
+    return value
+
+
 def _any(name, value):
     return value
 
@@ -446,9 +492,16 @@ _ALGORITHMS = {
     "dense": (_dense, {}),
     "topk": (_topk, {}),
     "dgc": (_dgc, {"sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
-                   "min_samples": (1024, _positive_int), "seed": (None, _any)}),
+                   "min_samples": (1024, _positive_int), "seed": (None, _any),
+                   "adapt_iters": (10, _int_at_least(0)), "lower": (1.0, _number(0.0, lo_open=True)),
+                   "upper": (1.3, _number(0.0, lo_open=True)),
+                   "adapt_factor": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
+                   "truncate": ("largest", _truncate), "exact_below": (16384, _int_at_least(0))}),
     "gaussiank": (_gaussiank, {"scale": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
                                "max_adjust": (50, _int_at_least(0))}),
+    "dragonn": (_dragonn, {"capacity_factor": (4, _positive_int),
+                           "sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
+                           "min_samples": (1024, _positive_int), "seed": (0, _int_at_least(0))}),
     "gtopk": (_gtopk, {}),
     "oktopk": (_oktopk, {"tau": (64, _positive_int), "tau_prime": (32, _positive_int),
                          "bucket_size": (4, _positive_int), "balance_factor": (4.0, _number(1.0)),

@@ -38,7 +38,7 @@ _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": Non
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
 _DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
-             "memory": "residual", "pipeline": 1}
+             "memory": "residual", "pipeline": 1, "selection": None, "clip_norm": None}
 
 
 
@@ -69,6 +69,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         the first step applies zeros).  At the end of ``fit``
         (``finalize_variable_values``) the round in flight is finished and held for the next
         step.
+      selection: ``None`` or ``"cost_model"`` (DRAGONN's per-tensor choice by Eq. 1,
+        :mod:`tfsparse.selection`).
+      clip_norm: DGC's local gradient clipping to ``clip_norm / sqrt(P)`` (default None: off).
       communicator: transport (default: ``tfsparse.init()``'s world).
       loss_scale: dynamic loss scaling (Keras' ``LossScaleOptimizer`` rules, applied to the
         exchanged gradient): ``None`` (default) -- on when the global dtype policy is
@@ -82,7 +85,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
                  wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, memory: str | None = None,
-                 momentum: float | None = None, pipeline: int | None = None, communicator=None, name: str | None = None,
+                 momentum: float | None = None, pipeline: int | None = None, selection=None,
+                 clip_norm: float | None = None, communicator=None, name: str | None = None,
                  loss_scale: bool | None = None, initial_scale: float = 2.0 ** 15, dynamic_growth_steps: int = 2000,
                  algorithm_options: dict | None = None, **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
@@ -101,7 +105,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         options = {**(algorithm_options or {}), **kwargs}
         given = {k: v for k, v in (("algorithm", algorithm), ("density", density), ("wire_dtype", wire_dtype),
                                    ("bucket_bytes", bucket_bytes), ("plan", plan), ("memory", memory),
-                                   ("momentum", momentum), ("pipeline", pipeline)) if v is not None}
+                                   ("momentum", momentum), ("pipeline", pipeline), ("selection", selection),
+                                   ("clip_norm", clip_norm)) if v is not None}
         shared = _strategy_exchange()
         if shared is not None and not given and not options and communicator is None:
             exchange = shared  # inside a SparseStrategy, no settings of its own: the strategy's exchange
@@ -250,7 +255,11 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             "density": ex.density,
             "wire_dtype": ex.wire.name,
             "bucket_bytes": plan.get("bucket_bytes"),
-            "plan": plan["plan"],  # a PerTensorPlan's assign function is code: not part of the config
+            # a PerTensorPlan's assign function is code: not part of the config; the cost model's
+            # plan is re-made (and re-measured) from ``selection``
+            "plan": None if ex.selection is not None else plan["plan"],
+            "selection": None if ex.selection is None else "cost_model",
+            "clip_norm": ex.clip_norm,
             "memory": ex.memory,
             "momentum": ex.momentum,
             "pipeline": ex.pipeline,

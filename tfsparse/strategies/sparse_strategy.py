@@ -275,6 +275,13 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         ``algorithm="dense", wire_dtype="int8"`` (or ``"bfloat16"``) for the paper's
         compressed pipelined training, and with ``tfsparse.keras.callbacks.DSyncWarmUp`` for
         its synchronous warm-up.
+      selection: ``None`` (every tensor compressed, default) or ``"cost_model"``: DRAGONN's
+        efficiency-aware tensor selection (dragonn-wang2022 §4.2, Eq. 1) -- α, β and the
+        compression cost are measured at the first step and only the tensors whose compression
+        saves time are compressed; the others (biases, norms) go dense.  See
+        :mod:`tfsparse.selection`.
+      clip_norm: DGC's local gradient clipping: each rank clips its gradient to the global L2
+        norm ``clip_norm / sqrt(P)`` before error feedback (default None: off).
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
         when GPUs are visible, else ``/cpu:0``).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
@@ -286,10 +293,12 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
 
     def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
                  bucket_bytes: int | None = None, plan=None, memory: str = "residual", momentum: float | None = None,
-                 pipeline: int = 1, device: str | None = None, communicator=None, **algorithm_options):
+                 pipeline: int = 1, selection=None, clip_norm: float | None = None, device: str | None = None,
+                 communicator=None, **algorithm_options):
         exchange = GradientExchange(algorithm, density, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
                                     plan=plan, memory=memory, momentum=momentum, pipeline=pipeline,
-                                    communicator=communicator, **algorithm_options)
+                                    selection=selection, clip_norm=clip_norm, communicator=communicator,
+                                    **algorithm_options)
         if communicator is None:
             runtime.init()  # after validation: nothing communicates before the arguments are checked
         if device is None:

@@ -1,0 +1,301 @@
+"""Efficiency-aware tensor selection: DRAGONN's cost-benefit analysis (dragonn-wang2022 §4.2, Eq. 1).
+
+"We must ensure that the compression time is smaller than the communication time savings":
+a tensor of ``d`` gradients is compressed only if
+
+    T_comp(d) < T_full(d) - T_spr(d)                                          (Eq. 1)
+
+with, for ``K`` workers, a latency ``α``, a bandwidth ``B`` and ``A`` bytes per gradient value,
+
+    T_full(d) = 2(K-1)(α + dA/(KB))          ring allreduce of the dense tensor
+    T_spr(d)  =  (K-1)(α + γdA/B)            allgather of the compressed tensor
+
+where ``γdA`` "is the tensor size after compression" -- here the ``k = ceil(density·d)``
+entries of index and value bytes each rank sends (``tfsparse.wire``), so the index bytes
+count too.  (The paper simplifies the difference to ``(K-1)(α + (1/K - γ)dA/B)``; the two
+formulas above give ``(K-1)(α + (2/K - γ)dA/B)``, which is what is computed here.)
+Dense tensors are not exchanged one by one here: every run of consecutive dense tensors is
+fused into one allreduce (as Horovod, which the authors run on, fuses them), so a dense
+tensor adds only its bytes to a message that is sent anyway -- its ``T_full`` has no ``α``
+term (``fuse_dense=True``, the default), while a compressed tensor pays its own allgather's
+``(K-1)α``.  That is what makes small tensors go dense, as §4.2 argues they should ("the
+communication latency can dominate the communication time for small messages").  With
+``fuse_dense=False`` every tensor is its own bucket and ``T_full`` is the paper's formula as
+written, ``α`` included.
+
+``T_comp(d)`` is the encoding plus the decoding time, "profiled ... as a function of the
+number of gradients": the algorithm's own ``encode`` and the decode of ``K`` such payloads
+are timed at two sizes on rank 0 at start-up and fitted as ``T_comp(d) = c0 + c1·d`` (the
+fixed part is the per-call overhead that makes small tensors -- biases, norms -- go dense).
+``α`` and ``B`` come from :func:`tfsparse.collectives.measure_alpha_beta` (ping-pong between
+ranks 0 and 1), and rank 0 broadcasts its ``c0, c1``, so every rank decides on identical
+numbers: the decisions are identical everywhere.
+
+The plan (:class:`CostModelPlan`) then gives every compressed tensor a bucket of its own (the
+algorithm is tensor-wise), and fuses each run of consecutive dense tensors into one dense
+bucket (one allreduce instead of one per bias, as the Horovod the authors run on fuses them).
+Rank 0 prints the decisions once; :attr:`CostModelPlan.decisions` keeps them.
+
+The analysis prices an allgather, so it applies to the algorithms that exchange by allgather:
+``topk``, ``dgc``, ``gaussiank`` and ``dragonn`` ("This batching mechanism is also applicable
+to other GS algorithms, such as DGC, TopK", §4.3).
+
+>>> strategy = tfsparse.SparseStrategy("dragonn", density=0.01, selection="cost_model")
+>>> # or with stated numbers (no measurement):
+>>> CostModel(alpha=50e-6, beta=125e6, comp_fixed=1e-4, comp_per_element=2e-9)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .aggregators import get_aggregator
+from .collectives.alphabeta import AlphaBeta, format_rate, format_time, measure_alpha_beta
+from .plan import Bucket, Layout, Plan, _bucket
+from .wire import entry_bytes, index_dtype
+
+#: algorithms whose exchange is an allgather of the compressed tensors (what Eq. 1 prices)
+ALLGATHER_ALGORITHMS = ("dgc", "dragonn", "gaussiank", "topk")
+#: tensor sizes T_comp is timed at (elements)
+PROFILE_SIZES = (1 << 12, 1 << 20)
+#: message sizes of the start-up ping-pong (bytes): up to 4 MiB keeps it well under a second at 1 Gbit/s
+PING_SIZES = (8, 512, 32768, 1 << 20, 4 << 20)
+
+
+def _number(name, value, minimum=0.0, strict=False) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and \
+        (value > minimum if strict else value >= minimum)
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not valid; accepted: a finite number {'>' if strict else '>='} "
+                         f"{minimum}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The numbers Eq. 1 is evaluated with.
+
+    Attributes:
+      alpha: one-way latency α of a message, seconds.
+      beta: bandwidth B, bytes per second.
+      comp_fixed, comp_per_element: ``T_comp(d) = comp_fixed + comp_per_element · d`` seconds
+        (encode + decode of the K payloads).
+    """
+
+    alpha: float
+    beta: float
+    comp_fixed: float
+    comp_per_element: float
+
+    def __post_init__(self):
+        for name, strict in (("alpha", False), ("beta", True), ("comp_fixed", False), ("comp_per_element", False)):
+            object.__setattr__(self, name, _number(name, getattr(self, name), strict=strict))
+
+    def t_comp(self, d: int) -> float:
+        return self.comp_fixed + self.comp_per_element * d
+
+    def t_full(self, d: int, workers: int, value_bytes: int, latency: bool = True) -> float:
+        """Ring allreduce of ``d`` values: ``2(K-1)(α + dA/(KB))``; without the ``α`` term when
+        ``latency`` is False (the tensor rides in a fused allreduce sent anyway)."""
+        K = workers
+        return 2 * (K - 1) * ((self.alpha if latency else 0.0) + d * value_bytes / (K * self.beta))
+
+    def t_spr(self, d: int, workers: int, k: int, entry: int) -> float:
+        """Allgather of ``k`` (index, value) entries of ``entry`` bytes: ``(K-1)(α + γdA/B)``."""
+        return (workers - 1) * (self.alpha + k * entry / self.beta)
+
+    def describe(self) -> str:
+        return (f"alpha={format_time(self.alpha)}, B={format_rate(self.beta)}, T_comp(d) = "
+                f"{format_time(self.comp_fixed)} + {self.comp_per_element * 1e9:.3g} ns*d")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One tensor's outcome of Eq. 1 (seconds)."""
+
+    name: str
+    size: int
+    k: int
+    compress: bool
+    t_comp: float
+    t_full: float
+    t_spr: float
+
+    @property
+    def saving(self) -> float:
+        return self.t_full - self.t_spr
+
+    def why(self) -> str:
+        rel = "<" if self.compress else ">="
+        return (f"T_comp {format_time(self.t_comp)} {rel} T_full - T_spr = {format_time(self.t_full)} - "
+                f"{format_time(self.t_spr)}")
+
+
+def decide(model: CostModel, layout: Layout, workers: int, density: float, value_bytes: int = 4,
+           fuse_dense: bool = True) -> list[Decision]:
+    """Eq. 1 for every tensor of ``layout`` (in layout order): compress iff
+    ``T_comp(d) < T_full(d) - T_spr(d)``, ``k = ceil(density·d)`` (a tensor with ``k = d``
+    never is); ``fuse_dense``: ``T_full`` without ``α`` (see the module docstring).  Pure
+    arithmetic: the same inputs give the same decisions on every rank."""
+    out = []
+    for spec in layout.specs:
+        d = spec.size
+        k = int(min(d, max(1, math.ceil(density * d))))
+        entry = np.dtype(index_dtype(d)).itemsize + value_bytes
+        t_comp, t_full, t_spr = model.t_comp(d), model.t_full(d, workers, value_bytes, not fuse_dense), \
+            model.t_spr(d, workers, k, entry)
+        out.append(Decision(spec.name, d, k, bool(k < d and t_comp < t_full - t_spr), t_comp, t_full, t_spr))
+    return out
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def profile_compression(comm, algorithm: str, options: dict, density: float, wire, workers: int,
+                        sizes=PROFILE_SIZES) -> tuple[float, float]:
+    """``(c0, c1)`` of ``T_comp(d) = c0 + c1·d``: this rank's time to encode a ``d``-element
+    gradient with ``algorithm`` (a fresh instance, so no real bucket's state moves) and to
+    decode ``workers`` such payloads (the aggregator's ``combine``), at two sizes."""
+    rng = np.random.default_rng(0)
+    times = []
+    for d in sizes:
+        x = rng.standard_normal(d).astype(np.float32)
+        k = int(min(d, max(1, math.ceil(density * d))))
+        agg = get_aggregator(algorithm, **options)
+        payload = agg.encode(comm, x, k, wire)
+        t_enc = _best_time(lambda: agg.encode(comm, x, k, wire))
+        msgs = [payload.message] * workers
+        t_dec = _best_time(lambda: agg.combine(msgs, payload).to_dense(d))
+        times.append(t_enc + t_dec)
+    (d0, d1), (t0, t1) = sizes, times
+    per = max(0.0, (t1 - t0) / (d1 - d0))
+    return max(0.0, t0 - per * d0), per
+
+
+def measure_cost_model(comm, algorithm: str, options: dict, density: float, wire) -> CostModel:
+    """Collective: α and B by ping-pong (ranks 0 and 1), ``T_comp`` profiled on rank 0 and
+    broadcast -- every rank returns the same model.  One rank: nothing to communicate, a model
+    under which nothing is worth compressing (``T_full = T_spr = 0``)."""
+    if comm.size < 2:
+        return CostModel(alpha=0.0, beta=1.0, comp_fixed=0.0, comp_per_element=0.0)
+    ab: AlphaBeta = measure_alpha_beta(comm, sizes=PING_SIZES, repeats=5, warmup=1)
+    comp = np.zeros(2, np.float64)
+    if comm.rank == 0:
+        comp[:] = profile_compression(comm, algorithm, options, density, wire, comm.size)
+    comp = comm.bcast(comp if comm.rank == 0 else None, root=0, shape=(2,), dtype=np.float64)
+    return CostModel(alpha=ab.alpha, beta=ab.beta, comp_fixed=float(comp[0]), comp_per_element=float(comp[1]))
+
+
+class CostModelPlan(Plan):
+    """Per-tensor choice by Eq. 1 (dragonn-wang2022 §4.2): compressed tensors get a bucket each
+    with the exchange's algorithm, runs of dense tensors one fused ``"dense"`` bucket each, last
+    tensor first (the order back-propagation produces them).
+
+    Args:
+      model: a :class:`CostModel`, or None to measure one when the exchange is built
+        (:func:`measure_cost_model`, collective).
+      fuse_dense: True (default): consecutive dense tensors share one allreduce and their
+        ``T_full`` has no latency term; False: one bucket per tensor and the paper's formulas
+        as written.
+      verbose: rank 0 prints the decisions once (default True).
+
+    :meth:`prepare` (called by the exchange at its first step, on every rank) records the
+    world size, density and wire, and measures the model when none was given.
+    """
+
+    name = "cost_model"
+    prepares = True
+
+    def __init__(self, model: CostModel | None = None, fuse_dense: bool = True, verbose: bool = True):
+        if model is not None and not isinstance(model, CostModel):
+            raise ValueError(f"model={model!r} is not valid; accepted: None (measured at start-up) or a "
+                             f"tfsparse.selection.CostModel")
+        if not isinstance(fuse_dense, bool):
+            raise ValueError(f"fuse_dense={fuse_dense!r} is not valid; accepted: True, False")
+        self.model = model
+        self.fuse_dense = fuse_dense
+        self.verbose = bool(verbose)
+        self.decisions: list[Decision] | None = None
+        self._context = None
+
+    def config(self):
+        return {"plan": self.name, "cost_model": "measured" if self.model is None else repr(self.model),
+                "fuse_dense": self.fuse_dense}
+
+    def prepare(self, comm, exchange) -> None:
+        if exchange.algorithm not in ALLGATHER_ALGORITHMS:
+            raise ValueError(_algorithm_error(exchange.algorithm))
+        model = self.model
+        if model is None:
+            model = measure_cost_model(comm, exchange.algorithm, exchange.options, exchange.density, exchange.wire)
+        self._context = (model, comm.size, exchange.density, exchange.wire.value_bytes, comm.rank)
+
+    def buckets(self, layout: Layout) -> list[Bucket]:
+        if self._context is None:
+            raise RuntimeError("CostModelPlan.buckets() before prepare(): the exchange prepares the plan")
+        model, workers, density, value_bytes, rank = self._context
+        self.decisions = decide(model, layout, workers, density, value_bytes, self.fuse_dense)
+        out = []
+        i = len(layout) - 1
+        while i >= 0:
+            if self.decisions[i].compress:
+                out.append(_bucket(layout, len(out), i, i + 1))
+                i -= 1
+                continue
+            first = i
+            while self.fuse_dense and first - 1 >= 0 and not self.decisions[first - 1].compress:
+                first -= 1
+            out.append(_bucket(layout, len(out), first, i + 1, algorithm="dense"))
+            i = first - 1
+        if self.verbose and rank == 0:
+            print(self.report(model, workers, density), flush=True)
+        return out
+
+    def report(self, model: CostModel, workers: int, density: float, limit: int = 12) -> str:
+        """The decisions as text: which tensors are compressed, which go dense, and why."""
+        ds = self.decisions or []
+        comp = [d for d in ds if d.compress]
+        lines = [f"tfsparse cost model (dragonn-wang2022 Eq. 1; P={workers}, density={density}, {model.describe()}): "
+                 f"{len(comp)} of {len(ds)} tensors compressed ({sum(d.size for d in comp):,} of "
+                 f"{sum(d.size for d in ds):,} elements)"]
+        for d in sorted(ds, key=lambda d: -d.size)[:limit]:
+            lines.append(f"  {'compress' if d.compress else 'dense   '} {d.name} [{d.size:,}]: {d.why()}")
+        if len(ds) > limit:
+            lines.append(f"  ... {len(ds) - limit} smaller tensors: "
+                         f"{sum(not d.compress for d in ds[limit:])} dense")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"CostModelPlan(model={self.model!r}, fuse_dense={self.fuse_dense})"
+
+
+def _algorithm_error(algorithm) -> str:
+    return (f"selection='cost_model' prices an allgather of the compressed tensors (dragonn-wang2022 Eq. 1), which "
+            f"algorithm={algorithm!r} does not use; accepted algorithms: "
+            f"{', '.join(repr(a) for a in ALLGATHER_ALGORITHMS)}")
+
+
+def make_selection(selection, algorithm: str):
+    """``selection=``: None (every tensor takes the algorithm), ``"cost_model"`` (Eq. 1 with a model
+    measured at start-up) or a :class:`CostModel` (stated numbers) -> a :class:`CostModelPlan` or
+    None.  ValueError naming the argument and the accepted values otherwise."""
+    if selection is None:
+        return None
+    if selection == "cost_model" or isinstance(selection, CostModel):
+        if algorithm not in ALLGATHER_ALGORITHMS:
+            raise ValueError(_algorithm_error(algorithm))
+        return CostModelPlan(None if isinstance(selection, str) else selection)
+    raise ValueError(f"selection={selection!r} is not supported; accepted: None (every tensor compressed), "
+                     f"'cost_model' (dragonn-wang2022 Eq. 1, measured at start-up) or a "
+                     f"tfsparse.selection.CostModel")
