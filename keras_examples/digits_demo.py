@@ -119,7 +119,7 @@ def main():
     for algorithm in args.algorithms.split(","):
         options = {}
         if algorithm == "csc":
-            options = {k: v for k, v in (("chunk_size", args.chunk_size), ("selection", args.csc_selection)) if v}
+            options = {k: v for k, v in (("chunk_size", args.chunk_size), ("chunk_selection", args.csc_selection)) if v}
         strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
                                            bucket_bytes=args.bucket_bytes, memory=args.memory,
                                            momentum=args.momentum if correction else None,

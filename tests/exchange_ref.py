@@ -262,9 +262,9 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
                 cs = options.get("chunk_size", 32768)
                 m = min(math.ceil((hi - lo) / cs), math.ceil(k / cs))
                 prev = cached.get(b)
-                known = prev if options.get("selection") == "previous" and prev is not None and prev.size == m else None
+                known = prev if options.get("chunk_selection") == "previous" and prev is not None and prev.size == m else None
                 res_b, resid_b, got = csc_round(part, cs, m, wire, known)
-                if options.get("selection") == "previous":
+                if options.get("chunk_selection") == "previous":
                     cached[b] = csc_next_chunks(part, res_b, got["elems"], cs, m)
             else:  # oktopk: the schedule of tau / tau_prime (t counted from 1)
                 t = s + 1

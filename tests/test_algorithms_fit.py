@@ -39,7 +39,7 @@ def fits():
     runs += [{"algo": a, "route": "strategy", "epochs": EPOCHS, "density": d, "memory": "momentum",
               "warmup_epochs": 2, "options": o} for a, d, o in RECIPE]
     runs += [{"algo": "csc", "route": "optimizer", "epochs": 2, "density": 0.15, "memory": "momentum",
-              "options": {"chunk_size": 32, "selection": "previous"}}]
+              "options": {"chunk_size": 32, "chunk_selection": "previous"}}]
     runs += COST_MODEL
     results, text = mpirun(4, "fit_worker.py", json.dumps(runs), timeout=720)
     for key, run in results[0]["runs"].items():  # shown with pytest -s

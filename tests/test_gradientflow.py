@@ -21,7 +21,7 @@ STEPS = 4
 #: cases run on real MPI ranks too (tests/workers/exchange_matrix.py, tests/test_exchange_mpi.py):
 #: name -> (algorithm, density, exchange options)
 MPI_CASES = {
-    "csc-previous": ("csc", 0.05, {"chunk_size": CS, "selection": "previous"}),
+    "csc-previous": ("csc", 0.05, {"chunk_size": CS, "chunk_selection": "previous"}),
     "csc-momentum": ("csc", 0.05, {"chunk_size": CS, "memory": "momentum"}),
     "topk-momentum": ("topk", 0.05, {"memory": "momentum"}),
     "dense-momentum": ("dense", 1.0, {"memory": "momentum"}),
@@ -76,7 +76,7 @@ def assert_steps_equal(got, want, P, residual=True):
 @pytest.mark.parametrize("wire", ["float32", "float16"])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_csc_previous_selection_equals_reference(P, wire):
-    options = {"chunk_size": CS, "selection": "previous"}
+    options = {"chunk_size": CS, "chunk_selection": "previous"}
     got = run_exchange(P, 5, lambda c: GradientExchange("csc", 0.05, wire_dtype=wire, communicator=c, **options))
     want = reference_run("csc", wire, [(0, N)], all_grads(P, 5), 0.05, options=options)
     assert_steps_equal(got, want, P)
@@ -89,7 +89,7 @@ def test_csc_sends_whole_chunks_and_counts_its_bytes(P):
     m, C = math.ceil(k / CS), math.ceil(N / CS)
     for selection in ("current", "previous"):
         got = run_exchange(P, 3, lambda c: GradientExchange("csc", density, communicator=c, chunk_size=CS,
-                                                           selection=selection))
+                                                           chunk_selection=selection))
         grads = all_grads(P, 3)
         residuals = [np.zeros(N, np.float32) for _ in range(P)]
         chosen = None
@@ -134,7 +134,7 @@ def test_csc_density_one_chunk_and_state():
     agg = get_aggregator("csc", chunk_size=CS)
     assert agg.chunks_for(N, 1) == 1 and agg.chunks_for(N, N) == math.ceil(N / CS)
     assert agg.get_state() == {}
-    prev = get_aggregator("csc", chunk_size=CS, selection="previous")
+    prev = get_aggregator("csc", chunk_size=CS, chunk_selection="previous")
     assert list(prev.get_state()) == ["chunks"]
     with pytest.raises(ValueError, match="state keys"):
         agg.set_state({"chunks": np.arange(3)})
@@ -147,8 +147,8 @@ def test_csc_rejects_a_bad_chunk_size(bad):
 
 
 def test_csc_rejects_a_bad_selection():
-    with pytest.raises(ValueError, match=r"selection='next'.*'current', 'previous'"):
-        GradientExchange("csc", 0.1, selection="next")
+    with pytest.raises(ValueError, match=r"chunk_selection='next'.*'current', 'previous'"):
+        GradientExchange("csc", 0.1, chunk_selection="next")
 
 
 # -- momentum correction -------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_warmup_continues_from_a_restored_round():
 
 # -- explicit state ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm,options", [("csc", {"chunk_size": CS, "selection": "previous"}),
+@pytest.mark.parametrize("algorithm,options", [("csc", {"chunk_size": CS, "chunk_selection": "previous"}),
                                                ("topk", {})])
 def test_resumed_state_continues_bit_identically(algorithm, options):
     P, steps, cut = 2, 5, 3

@@ -67,7 +67,7 @@ def test_simulator_takes_the_aggregators_options(name):
 # -- fidelity: the simulator's bytes are the Communicator's ---------------------------------------
 
 EXACT = [("dense", {}), ("topk", {}), ("gtopk", {}), ("csc", {"chunk_size": 1000}),
-         ("csc", {"chunk_size": 1000, "selection": "previous"}),
+         ("csc", {"chunk_size": 1000, "chunk_selection": "previous"}),
          ("dgc", {"min_samples": N, "seed": 3, "adapt_iters": 0, "truncate": None}),  # all sampled: k-1 entries
          ("dgc", {"exact_below": N})]  # the exact top-k: k entries
 
@@ -234,7 +234,7 @@ def test_period_mean_and_gamma():
     (lambda: simulate("topk", 4, N, DENSITY, AB, step=0), r"step=0.*accepted"),
     (lambda: simulate("oktopk", 4, N, DENSITY, AB, tau=0), r"tau=0.*accepted"),
     (lambda: simulate("oktopk", 4, N, DENSITY, AB, taux=3), r"taux=3.*accepted: tau, tau_prime"),
-    (lambda: simulate("csc", 4, N, DENSITY, AB, selection="next"), r"selection='next'.*'current', 'previous'"),
+    (lambda: simulate("csc", 4, N, DENSITY, AB, chunk_selection="next"), r"chunk_selection='next'.*'current', 'previous'"),
 ])
 def test_bad_arguments_name_argument_and_accepted_values(call, match):
     with pytest.raises(ValueError, match=match):

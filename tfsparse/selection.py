@@ -296,6 +296,8 @@ def make_selection(selection, algorithm: str):
         if algorithm not in ALLGATHER_ALGORITHMS:
             raise ValueError(_algorithm_error(algorithm))
         return CostModelPlan(None if isinstance(selection, str) else selection)
-    raise ValueError(f"selection={selection!r} is not supported; accepted: None (every tensor compressed), "
+    hint = (" (CSC's chunk schedule is chunk_selection='current' or 'previous')"
+            if selection in ("current", "previous") else "")
+    raise ValueError(f"selection={selection!r} is not supported{hint}; accepted: None (every tensor compressed), "
                      f"'cost_model' (dragonn-wang2022 Eq. 1, measured at start-up) or a "
                      f"tfsparse.selection.CostModel")

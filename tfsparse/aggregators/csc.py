@@ -14,7 +14,7 @@ Volume per rank: ``2·(m·chunk_size)·(P−1)/P`` values plus the norms' allred
 ``k = ceil(density·n)``: ``density`` is the fraction of chunks, the paper's 10-15 % (15 % in
 its AlexNet run, §4).
 
-``selection``:
+``chunk_selection``:
 
 * ``"current"`` (default): the chunks are chosen from this step's norms, before the chunk
   allreduce (two collectives in a row per step).
@@ -88,16 +88,16 @@ class CoarseSparseAllreduce(Aggregator):
 
     Args:
       chunk_size: elements per chunk (default 32768, the paper's 32K).
-      selection: ``"current"`` (default) or ``"previous"`` (the paper's Fig. 18: norms taken
+      chunk_selection: ``"current"`` (default) or ``"previous"`` (the paper's Fig. 18: norms taken
         after the allreduce choose the next step's chunks); see the module doc.
     """
 
-    def __init__(self, chunk_size: int = 32768, selection: str = "current"):
+    def __init__(self, chunk_size: int = 32768, chunk_selection: str = "current"):
         self.chunk_size = check_chunk_size(chunk_size)
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection={selection!r} is not supported; accepted: "
+        if chunk_selection not in SELECTIONS:
+            raise ValueError(f"chunk_selection={chunk_selection!r} is not supported; accepted: "
                              f"{', '.join(repr(s) for s in SELECTIONS)}")
-        self.selection = selection
+        self.selection = chunk_selection
         self._dense = DenseAllreduce()
         self._next = np.empty(0, np.int64)  # "previous": the set chosen by the last step
 
@@ -157,4 +157,4 @@ class CoarseSparseAllreduce(Aggregator):
         self._next = np.empty(0, np.int64) if chunks is None else np.asarray(chunks, np.int64).reshape(-1).copy()
 
     def __repr__(self):
-        return f"CoarseSparseAllreduce(chunk_size={self.chunk_size}, selection={self.selection!r})"
+        return f"CoarseSparseAllreduce(chunk_size={self.chunk_size}, chunk_selection={self.selection!r})"

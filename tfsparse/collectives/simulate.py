@@ -72,7 +72,7 @@ collectives layer may not import them, the fidelity test ties the two together):
   Without ``step`` the result is the mean over one period of ``lcm(tau, tau_prime)`` steps.
 * ``csc`` -- the chunk-norm allreduce (``⌈n/chunk_size⌉`` float32) and the dense allreduce of
   the ``m = ⌈k/chunk_size⌉`` chosen chunks (gradientflow-sun2019 §3.2), assumed full chunks
-  (exact unless the short last chunk is among them); ``selection="previous"`` moves the norm
+  (exact unless the short last chunk is among them); ``chunk_selection="previous"`` moves the norm
   allreduce after the chunks (plus one before them on the first step).
 
 Left out: overlap with back-propagation and between buckets (one fused bucket is priced), the
@@ -435,7 +435,7 @@ def _csc(b: _Builder, n, k, step, opts) -> None:
     chunks = math.ceil(n / cs)
     m = min(chunks, math.ceil(k / cs))
     elements = n if m == chunks else m * cs
-    if opts["selection"] == "current":
+    if opts["chunk_selection"] == "current":
         b.allreduce("chunk norms", chunks, 4)
         b.allreduce("chunks", elements, VALUE_BYTES)
     else:
@@ -509,7 +509,7 @@ _ALGORITHMS = {
                          # counts near k, which is what the expected schedule assumes
                          "local_raise": (1.03, _number(1.0)), "local_adjust": (1.012, _number(1.0)),
                          "global_adjust": (1.008, _number(1.0))}),
-    "csc": (_csc, {"chunk_size": (32768, _positive_int), "selection": ("current", _selection)}),
+    "csc": (_csc, {"chunk_size": (32768, _positive_int), "chunk_selection": ("current", _selection)}),
 }
 assert set(_ALGORITHMS) == set(ALGORITHMS)
 
@@ -538,7 +538,7 @@ def _check_case(algorithm, workers, n, density, options) -> tuple:
 def schedule(algorithm: str, workers: int, n: int, density: float, *, step: int = 1, **options) -> Schedule:
     """The messages of exchange step ``step`` (counted from 1) of ``algorithm`` on ``workers``
     ranks for a bucket of ``n`` float32 elements at ``density``.  ``options`` are the
-    aggregator's (``tau``, ``tau_prime`` for Ok-Topk, ``chunk_size``, ``selection`` for CSC,
+    aggregator's (``tau``, ``tau_prime`` for Ok-Topk, ``chunk_size``, ``chunk_selection`` for CSC,
     ``sample_ratio``, ``min_samples`` for DGC; the others are accepted and change nothing).
     ValueError naming the argument and the accepted values on bad input."""
     workers, n, density, k, opts = _check_case(algorithm, workers, n, density, options)
@@ -552,7 +552,7 @@ def period(algorithm: str, **options) -> tuple:
     """``((step, weight), ...)``: the distinct steps of the algorithm's steady period and the
     fraction of steps like each.  Ok-Topk: one period of ``lcm(tau, tau_prime)`` steps
     (step 1 repartitions and re-evaluates, ``1 + tau_prime·j`` re-evaluate, the rest reuse);
-    CSC with ``selection="previous"``: step 2 (the first step alone differs); others: step 1."""
+    CSC with ``chunk_selection="previous"``: step 2 (the first step alone differs); others: step 1."""
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
@@ -566,7 +566,7 @@ def period(algorithm: str, **options) -> tuple:
             first, count = kinds.get(key, (t, 0))
             kinds[key] = (first, count + 1)
         return tuple((first, count / length) for first, count in sorted(kinds.values()))
-    if algorithm == "csc" and opts["selection"] == "previous":
+    if algorithm == "csc" and opts["chunk_selection"] == "previous":
         return ((2, 1.0),)
     return ((1, 1.0),)
 
