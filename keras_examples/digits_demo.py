@@ -98,6 +98,9 @@ def main():
     parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")
     parser.add_argument("--chunk-size", type=int, default=None, help="CSC's chunk size (default 32768)")
     parser.add_argument("--csc-selection", default=None, help="CSC's chunk selection: current or previous")
+    parser.add_argument("--selection", default=None,
+                        help="cost_model: DRAGONN's per-tensor choice by Eq. 1 (default: every tensor compressed)")
+    parser.add_argument("--clip-norm", type=float, default=None, help="DGC's local gradient clipping (default: off)")
     parser.add_argument("--pipeline", type=int, default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
     parser.add_argument("--dsync-epochs", type=int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
@@ -123,7 +126,8 @@ def main():
         strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
                                            bucket_bytes=args.bucket_bytes, memory=args.memory,
                                            momentum=args.momentum if correction else None,
-                                           pipeline=args.pipeline, **options)
+                                           pipeline=args.pipeline, clip_norm=args.clip_norm,
+                                           selection=args.selection if algorithm != "dense" else None, **options)
         with strategy.scope():
             model = build_model()
             # momentum correction: the exchange applies the momentum, the optimizer must not

@@ -3,10 +3,13 @@
 * ``--suite gradientflow`` (default): every sparse algorithm with and without GradientFlow's/DGC's
   recipe (momentum correction + dense warm-up);
 * ``--suite pipesgd``: Pipe-SGD -- ``pipeline=2`` over float32 and int8 (quantization), with
-  and without the D-Sync warm-up.
+  and without the D-Sync warm-up;
+* ``--suite dragonn``: DRAGONN and DGC at density 0.01, plain and with momentum correction +
+  dense warm-up (the paper trains with momentum correction, §5), and with the cost model.
 
     python tools/bench_convergence.py [--suite gradientflow] [--np 4] [--epochs 20] [--out results/bench_convergence]
     python tools/bench_convergence.py --suite pipesgd --out results/bench_pipesgd
+    python tools/bench_convergence.py --suite dragonn --out results/bench_dragonn
 
 Each group is one ``tfsparse-run -np P python keras_examples/digits_demo.py ... --json`` launch
 (the demo's model: 64-256-128-10, 50,826 parameters, SGD lr 0.05, batch 32 per rank).  Writes
@@ -43,7 +46,13 @@ PIPESGD = [
     (" pipeline=2 int8", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8"]),
     (" pipeline=2 int8 +dsync2", ["--algorithms", "dense", "--pipeline", "2", "--wire", "int8", "--dsync-epochs", "2"]),
 ]
-SUITES = {"gradientflow": GRADIENTFLOW, "pipesgd": PIPESGD}
+DRAGONN = [  # dragonn-wang2022 §5: DRAGONN vs DGC at density 0.01, with momentum correction as the paper runs them
+    ("", ["--algorithms", "dense"]),
+    ("", ["--algorithms", "dgc,dragonn", "--density", "0.01"]),
+    ("+mc+warmup", ["--algorithms", "dgc,dragonn", "--density", "0.01", *RECIPE]),
+    ("+mc+warmup+cost_model", ["--algorithms", "dragonn", "--density", "0.01", "--selection", "cost_model", *RECIPE]),
+]
+SUITES = {"gradientflow": GRADIENTFLOW, "pipesgd": PIPESGD, "dragonn": DRAGONN}
 
 
 def run_group(np_, epochs, args, env):
