@@ -114,6 +114,22 @@ def reject_unknown_options(algorithm: str, unknown: dict, accepted) -> None:
         raise ValueError(f"unknown option(s) {names} for algorithm={algorithm!r}; accepted: {acc}")
 
 
+def sparse_decode(n: int, pieces) -> np.ndarray:
+    """Sparse decoding (dragonn-wang2022 §4.3): the ``(indices, values)`` payloads of all ranks,
+    concatenated in rank order, decoded by **one** :func:`tfsparse.ops.scatter_add` into the dense
+    float32 sum -- "we batch these K compressed tensors, i.e. concatenate all of them, for one
+    decoding operation"; "also applicable to other GS algorithms, such as DGC, TopK".  Each
+    element is summed in rank order, so every rank gets bit-identical sums (the order
+    :func:`sum_sparse` sums in)."""
+    from .. import ops
+
+    if not pieces:
+        return np.zeros(n, np.float32)
+    idx = np.concatenate([p[0] for p in pieces])
+    val = np.concatenate([p[1] for p in pieces])
+    return ops.scatter_add(n, idx, val)
+
+
 def sum_sparse(parts_idx: list[np.ndarray], parts_val: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Sums sparse vectors given as (indices, values) pairs, in list order.
 

@@ -18,7 +18,8 @@ One step on every rank, for a bucket of ``n`` elements and a budget ``k``:
    communicating (``indices[indices.nonzero()]``): empty slots never travel, nor reach the sum;
 4. **allgather** of the P messages (Alg. 2 "communicate", §4.2: compressed tensors are not
    allreducible, "Allgather is commonly used");
-5. **sparse decoding** (§4.3) -- the P payloads are concatenated and decoded by **one**
+5. **sparse decoding** (§4.3, :func:`~tfsparse.aggregators.base.sparse_decode`, which the
+   allgather baselines share) -- the P payloads are concatenated and decoded by **one**
    :func:`tfsparse.ops.scatter_add` into the dense sum ("we batch these K compressed tensors,
    i.e. concatenate all of them, for one decoding operation"), in rank order, so every rank gets
    bit-identical sums; no per-rank dense decode, no sort, no ``np.unique``.
@@ -44,7 +45,7 @@ import numpy as np
 from .. import ops
 from ..compressors import _check_fraction, _check_positive_int
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
+from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options, sparse_decode
 from .registry import register
 
 
@@ -134,18 +135,8 @@ class DragonnAllgather(Aggregator):
     def combine(self, messages, payload) -> AllreduceResult:
         """The local half of :meth:`exchange`: the gathered messages (rank order) decoded at once."""
         pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
-        return AllreduceResult(indices=None, values=self.decode(payload.n, pieces), contributed=payload.indices,
+        return AllreduceResult(indices=None, values=sparse_decode(payload.n, pieces), contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)
-
-    @staticmethod
-    def decode(n: int, pieces) -> np.ndarray:
-        """Sparse decoding (§4.3): the ``(indices, values)`` payloads concatenated in rank order,
-        one :func:`~tfsparse.ops.scatter_add` into zeros -- the dense sum."""
-        if not pieces:
-            return np.zeros(n, np.float32)
-        idx = np.concatenate([p[0] for p in pieces])
-        val = np.concatenate([p[1] for p in pieces])
-        return ops.scatter_add(n, idx, val)
 
     def get_state(self):
         return {"step": np.array([self.step], np.int64)}

@@ -2,8 +2,9 @@
 
 Every rank selects a sparse payload with its :class:`~tfsparse.compressors.Compressor`
 (exact local top-k by default), the (index, value) messages are all-gathered (one allgatherv
-of ``[indices | values]`` buffers) and summed in rank order.  Volume per rank ``2k(P-1)``
-elements (Eq. 6), values as ``wire_dtype``.
+of ``[indices | values]`` buffers) and summed in rank order by one sparse decode of the P
+payloads (dragonn-wang2022 §4.3, :func:`~tfsparse.aggregators.base.sparse_decode`: the result is
+dense).  Volume per rank ``2k(P-1)`` elements (Eq. 6), values as ``wire_dtype``.
 """
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import numpy as np
 
 from ..compressors import Compressor, TopK, check_compressor
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, sum_sparse
+from .base import Aggregator, AllreduceResult, check_acc, sparse_decode
 from .registry import register
 
 
 @dataclass
 class _SparsePayload:
+    n: int
     message: np.ndarray
     indices: np.ndarray
     itype: type
@@ -43,7 +45,7 @@ class AllgatherAggregator(Aggregator):
         message, lost = pack_sparse(idx, val, itype, wire)
         loss = WireLoss()
         loss.add(idx, lost)
-        return _SparsePayload(message, idx, itype, wire, loss)
+        return _SparsePayload(acc.size, message, idx, itype, wire, loss)
 
     def exchange(self, comm, payload):
         return self.combine(comm.allgather(payload.message), payload)
@@ -52,8 +54,7 @@ class AllgatherAggregator(Aggregator):
         """The local half of :meth:`exchange`: every rank's message (rank order) summed.  Also
         what the cost model (:mod:`tfsparse.selection`) times as the decoding cost."""
         pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
-        g_idx, g_val = sum_sparse([p[0] for p in pieces], [p[1] for p in pieces])
-        return AllreduceResult(indices=g_idx, values=g_val, contributed=payload.indices,
+        return AllreduceResult(indices=None, values=sparse_decode(payload.n, pieces), contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)
 
     def get_state(self):

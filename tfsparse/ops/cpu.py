@@ -76,19 +76,22 @@ def _shifted_max(xu, b0, b1):
 
 @njit(cache=True, inline="always")
 def _block_hit(xu, b0, t2):
-    """Whether the full block ``xu[b0:b0+_BLK]`` holds a key ``>= t2 >> 1`` (fixed trip count)."""
+    """Whether the full block ``xu[b0:b0+_BLK]`` holds a key ``>= t2 >> 1`` (fixed trip count,
+    over a slice from 0: LLVM vectorises that, not ``xu[b0 + j]`` -- measured 5x faster)."""
+    y = xu[b0:b0 + _BLK]
     m = np.uint32(0)
     for j in range(_BLK):
-        m = max(m, np.uint32(xu[b0 + j] << _U1))
+        m = max(m, np.uint32(y[j] << _U1))
     return m >= t2
 
 
 @njit(cache=True, inline="always")
 def _sub_hit(xu, b0, t2):
     """The same test for the ``_SUB`` elements from ``b0`` (second level, inside a hit block)."""
+    y = xu[b0:b0 + _SUB]
     m = np.uint32(0)
     for j in range(_SUB):
-        m = max(m, np.uint32(xu[b0 + j] << _U1))
+        m = max(m, np.uint32(y[j] << _U1))
     return m >= t2
 
 
