@@ -614,3 +614,21 @@ def test_dragonn_state_resumes_the_hash_sequence():
     b.set_state({})
     np.testing.assert_array_equal(np.sort(b.encode(NoTalk(), acc, 500, FLOAT32).indices),
                                   refs.dragonn_selection(acc, 500, 0))
+
+
+@pytest.mark.parametrize("name", ["dgc", "dragonn"])
+def test_small_density_is_the_authors_fixed_density_for_small_tensors(name):
+    """The DRAGONN authors' code runs tensors of at most 131072 elements at density 0.01 whatever
+    was asked (``small_density=0.01``); larger tensors keep the requested k."""
+    small, big = make_acc(0, 0, 5000), make_acc(0, 1, 140_000)
+    for opts, n_small in (({}, 1), ({"small_density": 0.01}, 50)):
+        agg = A.get_aggregator(name, **opts)
+        idx = agg.encode(NoTalk(), small, 1, FLOAT32).indices
+        if name == "dgc":  # exact top-k below 16384 elements
+            np.testing.assert_array_equal(idx, refs.exact_topk(small, n_small))
+        else:
+            np.testing.assert_array_equal(np.sort(idx), refs.dragonn_selection(small, n_small, 0))
+        big_idx = agg.encode(NoTalk(), big, 140, FLOAT32).indices
+        assert 0 < big_idx.size < 3 * 140  # about the requested k = 140, not 1,400
+    with pytest.raises(ValueError, match="small_density=2"):
+        A.get_aggregator(name, small_density=2)

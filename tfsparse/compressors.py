@@ -107,6 +107,23 @@ def _check_real(name: str, value, lo, hi=None, hi_open=False) -> float:
     return float(value)
 
 
+#: DRAGONN's code and its DGC baseline run every tensor of at most this many elements
+#: (``numel <= 1024*128``) at density 0.01, whatever the requested density
+SMALL_TENSOR = 1024 * 128
+
+
+def check_small_density(small_density) -> float | None:
+    return None if small_density is None else _check_fraction("small_density", small_density)
+
+
+def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
+    """``k``, or -- with ``small_density`` (the authors' 0.01) for a tensor of at most
+    :data:`SMALL_TENSOR` elements -- their ``int(n * small_density)`` (at least 1)."""
+    if small_density is None or n > SMALL_TENSOR or k <= 0:
+        return k
+    return max(1, int(n * small_density))
+
+
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
     """Indices (ascending, int64) of the entries of ``acc`` whose magnitude passes ``threshold``.
 
@@ -165,6 +182,9 @@ class DGCSampledThreshold(Compressor):
       truncate: ``"largest"`` (default), ``"first"`` or None (no cut).
       exact_below: tensors of at most this many elements take the exact top-k (default
         16384, the DRAGONN authors' DGC baseline; 0: never).
+      small_density: None (default: the requested k everywhere) or the density the authors'
+        code gives every tensor of at most 131072 elements (their 0.01, whatever the requested
+        density -- it changes what small tensors send).
     """
 
     name = "dgc"
@@ -172,7 +192,8 @@ class DGCSampledThreshold(Compressor):
 
     def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, *, adapt_iters: int = 10,
                  lower: float = 1.0, upper: float = 1.3, adapt_factor: float = 0.9, truncate="largest",
-                 exact_below: int = 16384):
+                 exact_below: int = 16384, small_density: float | None = None):
+        self.small_density = check_small_density(small_density)
         self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
         self.min_samples = _check_positive_int("min_samples", min_samples)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
@@ -226,7 +247,7 @@ class DGCSampledThreshold(Compressor):
         return float(np.partition(sample, s - ks)[s - ks])
 
     def compress(self, acc, k):
-        k = int(k)
+        k = small_tensor_k(acc.size, int(k), self.small_density)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
         if k >= acc.size:  # density 1: everything (non-zero) is sent, no estimate needed
@@ -258,7 +279,89 @@ class DGCSampledThreshold(Compressor):
     def __repr__(self):
         return (f"{type(self).__name__}(sample_ratio={self.sample_ratio}, min_samples={self.min_samples}, "
                 f"seed={self.seed}, adapt_iters={self.adapt_iters}, lower={self.lower}, upper={self.upper}, "
-                f"adapt_factor={self.adapt_factor}, truncate={self.truncate!r}, exact_below={self.exact_below})")
+                f"adapt_factor={self.adapt_factor}, truncate={self.truncate!r}, exact_below={self.exact_below}, "
+                f"small_density={self.small_density})")
+
+
+_SMALLEST_POSITIVE = float(np.nextafter(np.float32(0.0), np.float32(1.0)))
+
+
+class HashedThreshold(Compressor):
+    """DRAGONN's hashing-based index extraction (dragonn-wang2022 §3.2, Alg. 1), per step:
+
+    1. the threshold ``t``: DGC's sampled estimate of the k-th largest ``|acc|`` (a
+       ``sample_ratio`` sample, :func:`tfsparse.ops.sample_threshold`), the exact k-th largest
+       (:func:`tfsparse.ops.kth_largest_abs`) when fewer than ``min_samples`` would be drawn;
+    2. every ``i`` with ``|acc[i]| >= t`` is written to slot ``h(i)`` of a table of
+       ``capacity_factor · k`` slots (:func:`tfsparse.ops.hash_select`; a later index
+       overwrites an earlier one, so one survives per slot);
+    3. the occupied slots are returned, **in slot order** (Alg. 1's indices are "in random
+       orders"; nothing sorts them).
+
+    ``h`` and the sample positions of step ``s`` come from the seed ``seed · 2**32 + s``: every
+    rank derives the same.  The step counter is explicit state.  ``k >= n`` sends every non-zero
+    entry (no hashing: nothing may collide); a threshold of 0 (more zeros than ``n - k``) is
+    raised to the smallest positive float, so zeros are never sent.  ``small_density``: as in
+    :class:`DGCSampledThreshold` (the authors' 0.01 for tensors of at most 131072 elements).
+    """
+
+    name = "dragonn"
+
+    def __init__(self, capacity_factor: int = 4, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0,
+                 small_density: float | None = None):
+        self.small_density = check_small_density(small_density)
+        self.capacity_factor = _check_positive_int("capacity_factor", capacity_factor)
+        self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
+        self.min_samples = _check_positive_int("min_samples", min_samples)
+        self.seed = _check_positive_int("seed", seed, minimum=0)
+        self.step = 0
+        self.last_threshold = None
+
+    def step_seed(self, step: int | None = None) -> int:
+        """The seed of step ``step`` (default: the next one) -- the same on every rank."""
+        return self.seed * 2**32 + (self.step if step is None else int(step))
+
+    def threshold(self, acc: np.ndarray, k: int, seed: int) -> float:
+        """DGC's sampled estimate of the k-th largest ``|acc|`` (exact for small tensors)."""
+        from . import ops
+
+        n = acc.size
+        ratio = self.sample_ratio
+        if ratio * n < min(n, self.min_samples):
+            ratio = min(n, self.min_samples) / n
+            if ratio >= 1.0:
+                return float(ops.kth_largest_abs(acc, k))
+        return float(ops.sample_threshold(acc, k, ratio=ratio, seed=seed))
+
+    def compress(self, acc, k):
+        from . import ops
+
+        seed = self.step_seed()
+        self.step += 1
+        k = small_tensor_k(acc.size, int(k), self.small_density)
+        if k <= 0:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        if k >= acc.size:  # density 1: every non-zero entry
+            idx = np.flatnonzero(acc).astype(np.int64)
+            return idx, acc[idx]
+        t = self.threshold(acc, k, seed)
+        if t <= 0.0:
+            t = _SMALLEST_POSITIVE
+        self.last_threshold = t
+        table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
+        full = table >= 0
+        return table[full], values[full]
+
+    def get_state(self):
+        return {"step": np.array([self.step], np.int64)}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.step = int(np.asarray(state["step"]).reshape(-1)[0]) if state else 0
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(capacity_factor={self.capacity_factor}, sample_ratio={self.sample_ratio}, "
+                f"min_samples={self.min_samples}, seed={self.seed}, small_density={self.small_density})")
 
 
 def _mean_std(acc: np.ndarray, chunk: int = 1 << 20) -> tuple[float, float]:
@@ -354,7 +457,7 @@ class GaussianKThreshold(Compressor):
 
 def compressors_by_name() -> dict:
     """The compressors a ``compressor=`` option may name, by their ``name``."""
-    return {cls.name: cls for cls in (TopK, Identity, DGCSampledThreshold, GaussianKThreshold)}
+    return {cls.name: cls for cls in (TopK, Identity, DGCSampledThreshold, GaussianKThreshold, HashedThreshold)}
 
 
 def check_compressor(compressor) -> Compressor:

@@ -30,42 +30,25 @@ threshold passes ``k`` elements into ``4k`` slots (``m(1-(1-1/m)^k)`` occupied) 
 threshold set too high leave out stays in the residual (error feedback; App. A.2 bounds the
 resulting error); the achieved density is reported like the other algorithms' (``sent_elements``).
 
-Differences from the authors' code, none of which changes results: their table starts at 0
-rather than -1, so index 0 can never be sent (here it can); their seed counter is shared by
-all tensors (here each bucket counts its own steps); their tensors of at most 131072 elements
-run at density 0.01 whatever the requested density (here the requested density holds; use a
-per-tensor plan to change it).
+Differences from the authors' code: their table starts at 0 rather than -1, so index 0 can
+never be sent (here it can); their seed counter is shared by all tensors (here each bucket
+counts its own steps); their tensors of at most 131072 elements run at density 0.01 whatever
+the requested density -- that one changes what small tensors send, so it is an option,
+``small_density=0.01`` (default None: the requested density holds).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
-from .. import ops
-from ..compressors import _check_fraction, _check_positive_int
-from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options, sparse_decode
+from ..compressors import HashedThreshold
+from .base import reject_unknown_options
 from .registry import register
-
-
-_SMALLEST_POSITIVE = float(np.nextafter(np.float32(0.0), np.float32(1.0)))
-
-
-@dataclass
-class _HashedPayload:
-    n: int
-    message: np.ndarray
-    indices: np.ndarray  # this rank's sent indices, slot order
-    itype: type
-    wire: Wire
-    loss: WireLoss
+from .topk import AllgatherAggregator
 
 
 @register("dragonn")
-class DragonnAllgather(Aggregator):
+class DragonnAllgather(AllgatherAggregator):
     """DRAGONN (dragonn-wang2022 Alg. 1 + Alg. 2): sampled threshold, hashed index extraction
-    into ``capacity_factor · k`` slots, allgather, one sparse decode of all P payloads.
+    into ``capacity_factor · k`` slots (:class:`~tfsparse.compressors.HashedThreshold`),
+    allgather, one sparse decode of all P payloads.
 
     Args:
       capacity_factor: slots per selected element, ``m = capacity_factor · k`` (default 4, the
@@ -75,79 +58,17 @@ class DragonnAllgather(Aggregator):
         (default 1024).
       seed: base seed of the hash functions and the sampling positions (default 0); step ``s``
         uses ``seed · 2**32 + s`` on every rank.
+      small_density: None (default), or the authors' behaviour: every tensor of at most 131072
+        elements runs at this density (their 0.01) whatever the requested density.
 
     State (``get_state``): the step counter, so a resumed run hashes exactly as an
     uninterrupted one.
     """
 
-    OPTIONS = ("capacity_factor", "sample_ratio", "min_samples", "seed")
+    OPTIONS = ("capacity_factor", "sample_ratio", "min_samples", "seed", "small_density")
 
     def __init__(self, capacity_factor: int = 4, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0,
-                 **unknown):
+                 small_density: float | None = None, **unknown):
         reject_unknown_options("dragonn", unknown, self.OPTIONS)
-        self.capacity_factor = _check_positive_int("capacity_factor", capacity_factor)
-        self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
-        self.min_samples = _check_positive_int("min_samples", min_samples)
-        self.seed = _check_positive_int("seed", seed, minimum=0)
-        self.step = 0
-        self.last_threshold = None
-
-    def step_seed(self, step: int | None = None) -> int:
-        """The seed of step ``step`` (default: the next one) -- the same on every rank."""
-        return self.seed * 2**32 + (self.step if step is None else int(step))
-
-    def threshold(self, acc: np.ndarray, k: int, seed: int) -> float:
-        """DGC's sampled estimate of the k-th largest ``|acc|`` (exact for small tensors)."""
-        n = acc.size
-        if self.sample_ratio * n < min(n, self.min_samples):
-            ratio = min(n, self.min_samples) / n
-            if ratio >= 1.0:
-                return float(ops.kth_largest_abs(acc, k))
-            return float(ops.sample_threshold(acc, k, ratio=ratio, seed=seed))
-        return float(ops.sample_threshold(acc, k, ratio=self.sample_ratio, seed=seed))
-
-    def encode(self, comm, acc, k, wire):
-        acc, k = check_acc(acc, k)
-        seed = self.step_seed()
-        self.step += 1
-        itype = index_dtype(acc.size)
-        if k == 0:
-            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
-        elif k >= acc.size:  # density 1: every non-zero entry, no hashing (nothing may collide)
-            idx = np.flatnonzero(acc).astype(np.int64)
-            val = acc[idx]
-        else:
-            t = self.threshold(acc, k, seed)
-            if t <= 0.0:  # more zeros than n - k: zeros are never worth sending
-                t = _SMALLEST_POSITIVE
-            self.last_threshold = t
-            table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
-            full = table >= 0
-            idx, val = table[full], values[full]
-        message, lost = pack_sparse(idx, val, itype, wire)
-        loss = WireLoss()
-        loss.add(idx, lost)
-        return _HashedPayload(acc.size, message, idx, itype, wire, loss)
-
-    def exchange(self, comm, payload):
-        return self.combine(comm.allgather(payload.message), payload)
-
-    def combine(self, messages, payload) -> AllreduceResult:
-        """The local half of :meth:`exchange`: the gathered messages (rank order) decoded at once."""
-        pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
-        return AllreduceResult(indices=None, values=sparse_decode(payload.n, pieces), contributed=payload.indices,
-                               sent_elements=int(payload.indices.size), loss=payload.loss)
-
-    def get_state(self):
-        return {"step": np.array([self.step], np.int64)}
-
-    def set_state(self, state):
-        super().set_state(state)
-        self.step = int(np.asarray(state["step"]).reshape(-1)[0]) if state else 0
-
-    def reset(self):
-        self.step = 0
-
-    def __repr__(self):
-        return (f"{type(self).__name__}(capacity_factor={self.capacity_factor}, sample_ratio={self.sample_ratio}, "
-                f"min_samples={self.min_samples}, seed={self.seed})")
+        super().__init__(compressor=HashedThreshold(capacity_factor=capacity_factor, sample_ratio=sample_ratio,
+                                                    min_samples=min_samples, seed=seed, small_density=small_density))

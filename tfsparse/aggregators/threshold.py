@@ -36,6 +36,8 @@ class DGCAllgather(AllgatherAggregator):
       truncate: ``"largest"`` (default: the k largest candidates, DGC's code), ``"first"``
         (the k lowest positions, the DRAGONN authors' DGC baseline) or None.
       exact_below: tensors of at most this many elements take the exact top-k (default 16384).
+      small_density: None, or the density the DRAGONN authors' baseline gives every tensor of at
+        most 131072 elements (their 0.01, whatever ``density`` says).
 
     State (``get_state``): the sampler's random generator, so a resumed run draws the same
     samples as an uninterrupted one.
@@ -45,15 +47,16 @@ class DGCAllgather(AllgatherAggregator):
     """
 
     OPTIONS = ("sample_ratio", "min_samples", "seed", "adapt_iters", "lower", "upper", "adapt_factor",
-               "truncate", "exact_below")
+               "truncate", "exact_below", "small_density")
 
     def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, adapt_iters: int = 10,
                  lower: float = 1.0, upper: float = 1.3, adapt_factor: float = 0.9, truncate="largest",
-                 exact_below: int = 16384, **unknown):
+                 exact_below: int = 16384, small_density: float | None = None, **unknown):
         reject_unknown_options("dgc", unknown, self.OPTIONS)
         super().__init__(compressor=DGCSampledThreshold(
             sample_ratio=sample_ratio, min_samples=min_samples, seed=seed, adapt_iters=adapt_iters, lower=lower,
-            upper=upper, adapt_factor=adapt_factor, truncate=truncate, exact_below=exact_below))
+            upper=upper, adapt_factor=adapt_factor, truncate=truncate, exact_below=exact_below,
+            small_density=small_density))
 
 
 @register("gaussiank")

@@ -359,8 +359,14 @@ def dgc_adapted_count(n: int, k: int, opts: dict) -> float:
     return float(count)
 
 
+def _small_k(n: int, k: int, small_density) -> int:
+    """The authors' fixed density for tensors of at most 131072 elements (``small_density``,
+    tfsparse.compressors.small_tensor_k)."""
+    return k if small_density is None or n > 1024 * 128 else max(1, int(n * small_density))
+
+
 def _dgc(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, dgc_adapted_count(n, k, opts))
+    _allgather_sparse(b, n, dgc_adapted_count(n, _small_k(n, k, opts["small_density"]), opts))
 
 
 def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_ratio: float = 0.01,
@@ -379,7 +385,8 @@ def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_rati
 
 
 def _dragonn(b, n, k, step, opts) -> None:
-    count = dragonn_expected_count(n, k, opts["capacity_factor"], opts["sample_ratio"], opts["min_samples"])
+    count = dragonn_expected_count(n, _small_k(n, k, opts["small_density"]), opts["capacity_factor"],
+                                   opts["sample_ratio"], opts["min_samples"])
     b.allgather("allgather (index, value)", count * (index_bytes(n) + VALUE_BYTES))
     b.local("sparse decode of the gathered pairs", b.P * count)
 
@@ -482,6 +489,10 @@ def _truncate(name, value):
     return value
 
 
+def _optional_fraction(name, value):
+    return None if value is None else _number(0.0, 1.0, lo_open=True)(name, value)
+
+
 def _any(name, value):
     return value
 
@@ -496,12 +507,14 @@ _ALGORITHMS = {
                    "adapt_iters": (10, _int_at_least(0)), "lower": (1.0, _number(0.0, lo_open=True)),
                    "upper": (1.3, _number(0.0, lo_open=True)),
                    "adapt_factor": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
-                   "truncate": ("largest", _truncate), "exact_below": (16384, _int_at_least(0))}),
+                   "truncate": ("largest", _truncate), "exact_below": (16384, _int_at_least(0)),
+                   "small_density": (None, _optional_fraction)}),
     "gaussiank": (_gaussiank, {"scale": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
                                "max_adjust": (50, _int_at_least(0))}),
     "dragonn": (_dragonn, {"capacity_factor": (4, _positive_int),
                            "sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
-                           "min_samples": (1024, _positive_int), "seed": (0, _int_at_least(0))}),
+                           "min_samples": (1024, _positive_int), "seed": (0, _int_at_least(0)),
+                           "small_density": (None, _optional_fraction)}),
     "gtopk": (_gtopk, {}),
     "oktopk": (_oktopk, {"tau": (64, _positive_int), "tau_prime": (32, _positive_int),
                          "bucket_size": (4, _positive_int), "balance_factor": (4.0, _number(1.0)),
