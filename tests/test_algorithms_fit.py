@@ -22,8 +22,9 @@ RECIPE = [("csc", 0.15, {"chunk_size": 32}), ("topk", 0.01, {}), ("gtopk", 0.01,
 # DRAGONN's efficiency-aware selection (dragonn-wang2022 §4.2) and DGC's local clipping, both routes
 COST_MODEL = [{"algo": "dragonn", "route": "strategy", "epochs": 2, "density": 0.01,
                "options": {"selection": "cost_model"}},
-              {"algo": "dgc", "route": "optimizer", "epochs": 2, "density": 0.01,
-               "options": {"selection": "cost_model", "clip_norm": 5.0}}]
+              {"algo": "dgc", "route": "optimizer", "epochs": 2, "density": 0.01,  # a stated 100 Mbit/s link:
+               "options": {"selection": {"alpha": 2e-4, "beta": 12.5e6, "comp_fixed": 1e-4,  # the 64x64 kernel
+                                         "comp_per_element": 2e-9}, "clip_norm": 5.0}}]  # compressed, the rest dense
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,8 @@ def check_cost_model_runs(results, P):
         covered = sorted((first, last) for first, last, _ in runs[0]["buckets"])
         assert covered[0][0] == 0 and covered[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
         assert {alg for *_, alg in runs[0]["buckets"]} <= {"dense", key.split("/")[0]}
+    # Eq. 1 under the stated model: the 64x64 kernel alone is compressed, the other three fused dense
+    assert sorted(results[0]["runs"]["dgc/optimizer+cm+clip"]["buckets"]) == [[0, 1, "dgc"], [1, 4, "dense"]]
 
 
 @pytest.mark.mpi

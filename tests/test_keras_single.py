@@ -93,6 +93,17 @@ def test_optimizer_config_roundtrip_and_delegation():
     assert float(inner.learning_rate) == pytest.approx(0.125)
 
 
+@pytest.mark.parametrize("selection", ["cost_model", {"alpha": 2e-4, "beta": 12.5e6, "comp_fixed": 1e-4,
+                                                       "comp_per_element": 2e-9}])
+def test_optimizer_config_keeps_selection_and_clip_norm(selection):
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), algorithm="dragonn", density=0.01, selection=selection,
+                               clip_norm=2.5, communicator=solo())
+    cfg = opt.get_config()
+    assert cfg["selection"] == selection and cfg["plan"] is None and cfg["clip_norm"] == 2.5
+    clone = DistributedOptimizer.from_config(cfg)
+    assert clone.exchange.plan == opt.exchange.plan and clone.exchange.clip_norm == 2.5
+
+
 def test_optimizer_route_single_process_matches_plain_keras_for_dense():
     x, y = data()
     keras.utils.set_random_seed(3)

@@ -182,3 +182,10 @@ def test_local_clipping_scales_each_rank_to_clip_over_sqrt_p(P):
     small = sum(np.concatenate(s) for *_, s, _ in res)  # under the limit: unchanged
     np.testing.assert_allclose(np.concatenate(res[0][3]), small, rtol=1e-6)
     np.testing.assert_array_equal(res[0][0][0], np.full(100, 1.0, np.float32))  # the input is not modified
+
+
+def test_selection_as_a_dict_and_the_optimizer_config_round_trip():
+    ex = GradientExchange("dragonn", 0.01, selection=SLOW.as_dict(), communicator=NoTalk())
+    assert ex.plan.model == SLOW
+    with pytest.raises(ValueError, match="exactly the CostModel fields"):
+        GradientExchange("dragonn", 0.01, selection={"alpha": 1.0}, communicator=NoTalk())

@@ -49,7 +49,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -107,6 +108,10 @@ class CostModel:
     def t_spr(self, d: int, workers: int, k: int, entry: int) -> float:
         """Allgather of ``k`` (index, value) entries of ``entry`` bytes: ``(K-1)(α + γdA/B)``."""
         return (workers - 1) * (self.alpha + k * entry / self.beta)
+
+    def as_dict(self) -> dict:
+        """The four numbers (``selection=`` takes this dict back)."""
+        return asdict(self)
 
     def describe(self) -> str:
         return (f"alpha={format_time(self.alpha)}, B={format_rate(self.beta)}, T_comp(d) = "
@@ -288,10 +293,16 @@ def _algorithm_error(algorithm) -> str:
 
 def make_selection(selection, algorithm: str):
     """``selection=``: None (every tensor takes the algorithm), ``"cost_model"`` (Eq. 1 with a model
-    measured at start-up) or a :class:`CostModel` (stated numbers) -> a :class:`CostModelPlan` or
-    None.  ValueError naming the argument and the accepted values otherwise."""
+    measured at start-up) or a :class:`CostModel` (stated numbers; also as a dict of its fields)
+    -> a :class:`CostModelPlan` or None.  ValueError naming the argument and the accepted values otherwise."""
     if selection is None:
         return None
+    if isinstance(selection, Mapping):  # a CostModel's fields (what get_config saves)
+        fields = ("alpha", "beta", "comp_fixed", "comp_per_element")
+        if sorted(selection) != sorted(fields):
+            raise ValueError(f"selection={dict(selection)!r} is not valid; a mapping must hold exactly the "
+                             f"CostModel fields {', '.join(fields)}")
+        selection = CostModel(**selection)
     if selection == "cost_model" or isinstance(selection, CostModel):
         if algorithm not in ALLGATHER_ALGORITHMS:
             raise ValueError(_algorithm_error(algorithm))

@@ -256,9 +256,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             "wire_dtype": ex.wire.name,
             "bucket_bytes": plan.get("bucket_bytes"),
             # a PerTensorPlan's assign function is code: not part of the config; the cost model's
-            # plan is re-made (and re-measured) from ``selection``
+            # plan is re-made from ``selection`` ("cost_model": measured again; a CostModel's numbers)
             "plan": None if ex.selection is not None else plan["plan"],
-            "selection": None if ex.selection is None else "cost_model",
+            "selection": ex.selection.as_dict() if hasattr(ex.selection, "as_dict") else ex.selection,
             "clip_norm": ex.clip_norm,
             "memory": ex.memory,
             "momentum": ex.momentum,
