@@ -19,6 +19,7 @@ gtopk      ``4k log2 P`` at the root (recv+sent)  gtopk-ssgd-shi2019 Eq. 7 (ceil
 oktopk     ``<= 6k(P-1)/P`` per rank              oktopk-li2022 Eq. 3 (steps reusing thresholds)
 dgc        ``2k(P-1)`` per rank (allgather)       as topk, k' = the entries actually selected
 gaussiank  ``2k(P-1)`` per rank (allgather)       oktopk-li2022 Table 1
+dragonn    ``2k'(P-1)``, k' occupied slots         dragonn-wang2022 §4.2 (k' ≈ 0.89k of 4k slots)
 =========  =====================================  ==========================================
 
 Measured: mean and max over ranks of the per-step bytes (for oktopk over the steps that
@@ -41,13 +42,13 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank")
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn")
 
 
 def paper_bytes(algo: str, n: int, k: int, P: int) -> float:
     if algo == "dense":
         return 4 * 2 * n * (P - 1) / P
-    if algo in ("topk", "dgc", "gaussiank"):
+    if algo in ("topk", "dgc", "gaussiank", "dragonn"):
         return 4 * 2 * k * (P - 1)
     if algo == "gtopk":  # the tree has ceil(log2 P) rounds (= log2 P for the paper's powers of two)
         return 4 * 4 * k * math.ceil(math.log2(P))
@@ -57,7 +58,7 @@ def paper_bytes(algo: str, n: int, k: int, P: int) -> float:
 
 
 FORMULA = {"dense": "2n(P-1)/P", "topk": "2k(P-1)", "gtopk": "4k log2 P @root", "oktopk": "<=6k(P-1)/P",
-           "dgc": "2k(P-1)", "gaussiank": "2k(P-1)"}
+           "dgc": "2k(P-1)", "gaussiank": "2k(P-1)", "dragonn": "2k'(P-1), k'~0.89k"}
 
 
 # -- worker (one per rank, under mpirun) -------------------------------------------------
