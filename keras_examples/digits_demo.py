@@ -72,8 +72,8 @@ class EpochClock(keras.callbacks.Callback):
         self.epoch_end_s.append(time.perf_counter() - self.start)
 
 
-def build_model():
-    keras.utils.set_random_seed(0)
+def build_model(seed=0):
+    keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(256, activation="relu"),
@@ -103,6 +103,7 @@ def main():
     parser.add_argument("--clip-norm", type=float, default=None, help="DGC's local gradient clipping (default: off)")
     parser.add_argument("--pipeline", type=int, default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
     parser.add_argument("--dsync-epochs", type=int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",
                         help="TensorBoard logs (rank 0): one run per algorithm under DIR")
@@ -129,7 +130,7 @@ def main():
                                            pipeline=args.pipeline, clip_norm=args.clip_norm,
                                            selection=args.selection if algorithm != "dense" else None, **options)
         with strategy.scope():
-            model = build_model()
+            model = build_model(args.seed)
             # momentum correction: the exchange applies the momentum, the optimizer must not
             model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.0 if correction else args.momentum),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -54,6 +54,29 @@ def dense_round(accs, wire):
     return result.astype(np.float64), residuals, {}
 
 
+def dense_ring_round(accs, wire):
+    """Pipe-SGD's ring reduce-scatter (pipe-sgd-li2018 Fig. 2c/3b), hop by hop: block j starts at
+    rank j+1 and travels right; every hop decodes the partial sum, adds its own block and
+    re-encodes it (the sender keeps what that encoding lost); the owner j adds its own last and
+    encodes the sum once for the allgather."""
+    P, n = len(accs), accs[0].size
+    offs = split(n, P)
+    result = np.zeros(n, np.float32)
+    residuals = [np.zeros(n, np.float32) for _ in range(P)]
+    for j in range(P):
+        blk = slice(offs[j], offs[j + 1])
+        partial = accs[(j + 1) % P][blk].copy()
+        for hop in range(1, P):
+            sender, receiver = (j + hop) % P, (j + hop + 1) % P
+            got = rt(wire, partial)
+            residuals[sender][blk] += partial - got
+            partial = got + accs[receiver][blk]
+        out = rt(wire, partial)
+        result[blk] = out
+        residuals[j][blk] += partial - out
+    return result.astype(np.float64), residuals, {}
+
+
 def selection_round(accs, sels, wire):
     """topk / dgc / gaussiank / dragonn: every rank's selection travels once (in the order of
     ``sels``, which the int8 wire's chunk scales depend on), all-gathered."""

@@ -46,12 +46,27 @@ class DenseAllreduce(Aggregator):
     rank are the ring's: ``wire.nbytes`` of ``n - n_rank`` values out in the reduce-scatter and
     ``n - n_(rank+1)`` in the allgather -- exactly half of float32's for a 16-bit wire when
     ``P`` divides ``n``, a quarter plus the scales for int8.  The sender keeps what encoding
-    its blocks lost, the owner what encoding the sum lost.  Unlike the paper's ring
-    reduce-scatter, which re-compresses the partial sum at each of the ``P - 1`` hops, each
-    value is quantized once before it is summed: the same bytes, less quantization error.
+    its blocks lost, the owner what encoding the sum lost.
+
+    Args:
+      reduce_scatter: ``"direct"`` (default, above: each value is quantized once before it is
+        summed) or ``"ring"`` -- the paper's ring reduce-scatter (Fig. 2c / 3b): ``P - 1`` hops
+        around the ring, each decoding the partial sum it receives, adding its own block and
+        re-compressing the new partial sum for the next hop ("repeated invocation of compression
+        and decompression, i.e. for each transmit-and-reduce step").  The same bytes, ``P - 1``
+        sequential messages instead of one round, and more quantization error (every hop's);
+        each hop's sender keeps what its encoding of the partial sum lost, so applied +
+        residuals still equal the gradients.  Float32 wires ignore it (``comm.allreduce``).
     """
 
     uses_memory = False
+    REDUCE_SCATTERS = ("direct", "ring")
+
+    def __init__(self, reduce_scatter: str = "direct"):
+        if reduce_scatter not in self.REDUCE_SCATTERS:
+            raise ValueError(f"reduce_scatter={reduce_scatter!r} is not supported; accepted: "
+                             f"{', '.join(repr(r) for r in self.REDUCE_SCATTERS)}")
+        self.reduce_scatter = reduce_scatter
 
     def encode(self, comm, acc, k=None, wire=FLOAT32):
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
@@ -60,6 +75,8 @@ class DenseAllreduce(Aggregator):
         counts = split_counts(acc.size, comm.size)
         offs = np.concatenate(([0], np.cumsum(counts)))
         loss = WireLoss()
+        if self.reduce_scatter == "ring":  # the partial sums are encoded hop by hop, in exchange()
+            return _DensePayload(acc, wire, counts, None, loss)
         blocks = []
         for j in range(comm.size):
             if j == comm.rank:
@@ -73,25 +90,18 @@ class DenseAllreduce(Aggregator):
 
     def exchange(self, comm, payload):
         acc, wire = payload.acc, payload.wire
-        if payload.blocks is None:
+        if payload.counts is None:
             total = comm.allreduce(acc, op="sum")
             return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size)
         rank, size, counts = comm.rank, comm.size, payload.counts
         offs = np.concatenate(([0], np.cumsum(counts)))
         own = slice(int(offs[rank]), int(offs[rank + 1]))
-        # reduce-scatter: every block goes straight to its owner; all sends are posted first,
-        # and the owner decodes each block while the others are still on the wire
-        sends = [comm.isend(payload.blocks[(rank + i) % size], (rank + i) % size, _RS_TAG) for i in range(1, size)]
-        mine = np.zeros(int(counts[rank]), np.float32)
-        for src in range(size):  # rank order: the same float32 rounding whatever the arrival order
-            if src == rank:
-                mine += acc[own]
-            else:
-                wire.decode_into(comm.recv(src, _RS_TAG, np.uint8), int(counts[rank]), mine, accumulate=True)
-        for req in sends:
-            req.wait()
-        buf, lost = wire.encode_with_loss(mine)
         loss = payload.loss
+        if payload.blocks is None:
+            mine = self._ring_reduce_scatter(comm, acc, wire, offs, loss)
+        else:
+            mine = self._direct_reduce_scatter(comm, payload, offs)
+        buf, lost = wire.encode_with_loss(mine)
         loss.add(own, lost)
         # allgather around the ring: each hop forwards the encoded block it received last and
         # decodes it while the next one travels; every rank decodes the same bytes
@@ -105,3 +115,49 @@ class DenseAllreduce(Aggregator):
                 buf = comm.recv(left, _AG_TAG, np.uint8)
                 req.wait()
         return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size, loss=loss)
+
+    @staticmethod
+    def _direct_reduce_scatter(comm, payload, offs) -> np.ndarray:
+        """Every block goes straight to its owner; all sends are posted first, and the owner
+        decodes each block while the others are still on the wire; summed in rank order (the
+        same float32 rounding whatever the arrival order)."""
+        rank, size, acc, wire = comm.rank, comm.size, payload.acc, payload.wire
+        n_own = int(offs[rank + 1] - offs[rank])
+        sends = [comm.isend(payload.blocks[(rank + i) % size], (rank + i) % size, _RS_TAG) for i in range(1, size)]
+        mine = np.zeros(n_own, np.float32)
+        for src in range(size):
+            if src == rank:
+                mine += acc[int(offs[rank]):int(offs[rank + 1])]
+            else:
+                wire.decode_into(comm.recv(src, _RS_TAG, np.uint8), n_own, mine, accumulate=True)
+        for req in sends:
+            req.wait()
+        return mine
+
+    @staticmethod
+    def _ring_reduce_scatter(comm, acc, wire, offs, loss: WireLoss) -> np.ndarray:
+        """The paper's ring: at hop ``s`` rank ``r`` encodes its partial sum of block
+        ``r - s - 1`` for its right-hand neighbour (keeping what the encoding lost) and adds its
+        own values to the partial sum of block ``r - s - 2`` from its left; after ``P - 1`` hops it
+        holds the whole sum of its own block ``r``."""
+        rank, size = comm.rank, comm.size
+        right, left = (rank + 1) % size, (rank - 1) % size
+
+        def block(j):
+            return slice(int(offs[j % size]), int(offs[j % size + 1]))
+
+        partial = acc[block(rank - 1)].copy()
+        for hop in range(size - 1):
+            out = block(rank - hop - 1)
+            buf, lost = wire.encode_with_loss(partial)
+            loss.add(out, lost)
+            req = comm.isend(buf, right, _RS_TAG)
+            into = block(rank - hop - 2)
+            partial = np.zeros(into.stop - into.start, np.float32)
+            wire.decode_into(comm.recv(left, _RS_TAG, np.uint8), partial.size, partial)
+            partial += acc[into]
+            req.wait()
+        return partial
+
+    def __repr__(self):
+        return f"{type(self).__name__}(reduce_scatter={self.reduce_scatter!r})"

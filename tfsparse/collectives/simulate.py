@@ -483,6 +483,12 @@ def _selection(name, value):
     return value
 
 
+def _reduce_scatter(name, value):
+    if value not in ("direct", "ring"):
+        raise ValueError(f"{name}={value!r} is not valid; accepted: 'direct', 'ring'")
+    return value
+
+
 def _truncate(name, value):
     if value not in ("largest", "first", None):
         raise ValueError(f"{name}={value!r} is not valid; accepted: 'largest', 'first', None")
@@ -500,7 +506,8 @@ def _any(name, value):
 # name -> (schedule builder, {option: (default, validator)}).  The options are the aggregator's;
 # those that do not change the expected schedule are accepted (and validated) for parity.
 _ALGORITHMS = {
-    "dense": (_dense, {}),
+    # the ring reduce-scatter of a lossy wire sends the same bytes (the model prices the allreduce)
+    "dense": (_dense, {"reduce_scatter": ("direct", _reduce_scatter)}),
     "topk": (_topk, {}),
     "dgc": (_dgc, {"sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
                    "min_samples": (1024, _positive_int), "seed": (None, _any),
