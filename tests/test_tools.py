@@ -43,3 +43,16 @@ def test_bench_training_plot_only(tmp_path):
     assert "| shm | 2 | 700 (140 / 210 / 70) | 300 (60 / 90 / 30) |" in done.stdout
     assert "| 1gbit | 3 | 24.0 (3) | — (0.900) |" in done.stdout
     assert "shm P=4 step: timed out after 1 s" in done.stdout
+
+
+def test_bench_encode_writes_json_and_png(tmp_path):
+    """tools/bench_encode.py on a small gradient: every case timed, the summary, both files."""
+    out = tmp_path / "enc"
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_encode.py"), "--sizes", "200K",
+                           "--densities", "0.01", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {r["case"] for r in result["rows"]} == {"dragonn", "dgc", "dgc (Alg. 3 only)", "topk"}
+    assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 for r in result["rows"])
+    assert "n=200000,density=0.01" in result["summary"] and out.with_suffix(".png").stat().st_size > 0

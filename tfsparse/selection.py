@@ -157,7 +157,8 @@ def decide(model: CostModel, layout: Layout, workers: int, density: float, value
     return out
 
 
-def _best_time(fn, repeats: int = 5) -> float:
+def best_time(fn, repeats: int = 5) -> float:
+    """The minimum wall time of ``repeats`` calls of ``fn`` after one untimed call, seconds."""
     fn()
     best = math.inf
     for _ in range(repeats):
@@ -179,9 +180,9 @@ def profile_compression(comm, algorithm: str, options: dict, density: float, wir
         k = int(min(d, max(1, math.ceil(density * d))))
         agg = get_aggregator(algorithm, **options)
         payload = agg.encode(comm, x, k, wire)
-        t_enc = _best_time(lambda: agg.encode(comm, x, k, wire))
+        t_enc = best_time(lambda: agg.encode(comm, x, k, wire))
         msgs = [payload.message] * workers
-        t_dec = _best_time(lambda: agg.combine(msgs, payload).to_dense(d))
+        t_dec = best_time(lambda: agg.combine(msgs, payload).to_dense(d))
         times.append(t_enc + t_dec)
     (d0, d1), (t0, t1) = sizes, times
     per = max(0.0, (t1 - t0) / (d1 - d0))

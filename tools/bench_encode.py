@@ -14,7 +14,8 @@ For every size ``n`` and density, on the same float32 Gaussian gradient, it time
   algorithm here uses), against **dense decoding** of the same DRAGONN payloads (each payload
   decoded into a dense tensor of its own, then the P tensors added: the baseline of Fig. 5b).
 
-Each timing is the minimum over ``--repeats`` runs after one warm-up.  The paper's goal is the
+Each timing is the minimum over ``--repeats`` runs after one warm-up (the cost model's
+``tfsparse.selection.best_time``, which times ``T_comp`` the same way).  The paper's goal is the
 encode ratio DGC / DRAGONN (13.2 vs 35.4 ms at 512 MB on a V100, compression ratio 0.001;
 the issue asks >= 1.5x on the CPU at 25M elements).  Writes ``<out>.json`` and ``<out>.png``.
 
@@ -29,7 +30,6 @@ import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -52,16 +52,6 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def dense_decode(n: int, pieces) -> np.ndarray:
     """Dense decoding: every payload into a dense tensor of its own, then the P tensors added."""
     out = np.zeros(n, np.float32)
@@ -74,6 +64,7 @@ def dense_decode(n: int, pieces) -> np.ndarray:
 
 def run(sizes, densities, workers: int, repeats: int) -> dict:
     from tfsparse.aggregators import get_aggregator
+    from tfsparse.selection import best_time
     from tfsparse.wire import FLOAT32, unpack_sparse
 
     comm = None  # encode is local: these aggregators never look at the communicator there
@@ -85,15 +76,15 @@ def run(sizes, densities, workers: int, repeats: int) -> dict:
             for label, (algorithm, options) in CASES.items():
                 agg = get_aggregator(algorithm, **options)
                 payload = agg.encode(comm, x, k, FLOAT32)
-                enc = best_of(lambda: agg.encode(comm, x, k, FLOAT32), repeats)
+                enc = best_time(lambda: agg.encode(comm, x, k, FLOAT32), repeats)
                 msgs = [payload.message] * workers
-                dec = best_of(lambda: agg.combine(msgs, payload).to_dense(n), repeats)
+                dec = best_time(lambda: agg.combine(msgs, payload).to_dense(n), repeats)
                 sent = int(payload.indices.size)
                 row = {"n": n, "density": density, "k": k, "case": label, "encode_ms": enc * 1e3,
                        "decode_ms": dec * 1e3, "sent": sent}
                 if algorithm == "dragonn":
                     pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in msgs]
-                    row["dense_decode_ms"] = best_of(lambda: dense_decode(n, pieces), repeats) * 1e3
+                    row["dense_decode_ms"] = best_time(lambda: dense_decode(n, pieces), repeats) * 1e3
                 rows.append(row)
                 print(f"n={n:>11,} density={density:<6} {label:<18} encode {enc * 1e3:8.2f} ms  decode(P={workers}) "
                       f"{dec * 1e3:8.2f} ms  sent {sent:,} ({sent / k:.2f} k)", flush=True)
