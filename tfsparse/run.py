@@ -222,6 +222,11 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Open MPI 4.1's aggregation of identical help messages (e.g. every rank's MPI_Abort notice)
+    # can fail to unpack ("Data unpack would read past end of buffer ... show_help.c", open-mpi/ompi
+    # #8356); seen once in this project's CI (a departing-rank test), where mpirun then hung
+    # instead of ending the job: print each rank's message instead
+    env.setdefault("OMPI_MCA_orte_base_help_aggregate", "0")
     for var in ("PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "TFSPARSE_BACKEND", "PYTHONPATH"):
         if var in env:
             cmd += ["-x", var]
