@@ -178,6 +178,30 @@ def test_momentum_correction_equals_reference(P, algorithm, options):
             np.testing.assert_allclose(got[r][s]["extra"], u[r], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("algorithm,wire", [("dense", "int8"), ("dense", "bfloat16"), ("topk", "float32")])
+@pytest.mark.parametrize("P", [2, 3])
+def test_memory_none_drops_what_is_not_delivered(P, algorithm, wire):
+    """``memory="none"``: no residual; every step is the round of that step's gradients alone
+    (Pipe-SGD's compression as published; gradient dropping for topk)."""
+    from exchange_ref import dense_round, selection_round
+    import refs
+
+    steps = 3
+    got = run_exchange(P, steps, lambda c: GradientExchange(algorithm, 0.05, wire_dtype=wire, memory="none",
+                                                           communicator=c))
+    for s, accs in enumerate(all_grads(P, steps)):
+        if algorithm == "dense":
+            want = dense_round(accs, wire)[0]
+        else:
+            want = selection_round(accs, [refs.exact_topk(a, math.ceil(0.05 * a.size)) for a in accs], wire)[0]
+        for r in range(P):
+            assert got[r][s]["residual"] is None
+            np.testing.assert_array_equal(got[r][s]["out"], got[0][s]["out"])
+            np.testing.assert_allclose(got[r][s]["out"], want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="momentum=0.9 needs memory='momentum'"):
+        GradientExchange("dense", 1.0, memory="none", momentum=0.9)
+
+
 def test_dense_with_momentum_memory_is_momentum_sgd():
     """At density 1 the exchanged sum is the momentum velocity: w -= lr·u equals Keras' SGD
     with momentum on the summed gradient."""
@@ -193,7 +217,7 @@ def test_dense_with_momentum_memory_is_momentum_sgd():
 def test_momentum_options_are_validated():
     with pytest.raises(ValueError, match=r"momentum=0\.9 needs memory='momentum'"):
         GradientExchange("topk", 0.01, momentum=0.9)
-    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'momentum', 'residual'"):
+    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'momentum', 'none', 'residual'"):
         GradientExchange("topk", 0.01, memory="velocity")
     for bad in (1.0, -0.1, "0.9", True):
         with pytest.raises(ValueError, match=r"momentum=.* must be a number in \[0, 1\)"):

@@ -258,7 +258,8 @@ class GradientExchange:
       plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
       memory: ``"residual"`` (default): error feedback; ``"momentum"``: momentum correction
         with momentum factor masking (DGC §3.2, gradientflow-sun2019 Alg. 1) -- the optimizer
-        then runs without momentum.  See :mod:`tfsparse.memory`.
+        then runs without momentum; ``"none"``: no error feedback (what is not delivered is
+        dropped; Pipe-SGD's compression as published).  See :mod:`tfsparse.memory`.
       momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
       pipeline: Pipe-SGD's iteration dependency K: ``1`` (default) synchronous; ``2``
         pipelined -- :meth:`step` returns the previous round's result while this round's
@@ -388,6 +389,8 @@ class GradientExchange:
         correction)."""
         if self._buckets:
             return any(b.residual is not None for b in self._buckets)
+        if self.memory == "none":
+            return False
         return self._prototype.uses_memory or self.wire.lossy or self.memory != "residual"
 
     @property

@@ -18,7 +18,9 @@ keeps (the momentum velocity) is its explicit state (:class:`~tfsparse.state.Sta
   must apply it without momentum of its own (``keras.optimizers.SGD(lr)``, ``momentum=0``).
   A dense exchange (``algorithm="dense"``, a dense warm-up step) keeps the velocity: that step
   is then exactly momentum SGD (``w -= lr·u``), which masking would turn into plain SGD.
-* :class:`NoMemory` -- for lossless aggregation over a lossless wire (dense, float32).
+* :class:`NoMemory` (``memory="none"``) -- nothing kept: what lossless aggregation over a
+  lossless wire (dense, float32) uses, and, chosen, no error feedback at all (Pipe-SGD's
+  compressed allreduce as published; gradient dropping for a sparse algorithm).
 """
 from __future__ import annotations
 
@@ -58,9 +60,27 @@ def get_memory(memory: str, size: int, options: dict, needed: bool):
     return cls(size, **options)
 
 
+@register_memory
 class NoMemory(Stateful):
+    """``memory="none"``: no error feedback -- what the exchange does not deliver (unsent entries,
+    what a lossy wire loses) is dropped.  What the papers' lossless exchanges need, and
+    Pipe-SGD's compressed allreduce as the paper describes it (pipe-sgd-li2018 §3.2 quantizes
+    and truncates without keeping the error); with a sparse algorithm it is plain gradient
+    dropping."""
+
     name = "none"
     stateful = False
+    always = False
+
+    def __init__(self, size: int = 0):
+        pass
+
+    @staticmethod
+    def check_options(momentum=None) -> dict:
+        if momentum is not None:
+            raise ValueError(f"momentum={momentum!r} needs memory='momentum' (momentum correction); with "
+                             f"memory='none' the optimizer applies the momentum")
+        return {}
 
     def compensate(self, grad: np.ndarray, residual, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad`` (the gradient travels as it is)."""
