@@ -60,6 +60,14 @@ def get_memory(memory: str, size: int, options: dict, needed: bool):
     return cls(size, **options)
 
 
+def _without_momentum(name: str, momentum) -> dict:
+    """The options of a memory without a momentum factor (ValueError if one is given)."""
+    if momentum is not None:
+        raise ValueError(f"momentum={momentum!r} needs memory='momentum' (momentum correction); with "
+                         f"memory={name!r} the optimizer applies the momentum")
+    return {}
+
+
 @register_memory
 class NoMemory(Stateful):
     """``memory="none"``: no error feedback -- what the exchange does not deliver (unsent entries,
@@ -75,12 +83,9 @@ class NoMemory(Stateful):
     def __init__(self, size: int = 0):
         pass
 
-    @staticmethod
-    def check_options(momentum=None) -> dict:
-        if momentum is not None:
-            raise ValueError(f"momentum={momentum!r} needs memory='momentum' (momentum correction); with "
-                             f"memory='none' the optimizer applies the momentum")
-        return {}
+    @classmethod
+    def check_options(cls, momentum=None) -> dict:
+        return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, residual, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad`` (the gradient travels as it is)."""
@@ -112,12 +117,9 @@ class ResidualMemory(Stateful):
     def __init__(self, size: int = 0):
         pass
 
-    @staticmethod
-    def check_options(momentum=None) -> dict:
-        if momentum is not None:
-            raise ValueError(f"momentum={momentum!r} needs memory='momentum' (momentum correction); with "
-                             f"memory='residual' the optimizer applies the momentum")
-        return {}
+    @classmethod
+    def check_options(cls, momentum=None) -> dict:
+        return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad + residual`` (float32, in one pass)."""
