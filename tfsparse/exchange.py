@@ -83,8 +83,11 @@ def clip_by_global_norm(arrays, max_norm: float) -> list:
     ``max_norm / max(norm, max_norm)``, ``norm`` the L2 norm over all of them (as
     ``tf.clip_by_global_norm``).  New arrays when scaled; the input is never modified.  A
     non-finite norm leaves the arrays as they are (the exchange skips that round)."""
-    norm = math.sqrt(sum(float(np.dot(a.reshape(-1).astype(np.float64), a.reshape(-1).astype(np.float64)))
-                         for a in arrays))
+    squares = 0.0
+    for a in arrays:
+        v = a.reshape(-1).astype(np.float64)
+        squares += float(np.dot(v, v))
+    norm = math.sqrt(squares)
     if not math.isfinite(norm) or norm <= max_norm:
         return list(arrays)
     scale = max_norm / norm

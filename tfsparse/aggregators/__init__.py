@@ -1,6 +1,6 @@
 """Sparse allreduce algorithms (one module per paper), looked up by name."""
-from .base import Aggregator, AllreduceResult, sum_sparse
+from .base import Aggregator, AllreduceResult, sparse_decode
 from .registry import available_aggregators, get_aggregator, register
 from . import dense, topk, gtopk, oktopk, threshold, csc, dragonn  # noqa: F401  (modules register themselves)
 
-__all__ = ["Aggregator", "AllreduceResult", "sum_sparse", "available_aggregators", "get_aggregator", "register"]
+__all__ = ["Aggregator", "AllreduceResult", "sparse_decode", "available_aggregators", "get_aggregator", "register"]

@@ -119,8 +119,8 @@ def sparse_decode(n: int, pieces) -> np.ndarray:
     concatenated in rank order, decoded by **one** :func:`tfsparse.ops.scatter_add` into the dense
     float32 sum -- "we batch these K compressed tensors, i.e. concatenate all of them, for one
     decoding operation"; "also applicable to other GS algorithms, such as DGC, TopK".  Each
-    element is summed in rank order, so every rank gets bit-identical sums (the order
-    :func:`sum_sparse` sums in)."""
+    element is summed in rank order (``np.add.at``'s order), so every rank gets bit-identical
+    sums."""
     from .. import ops
 
     if not pieces:
@@ -128,20 +128,3 @@ def sparse_decode(n: int, pieces) -> np.ndarray:
     idx = np.concatenate([p[0] for p in pieces])
     val = np.concatenate([p[1] for p in pieces])
     return ops.scatter_add(n, idx, val)
-
-
-def sum_sparse(parts_idx: list[np.ndarray], parts_val: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Sums sparse vectors given as (indices, values) pairs, in list order.
-
-    Returns unique ascending indices and their float32 sums.  The summation order
-    (list order, then position) is fixed, so every rank computing this on the same
-    inputs gets bit-identical values.
-    """
-    if not parts_idx:
-        return np.empty(0, np.int64), np.empty(0, np.float32)
-    idx = np.concatenate(parts_idx).astype(np.int64, copy=False)
-    val = np.concatenate(parts_val).astype(np.float32, copy=False)
-    uniq, inverse = np.unique(idx, return_inverse=True)
-    out = np.zeros(uniq.size, dtype=np.float32)
-    np.add.at(out, inverse, val)
-    return uniq, out
