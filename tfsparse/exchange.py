@@ -59,6 +59,7 @@ from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
 from .schedules import check_density
 from .selection import make_selection
+from .space import HOST, clip_by_global_norm, space_for  # noqa: F401 (clip_by_global_norm: public here)
 from .wire import FLOAT32, get_wire
 
 CHECKPOINT_PREFIX = "tfsparse."
@@ -75,23 +76,6 @@ def check_clip_norm(clip_norm) -> float | None:
         raise ValueError(f"clip_norm={clip_norm!r} is not valid; accepted: None (no clipping) or a positive number "
                          f"(DGC's local gradient clipping: each rank clips its gradient to clip_norm / sqrt(P))")
     return float(clip_norm)
-
-
-def clip_by_global_norm(arrays, max_norm: float) -> list:
-    """DGC's local gradient clipping (Lin et al. 2018 §3.3, "we perform the gradient clipping
-    locally before adding the current gradient to previous accumulation"): ``arrays`` scaled by
-    ``max_norm / max(norm, max_norm)``, ``norm`` the L2 norm over all of them (as
-    ``tf.clip_by_global_norm``).  New arrays when scaled; the input is never modified.  A
-    non-finite norm leaves the arrays as they are (the exchange skips that round)."""
-    squares = 0.0
-    for a in arrays:
-        v = a.reshape(-1).astype(np.float64)
-        squares += float(np.dot(v, v))
-    norm = math.sqrt(squares)
-    if not math.isfinite(norm) or norm <= max_norm:
-        return list(arrays)
-    scale = max_norm / norm
-    return [(a * scale).astype(a.dtype, copy=False) for a in arrays]
 
 
 def check_pipeline(pipeline) -> int:
@@ -133,14 +117,6 @@ def _warm_kernels() -> None:
     from .ops import cpu
 
     cpu.warmup()
-
-
-def all_finite(x: np.ndarray) -> bool:
-    """Whether every element of the float32 vector ``x`` is finite: one BLAS dot product
-    (``x·x`` is NaN or Inf when any element is; ~3 ms for 25M elements), confirmed element by
-    element only when the dot overflowed."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return bool(np.isfinite(np.dot(x, x))) or bool(np.isfinite(x).all())
 
 
 class ExchangeStats:
@@ -198,15 +174,15 @@ class _Inline:
 class _BucketState:
     """A bucket at run time: its plan entry, aggregator, wire, memory and buffers."""
 
-    def __init__(self, spec, aggregator, wire, density, memory):
+    def __init__(self, spec, aggregator, wire, density, memory, space):
         self.spec = spec
         self.aggregator = aggregator
         self.dense = None  # the bucket's DenseAllreduce, for dense steps of a sparse algorithm
         self.wire = wire
         self.density = density  # None: the exchange's
         self.memory = memory
-        self.residual = np.zeros(spec.size, np.float32) if memory.stateful else None
-        self.acc = np.empty(spec.size, np.float32)
+        self.residual = space.zeros(spec.size) if memory.stateful else None
+        self.acc = space.empty(spec.size)
         self.rounds = 0          # rounds started
         self.futures: dict = {}  # round index -> future of the communication job
         # pipelining: what a started round's step returns instead of its own result, as
@@ -332,6 +308,7 @@ class GradientExchange:
         self.nonfinite_result = "zeros"
         self.stats = ExchangeStats()
         self.total = ExchangeStats()  # never reset: whole-run totals
+        self.space = HOST  # where the buckets' vectors live: set by the first gradient (tfsparse.space)
 
     # -- configuration ----------------------------------------------------
     @property
@@ -420,8 +397,9 @@ class GradientExchange:
         return int(min(n, max(1, math.ceil(d * n))))
 
     # -- building ---------------------------------------------------------
-    def build(self, layout: Layout) -> None:
+    def build(self, layout: Layout, space=None) -> None:
         """Plans the buckets for ``layout`` (the first time; later calls check the layout).
+        ``space``: where the buckets' vectors live (:mod:`tfsparse.space`; default the host).
 
         The first call checks that every rank has the same settings, transport and gradient
         layout (:func:`~tfsparse.collectives.agreement.check_agreement`: the same
@@ -435,6 +413,7 @@ class GradientExchange:
                                  f"SparseStrategy or DistributedOptimizer)")
             return
         comm = self.comm
+        self.space = space if space is not None else HOST
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
             check_agreement(comm, "the gradient exchange", self._agreement(layout, []), _AGREE_HINT)
@@ -445,8 +424,9 @@ class GradientExchange:
             options = copy.deepcopy({**(self.options if algorithm == self.algorithm else {}), **spec.options})
             density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
             aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or self.wire.name)
-            memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy)
-            buckets.append(_BucketState(spec, aggregator, wire, density, memory))
+            memory = get_memory(self.memory, spec.size, self.memory_options, aggregator.uses_memory or wire.lossy,
+                                self.space)
+            buckets.append(_BucketState(spec, aggregator, wire, density, memory, self.space))
         _warm_kernels()
         check_agreement(comm, "the gradient exchange", self._agreement(layout, buckets), _AGREE_HINT)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
@@ -501,7 +481,16 @@ class GradientExchange:
     # -- numpy level ------------------------------------------------------
     def exchange_numpy(self, grads):
         """One round on numpy data: ``grads`` is one flat array or a list of arrays; returns
-        the summed gradients in the same form.  The residuals stay in the exchange."""
+        the summed gradients in the same form.  The residuals stay in the exchange.
+
+        **Device arrays** (CuPy, Numba, PyTorch CUDA tensors: anything with
+        ``__cuda_array_interface__``): when the first round's gradients live on a CUDA device,
+        the exchange keeps its vectors there (:class:`tfsparse.space.CudaSpace`) -- error
+        feedback, the finite check and the residual on the device, the selection too for the
+        algorithms that select there (``topk``, ``gtopk``, ``dragonn``; the others are handed a
+        host copy of the bucket), only the payload crosses to the host for the transport, and
+        the result is decoded on the device and returned as Numba device arrays (float32).  Every
+        later round's input is taken to where the first one lived."""
         return self.start(grads).wait()
 
     def start(self, grads) -> Round:
@@ -523,13 +512,17 @@ class GradientExchange:
         return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
 
     def _arrays(self, grads) -> tuple[bool, list]:
-        """``(flat, arrays)`` for numpy input (one flat array, or a list of arrays); builds the
-        plan the first time, and afterwards checks the shapes."""
-        flat = isinstance(grads, np.ndarray) and grads.ndim <= 1
-        arrays = [np.asarray(grads).reshape(-1)] if flat else [np.asarray(g) for g in grads]
-        self.build(Layout.of(arrays))
+        """``(flat, arrays)`` for numpy or device input (one flat array, or a list of arrays);
+        builds the plan the first time (in the space where the gradients live), and afterwards
+        checks the shapes."""
+        space = self.space if self.layout is not None else space_for(grads if not isinstance(grads, (list, tuple))
+                                                                    else (grads[0] if grads else None))
+        # one array is flat (a 2-D numpy array: a list of rows, as always); a list: one per tensor
+        flat = not isinstance(grads, (list, tuple)) and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
+        arrays = [space.accept(grads).reshape(-1)] if flat else [space.accept(g) for g in grads]
+        self.build(Layout.of(arrays), space)
         if self.clip_norm is not None:
-            arrays = clip_by_global_norm(arrays, self.local_clip_norm)
+            arrays = space.clip_by_global_norm(arrays, self.local_clip_norm)
         return flat, arrays
 
     @property
@@ -541,7 +534,7 @@ class GradientExchange:
     def _assemble(self, dense: dict, flat: bool):
         """Bucket results (``{bucket index: flat array}``) as one flat array or per tensor."""
         if flat:
-            return np.concatenate([dense[b.spec.index] for b in sorted(self._buckets, key=lambda b: b.spec.start)])
+            return self.space.concat([dense[b.spec.index] for b in sorted(self._buckets, key=lambda b: b.spec.start)])
         out = [None] * len(self.layout)
         for b in self._buckets:
             offs = self.layout.offsets[b.spec.first:b.spec.last + 1] - b.spec.start
@@ -554,7 +547,7 @@ class GradientExchange:
         its communication), or zeros when nothing is owed."""
         self._hold_owed(b)
         out, b.held = b.held, None
-        return np.zeros(b.spec.size, np.float32) if out is None else out
+        return self.space.zeros(b.spec.size) if out is None else out
 
     def _begin(self, b: _BucketState, arrays) -> int:
         """Starts the bucket's next round in the round's mode (decided at bucket 0); returns its
@@ -577,7 +570,7 @@ class GradientExchange:
         carry, pipelined = b.owed.pop(index, (None, False))
         if not pipelined:
             out = self._finish_bucket(b, index)
-            return out if carry is None else out + carry
+            return out if carry is None else self.space.plus(out, carry)
         first, steps = self.sync_points or (0, 0)
         if steps and index >= first and (index - first + 1) % steps == 0:
             b.held = self._finish_bucket(b, index)  # an epoch's last step: nothing stays in flight
@@ -617,10 +610,13 @@ class GradientExchange:
             aggregator = b.dense
         k = self.k_for(b.spec.size, density, aggregator)
         wire = FLOAT32 if self.dsync else b.wire
-        finite = all_finite(b.acc)
+        space = self.space
+        finite = space.all_finite(b.acc)
         if not finite:  # the round is dropped on every rank; encode something harmless meanwhile
-            np.nan_to_num(b.acc, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
-        payload = (aggregator, aggregator.encode(self._xcomm, b.acc, k, wire), finite, index)
+            space.zero_nonfinite(b.acc)
+        # on a device: aggregators that select there take the device vector, the others a host copy
+        acc = b.acc if aggregator.accepts_device or not space.on_device else space.to_host(b.acc)
+        payload = (aggregator, aggregator.encode(self._xcomm, acc, k, wire), finite, index)
         dt = time.perf_counter() - t0
         with self._stats_lock:
             for s in (self.stats, self.total):
@@ -639,7 +635,7 @@ class GradientExchange:
         before = self._xcomm.bytes_sent
         result = aggregator.exchange(self._xcomm, payload)
         t1 = time.perf_counter()
-        dense = result.to_dense(b.spec.size)
+        dense = self.space.decode(result, b.spec.size)
         if b.residual is not None:
             new = b.memory.update(b.acc, result)
             b.acc, b.residual = b.residual, new
@@ -669,7 +665,7 @@ class GradientExchange:
                           RuntimeWarning, stacklevel=2)
         b.memory.drop_nonfinite()
         fill = np.nan if self.nonfinite_result == "nan" else 0.0
-        return _Outcome(np.full(b.spec.size, fill, np.float32), 0, 0, seconds, 0.0, skipped=True)
+        return _Outcome(self.space.full(b.spec.size, fill), 0, 0, seconds, 0.0, skipped=True)
 
     def _finish_bucket(self, b: _BucketState, index: int) -> np.ndarray:
         t0 = time.perf_counter()
@@ -728,7 +724,7 @@ class GradientExchange:
         for b in self._buckets:
             value = part(b)
             if value is not None:
-                out[b.spec.start:b.spec.stop] = value
+                out[b.spec.start:b.spec.stop] = self.space.to_host(value)
         return out
 
     def _memory_state(self) -> dict:
@@ -792,9 +788,12 @@ class GradientExchange:
             self._round = self._next_round = int(state["round"].reshape(-1)[0])
         residual, pending = state.get("residual"), state.get("pending")
         for b in self._buckets:
-            b.held = None if pending is None else pending.reshape(-1)[b.spec.start:b.spec.stop].astype(np.float32)
+            b.held = None if pending is None else self.space.from_host(pending.reshape(-1)[b.spec.start:b.spec.stop])
             if b.residual is not None:
-                b.residual[:] = 0.0 if residual is None else residual.reshape(-1)[b.spec.start:b.spec.stop]
+                if residual is None:
+                    self.space.fill(b.residual, 0.0)
+                else:
+                    self.space.set(b.residual, np.asarray(residual, np.float32).reshape(-1)[b.spec.start:b.spec.stop])
             b.memory.set_state({key: state[key].reshape(-1)[b.spec.start:b.spec.stop]
                                 for key in b.memory.get_state() if key in state})
             prefix = f"bucket{b.spec.index}."

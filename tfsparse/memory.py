@@ -28,6 +28,7 @@ import numbers
 
 import numpy as np
 
+from .space import HOST
 from .state import Stateful
 
 _MEMORIES: dict = {}
@@ -50,14 +51,15 @@ def check_memory(memory, momentum=None) -> dict:
     return _MEMORIES[memory].check_options(momentum)
 
 
-def get_memory(memory: str, size: int, options: dict, needed: bool):
+def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST):
     """The memory of a bucket of ``size`` elements; ``needed``: whether anything is lost in
     the exchange (a sparse algorithm or a lossy wire).  Without loss and without momentum
-    nothing is kept (:class:`NoMemory`)."""
+    nothing is kept (:class:`NoMemory`).  ``space``: where the bucket's vectors live
+    (:mod:`tfsparse.space`)."""
     cls = _MEMORIES[memory]
     if not needed and not cls.always:
-        return NoMemory()
-    return cls(size, **options)
+        return NoMemory(space=space)
+    return cls(size, **options, space=space)
 
 
 def _without_momentum(name: str, momentum) -> dict:
@@ -80,8 +82,8 @@ class NoMemory(Stateful):
     stateful = False
     always = False
 
-    def __init__(self, size: int = 0):
-        pass
+    def __init__(self, size: int = 0, space=HOST):
+        self.space = space
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
@@ -89,7 +91,7 @@ class NoMemory(Stateful):
 
     def compensate(self, grad: np.ndarray, residual, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad`` (the gradient travels as it is)."""
-        np.copyto(out, np.reshape(grad, -1), casting="same_kind")
+        self.space.copy(out, grad)
         return out
 
     def update(self, acc: np.ndarray, result) -> None:
@@ -99,11 +101,11 @@ class NoMemory(Stateful):
         """After a skipped round (a non-finite gradient): nothing is kept, nothing to clean."""
 
 
-def _clear_contributed(buf: np.ndarray, result) -> None:
+def _clear_contributed(space, buf, result) -> None:
     if result.contributed is None:
-        buf.fill(0.0)
+        space.fill(buf, 0.0)
     else:
-        buf[result.contributed] = 0.0
+        space.zero_at(buf, result.contributed)
 
 
 @register_memory
@@ -114,8 +116,8 @@ class ResidualMemory(Stateful):
     stateful = True
     always = False  # only where the exchange loses something
 
-    def __init__(self, size: int = 0):
-        pass
+    def __init__(self, size: int = 0, space=HOST):
+        self.space = space
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
@@ -123,7 +125,7 @@ class ResidualMemory(Stateful):
 
     def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray, span: slice) -> np.ndarray:
         """``out[:] = grad + residual`` (float32, in one pass)."""
-        np.add(np.reshape(grad, -1), residual, out=out, casting="same_kind")
+        self.space.add(grad, residual, out)
         return out
 
     def drop_nonfinite(self) -> None:
@@ -134,8 +136,9 @@ class ResidualMemory(Stateful):
         """The new residual, in place of ``acc``: the contributed entries removed
         (``result.contributed``; ``None`` means everything), plus what the wire lost
         (``result.loss``)."""
-        _clear_contributed(acc, result)
-        result.loss.apply_to(acc)
+        _clear_contributed(self.space, acc, result)
+        for where, lost in result.loss.parts:
+            self.space.add_at(acc, where, lost)
         return acc
 
 
@@ -153,9 +156,10 @@ class MomentumMemory(ResidualMemory):
 
     DEFAULT_MOMENTUM = 0.9
 
-    def __init__(self, size: int = 0, momentum: float = DEFAULT_MOMENTUM):
+    def __init__(self, size: int = 0, momentum: float = DEFAULT_MOMENTUM, space=HOST):
+        super().__init__(size, space)
         self.momentum = np.float32(momentum)
-        self.velocity = np.zeros(int(size), np.float32)
+        self.velocity = space.zeros(int(size))
 
     @staticmethod
     def check_options(momentum=None) -> dict:
@@ -167,10 +171,7 @@ class MomentumMemory(ResidualMemory):
 
     def compensate(self, grad, residual, out, span):
         """``u = m·u + grad; out = residual + u`` over ``span`` of the bucket."""
-        u = self.velocity[span]
-        np.multiply(u, self.momentum, out=u)
-        np.add(u, np.reshape(grad, -1), out=u, casting="same_kind")
-        np.add(u, residual, out=out)
+        self.space.momentum(self.velocity[span], self.momentum, grad, residual, out)
         return out
 
     def update(self, acc, result):
@@ -178,21 +179,24 @@ class MomentumMemory(ResidualMemory):
         values were contributed (momentum factor masking) -- unless everything was (a dense
         exchange: plain momentum SGD)."""
         if result.contributed is not None:
-            self.velocity[result.contributed] = 0.0
+            self.space.zero_at(self.velocity, result.contributed)
         return super().update(acc, result)
 
     def drop_nonfinite(self) -> None:
         """After a skipped round: the velocity took the round's gradient in ``compensate``;
         its non-finite entries are cleared, so that it never keeps NaN/Inf."""
-        np.nan_to_num(self.velocity, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        self.space.zero_nonfinite(self.velocity)
 
     def get_state(self):
-        return {"velocity": self.velocity.copy()}
+        return {"velocity": np.array(self.space.to_host(self.velocity), np.float32)}
 
     def set_state(self, state):
         super().set_state(state)
         v = state.get("velocity")
-        self.velocity[:] = 0.0 if v is None else np.asarray(v, np.float32).reshape(-1)
+        if v is None:
+            self.space.fill(self.velocity, 0.0)
+        else:
+            self.space.set(self.velocity, np.asarray(v, np.float32).reshape(-1))
 
     def __repr__(self):
         return f"MomentumMemory(momentum={float(self.momentum)})"

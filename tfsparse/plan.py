@@ -51,6 +51,12 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+def _dtype_of(a) -> np.dtype:
+    """``a``'s dtype without copying it (device arrays have one, too)."""
+    dtype = getattr(a, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(a).dtype
+
+
 class Layout:
     """The gradients of one model, in order, and their offsets in the fused float32 vector."""
 
@@ -66,7 +72,7 @@ class Layout:
     def of(cls, arrays, names=None) -> "Layout":
         """The layout of a list of arrays (or of one flat array)."""
         names = names if names is not None else [f"gradient_{i}" for i in range(len(arrays))]
-        return cls(TensorSpec(str(nm), tuple(int(d) for d in np.shape(a)), np.asarray(a).dtype.name)
+        return cls(TensorSpec(str(nm), tuple(int(d) for d in np.shape(a)), _dtype_of(a).name)
                    for nm, a in zip(names, arrays))
 
     def __len__(self):

@@ -301,11 +301,48 @@ def check_tf_cuda_path():
     T.set_path(None)
 
 
+def check_exchange_buffer_kernels():
+    """The kernels of a device-resident exchange (tfsparse.space.CudaSpace) against numpy."""
+    kc = _setup()
+    rng = np.random.default_rng(5)
+    n = 1000
+    a, b, r = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    u = rng.standard_normal(n).astype(np.float32)
+    out = _dev(np.zeros(n, np.float32))
+    kc.add(_dev(a), _dev(b), out)
+    _same_bits(out, a + b)
+    du = _dev(u)
+    kc.momentum_step(du, np.float32(0.9), _dev(a), _dev(r), out)
+    want_u = u * np.float32(0.9) + a
+    _same_bits(du, want_u)
+    _same_bits(out, want_u + r)
+    kc.scale(_dev(a), 0.3, out)
+    _same_bits(out, a * np.float32(0.3))
+    assert kc.all_finite(_dev(a))
+    bad = a.copy()
+    bad[[3, 500, 999]] = [np.nan, np.inf, -np.inf]
+    assert not kc.all_finite(_dev(bad)) and kc.all_finite(_dev(np.zeros(0, np.float32)))
+    d = _dev(bad)
+    kc.zero_nonfinite(d)
+    _same_bits(d, np.nan_to_num(bad, nan=0.0, posinf=0.0, neginf=0.0))
+    d = _dev(a)
+    kc.zero_at(d, np.array([0, 7, 999]))
+    want = a.copy()
+    want[[0, 7, 999]] = 0.0
+    _same_bits(d, want)
+    kc.set_at(d, np.array([1, 2]), np.array([-0.0, 5.0], np.float32))
+    want[[1, 2]] = [-0.0, 5.0]
+    _same_bits(d, want)
+    assert abs(kc.sum_squares(_dev(a)) - float(np.dot(a.astype(np.float64), a.astype(np.float64)))) < 1e-9 * n
+    kc.fill(d, 2.5)
+    _same_bits(d, np.full(n, 2.5, np.float32))
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}
 CHECK_NAMES = tuple(CHECKS)
 
 
-def main(argv):
+def main(argv, checks=None):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise SystemExit("run with NUMBA_ENABLE_CUDASIM=1")
     sys.setswitchinterval(5e-4)  # the simulator's block manager polls its threads: hand the GIL over often
@@ -313,11 +350,12 @@ def main(argv):
     # 0 * Inf in the non-finite quantization checks is the documented NaN result
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
     warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
-    names = argv or list(CHECKS)
+    checks = CHECKS if checks is None else checks
+    names = argv or list(checks)
     results = {}
     for name in names:
         try:
-            CHECKS[name]()
+            checks[name]()
             results[name] = "ok"
         except Exception:  # noqa: BLE001 -- reported to the test
             results[name] = traceback.format_exc()

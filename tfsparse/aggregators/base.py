@@ -15,8 +15,6 @@ bit-identically.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from ..collectives.communicator import Communicator
@@ -24,7 +22,6 @@ from ..state import Stateful
 from ..wire import FLOAT32, Wire, WireLoss
 
 
-@dataclass
 class AllreduceResult:
     """Result of one sparse allreduce.
 
@@ -37,13 +34,29 @@ class AllreduceResult:
       sent_elements: gradient elements (values) this rank contributed, for density stats.
       loss: what this rank's encodings lost on values that reached the result
         (:class:`~tfsparse.wire.WireLoss`; empty for the float32 wire).
+      pieces: for an allgather result, the ``(indices, values)`` payloads of every rank in rank
+        order (each with unique indices), not yet summed; ``values`` is then their dense sum,
+        decoded on first access (:func:`sparse_decode`) -- a device-resident exchange decodes
+        the pieces on the device instead (:mod:`tfsparse.space`), and the host never does.
     """
 
-    indices: np.ndarray | None
-    values: np.ndarray
-    contributed: np.ndarray | None
-    sent_elements: int
-    loss: WireLoss = field(default_factory=WireLoss)
+    def __init__(self, indices, values=None, contributed=None, sent_elements: int = 0, loss: WireLoss | None = None,
+                 pieces: list | None = None, n: int | None = None):
+        if values is None and pieces is None:
+            raise ValueError("an AllreduceResult needs values or pieces")
+        self.indices = indices
+        self._values = values
+        self.contributed = contributed
+        self.sent_elements = int(sent_elements)
+        self.loss = loss if loss is not None else WireLoss()
+        self.pieces = pieces
+        self.n = n
+
+    @property
+    def values(self) -> np.ndarray:
+        if self._values is None:
+            self._values = sparse_decode(self.n, self.pieces)
+        return self._values
 
     def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The result as a dense float32 vector (written into ``out`` when given)."""
@@ -71,6 +84,9 @@ class Aggregator(Stateful):
 
     name = "base"
     uses_memory = True
+    #: whether :meth:`encode` takes a CUDA device vector (selecting there and returning a host
+    #: payload); otherwise a device-resident exchange hands it a host copy
+    accepts_device = False
 
     def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32):
         """Local phase (no communication): returns the payload :meth:`exchange` takes."""
@@ -101,8 +117,14 @@ def check_k(k, n: int) -> int:
 
 
 def check_acc(acc: np.ndarray, k) -> tuple[np.ndarray, int]:
-    """Flat contiguous float32 ``acc`` and a valid integer ``k`` (ValueError otherwise)."""
-    acc = np.ascontiguousarray(acc, dtype=np.float32).reshape(-1)
+    """Flat contiguous float32 ``acc`` and a valid integer ``k`` (ValueError otherwise); a CUDA
+    device vector stays on the device."""
+    from .. import ops
+
+    if ops.device_kind(acc) == "cuda":
+        acc = ops.backend("cuda").as_device(acc)
+    else:
+        acc = np.ascontiguousarray(acc, dtype=np.float32).reshape(-1)
     return acc, check_k(k, acc.size)
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compressors import topk_indices
+from ..compressors import topk_indices, topk_with_values
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
@@ -51,9 +51,9 @@ TAG_GTOPK = 7301
 
 @dataclass
 class _GTopKPayload:
-    acc: np.ndarray
     k: int
     local_idx: np.ndarray
+    local_val: np.ndarray
     itype: type
     wire: Wire
 
@@ -104,14 +104,17 @@ class GTopKAllreduce(Aggregator):
         reject_unknown_options("gtopk", unknown, ())
         self.last_info: dict = {}
 
+    accepts_device = True  # the local top-k runs where acc lives; only the k entries come back
+
     def encode(self, comm, acc, k, wire):
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
-        return _GTopKPayload(acc, k, topk_indices(acc, k), index_dtype(acc.size), wire)
+        local_idx, local_val = topk_with_values(acc, k)
+        return _GTopKPayload(k, local_idx, local_val, index_dtype(acc.size), wire)
 
     def exchange(self, comm, payload):
-        acc, k, local_idx, itype, wire = payload.acc, payload.k, payload.local_idx, payload.itype, payload.wire
-        cur_idx, cur_val = local_idx, acc[local_idx]
+        k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
+        cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size
         loss = WireLoss()
         received = 0

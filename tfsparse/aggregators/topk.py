@@ -4,7 +4,9 @@ Every rank selects a sparse payload with its :class:`~tfsparse.compressors.Compr
 (exact local top-k by default), the (index, value) messages are all-gathered (one allgatherv
 of ``[indices | values]`` buffers) and summed in rank order by one sparse decode of the P
 payloads (dragonn-wang2022 §4.3, :func:`~tfsparse.aggregators.base.sparse_decode`: the result is
-dense).  Volume per rank ``2k(P-1)`` elements (Eq. 6), values as ``wire_dtype``.
+dense; a device-resident exchange decodes them on the GPU).  With a compressor that selects on
+the device (exact top-k, DRAGONN's hashing) a device vector is encoded where it lives and only
+the payload comes to the host.  Volume per rank ``2k(P-1)`` elements (Eq. 6), values as ``wire_dtype``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from ..compressors import Compressor, TopK, check_compressor
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, sparse_decode
+from .base import Aggregator, AllreduceResult, check_acc
 from .registry import register
 
 
@@ -37,6 +39,11 @@ class AllgatherAggregator(Aggregator):
         ``"dgc"``, ``"gaussiank"``, ``"identity"``); default exact top-k."""
         self.compressor = check_compressor(compressor) if compressor is not None else TopK()
 
+    @property
+    def accepts_device(self) -> bool:
+        """Whether the compressor selects on a CUDA device (exact top-k, DRAGONN's hashing)."""
+        return self.compressor.on_device
+
     def encode(self, comm, acc, k, wire):
         acc, k = check_acc(acc, k)
         idx, val = self.compressor.compress(acc, k)
@@ -54,7 +61,7 @@ class AllgatherAggregator(Aggregator):
         """The local half of :meth:`exchange`: every rank's message (rank order) summed.  Also
         what the cost model (:mod:`tfsparse.selection`) times as the decoding cost."""
         pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
-        return AllreduceResult(indices=None, values=sparse_decode(payload.n, pieces), contributed=payload.indices,
+        return AllreduceResult(indices=None, pieces=pieces, n=payload.n, contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)
 
     def get_state(self):

@@ -39,6 +39,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import cuda
+from numba import config as _numba_config
+from numba.cuda import libdevice
 from numba import types as nt
 
 from . import _common as C
@@ -327,6 +329,67 @@ def _k_sample(xu, s, step, ha, hb, out):
         out[j] = xu[lo + ((h * (hi - lo)) >> np.uint64(32))]
 
 
+# ----------------------------------------------------------------------------- exchange buffers
+
+# what a device-resident exchange does to its bucket vectors (tfsparse.space.CudaSpace): error
+# feedback, the finite check, residual bookkeeping, clipping; float32 arithmetic in the order numpy
+# does it on the host (products through fmul_rn, so that NVVM never contracts them into an FMA;
+# the simulator's libdevice has no body for it, and a numpy float32 product rounds the same)
+_mul_rn = libdevice.fmul_rn if not _numba_config.ENABLE_CUDASIM else (lambda a, b: a * b)
+
+def _k_add(a, b, out):
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = a[i] + b[i]
+
+
+def _k_momentum(u, m, g, r, out):
+    """u = m*u + g; out = u + r (DGC momentum correction, tfsparse.memory.MomentumMemory)."""
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        v = _mul_rn(u[i], m) + g[i]
+        u[i] = v
+        out[i] = v + r[i]
+
+
+def _k_scale(x, s, out):
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = _mul_rn(x[i], s)
+
+
+def _k_nonfinite(xu, flag):
+    """flag[0] += 1 once per block that saw a NaN/Inf (exponent bits all ones)."""
+    seen = False
+    for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
+        if (np.int64(xu[i]) & _ABS) >= _INFK:
+            seen = True
+    if seen:
+        cuda.atomic.add(flag, 0, 1)
+
+
+def _k_zero_nonfinite(xu):
+    for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
+        if (np.int64(xu[i]) & _ABS) >= _INFK:
+            xu[i] = np.uint32(0)
+
+
+def _k_zero_at(idx, out):
+    for j in range(cuda.grid(1), idx.size, cuda.gridsize(1)):
+        out[idx[j]] = np.float32(0.0)
+
+
+def _k_set_at(idx, val, out):
+    for j in range(cuda.grid(1), idx.size, cuda.gridsize(1)):
+        out[idx[j]] = val[j]
+
+
+def _k_sum_squares(x, out):
+    """out[0] += sum(float64(x)**2) (one atomic add per thread)."""
+    acc = np.float64(0.0)
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        v = np.float64(x[i])
+        acc += v * v
+    cuda.atomic.add(out, 0, acc)
+
+
 # ----------------------------------------------------------------------------- quantization
 
 def _k_quantize(x, amax, q):
@@ -388,10 +451,20 @@ SIGNATURES = {
     "quantize": [(_f32, _f32, _i8)],
     "dequantize": [(_i8, nt.float32, _f32)],
     "trunc16": [(_u32, _u16)],
+    "add": [(_f32, _f32, _f32)],
+    "momentum": [(_f32, nt.float32, _f32, _f32, _f32)],
+    "scale": [(_f32, nt.float32, _f32)],
+    "nonfinite": [(_u32, _i64)],
+    "zero_nonfinite": [(_u32,)],
+    "zero_at": [(_i64, _f32)],
+    "set_at": [(_i64, _f32, _f32)],
+    "sum_squares": [(_f32, nt.float64[::1])],
 }
 _ELEMENTWISE = {"fill_i64": _k_fill_i64, "fill_f32": _k_fill_f32, "iota": _k_iota, "hash": _k_hash,
                 "gather": _k_gather, "scatter": _k_scatter, "sample": _k_sample, "quantize": _k_quantize,
-                "dequantize": _k_dequantize, "trunc16": _k_trunc16}
+                "dequantize": _k_dequantize, "trunc16": _k_trunc16, "add": _k_add, "momentum": _k_momentum,
+                "scale": _k_scale, "nonfinite": _k_nonfinite, "zero_nonfinite": _k_zero_nonfinite,
+                "zero_at": _k_zero_at, "set_at": _k_set_at, "sum_squares": _k_sum_squares}
 _ELEMENTWISE_JIT = {name: cuda.jit(fn) for name, fn in _ELEMENTWISE.items()}
 
 
@@ -653,3 +726,76 @@ def chunk_l1_norms(x, chunk=32768):
     if m:
         _K["chunk_l1"][min(m, _K.max_blocks), _K.tpb](xd, chunk, out)
     return out
+
+
+# ----------------------------------------------------------------------------- exchange buffers (host side)
+
+def _f32_dev(x):
+    return as_device(x, np.float32)
+
+
+def add(a, b, out) -> None:
+    """``out = a + b`` (float32 device vectors of one length; ``out`` may be ``a`` or ``b``)."""
+    out = _f32_dev(out)
+    if out.size:
+        _K["add"][_K.grid(out.size), _K.tpb](_f32_dev(a), _f32_dev(b), out)
+
+
+def momentum_step(u, m, g, r, out) -> None:
+    """``u = m*u + g; out = u + r`` in place (float32, numpy's rounding)."""
+    out = _f32_dev(out)
+    if out.size:
+        _K["momentum"][_K.grid(out.size), _K.tpb](_f32_dev(u), np.float32(m), _f32_dev(g), _f32_dev(r), out)
+
+
+def scale(x, s, out) -> None:
+    """``out = x * float32(s)``."""
+    out = _f32_dev(out)
+    if out.size:
+        _K["scale"][_K.grid(out.size), _K.tpb](_f32_dev(x), np.float32(s), out)
+
+
+def all_finite(x) -> bool:
+    """Whether no element of the float32 device vector ``x`` is NaN/Inf (one int64 read back)."""
+    xd, xu = _as_x(x)
+    if not xd.size:
+        return True
+    flag = cuda.to_device(np.zeros(1, np.int64))
+    _K["nonfinite"][_K.grid(xd.size), _K.tpb](xu, flag)
+    return int(flag.copy_to_host()[0]) == 0
+
+
+def zero_nonfinite(x) -> None:
+    """NaN/Inf elements of ``x`` set to 0 in place (``np.nan_to_num(x, nan=0, posinf=0, neginf=0)``)."""
+    xd, xu = _as_x(x)
+    if xd.size:
+        _K["zero_nonfinite"][_K.grid(xd.size), _K.tpb](xu)
+
+
+def zero_at(out, idx) -> None:
+    """``out[idx] = 0`` (host or device int64 indices, each ``< out.size``)."""
+    di = as_device(idx, np.int64)
+    if di.size:
+        _K["zero_at"][_K.grid(di.size), _K.tpb](di, _f32_dev(out))
+
+
+def set_at(out, idx, val) -> None:
+    """``out[idx] = val`` (indices unique; host or device arrays)."""
+    di = as_device(idx, np.int64)
+    if di.size:
+        _K["set_at"][_K.grid(di.size), _K.tpb](di, _f32_dev(val), _f32_dev(out))
+
+
+def sum_squares(x) -> float:
+    """``sum(float64(x)**2)`` (atomic float64 partial sums: the order, hence the last bits, vary)."""
+    xd = _f32_dev(x)
+    out = cuda.to_device(np.zeros(1, np.float64))
+    if xd.size:
+        _K["sum_squares"][_K.grid(xd.size), _K.tpb](xd, out)
+    return float(out.copy_to_host()[0])
+
+
+def fill(out, value) -> None:
+    out = _f32_dev(out)
+    if out.size:
+        _K["fill_f32"][_K.grid(out.size), _K.tpb](out, np.float32(value))

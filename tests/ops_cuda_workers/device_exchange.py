@@ -1,0 +1,203 @@
+"""A device-resident GradientExchange under Numba's CUDA simulator, against the host exchange.
+
+Usage: ``NUMBA_ENABLE_CUDASIM=1 python device_exchange.py [names...]``; prints one JSON object
+``{check name: "ok" | traceback}`` as the last line (tests/test_exchange_device.py starts it).
+One process, one rank: the exchange runs its collectives inline, so no two simulated kernels
+ever run at once (the simulator swaps module globals per launch).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ops_cuda_workers.sim_check import _dev, _host, _same_bits, _setup, main  # noqa: E402
+
+SHAPES = [(20, 6), (9,), (3, 5, 2), ()]  # 192 elements, one of them a scalar
+N = sum(int(np.prod(s)) for s in SHAPES)
+
+CONFIGS = {
+    "topk": ("topk", {}),
+    "gtopk": ("gtopk", {}),
+    "dragonn": ("dragonn", {"min_samples": 16, "sample_ratio": 0.1}),
+    "oktopk": ("oktopk", {}),                      # a host copy of the bucket (selects on the host)
+    "dgc": ("dgc", {"seed": 3}),
+    "csc": ("csc", {"chunk_size": 32}),
+    "dense_int8": ("dense", {"wire_dtype": "int8"}),
+    "dense_bf16_ring": ("dense", {"wire_dtype": "bfloat16", "reduce_scatter": "ring"}),
+    "topk_momentum": ("topk", {"memory": "momentum"}),
+    "topk_none": ("topk", {"memory": "none"}),
+    "gtopk_per_tensor": ("gtopk", {"plan": "per_tensor"}),
+    "dragonn_bf16": ("dragonn", {"wire_dtype": "bfloat16", "min_samples": 16}),
+}
+
+
+def _devs(arrays):
+    from numba import cuda
+
+    return [cuda.to_device(np.asarray(x)) for x in arrays]  # keeps the scalar 0-d
+
+
+def _grads(step, nonfinite=False):
+    rng = np.random.default_rng(100 + step)
+    g = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    if nonfinite:
+        g[1][4] = np.nan
+    return g
+
+
+def _pair(algorithm, options, density=0.1):
+    from tfsparse.exchange import GradientExchange
+
+    return GradientExchange(algorithm, density, **options), GradientExchange(algorithm, density, **options)
+
+
+def _same_list(host, dev):
+    assert len(host) == len(dev)
+    for h, d in zip(host, dev):
+        from tfsparse.ops import device_kind
+
+        assert device_kind(d) == "cuda", type(d)
+        assert tuple(d.shape) == h.shape, (d.shape, h.shape)
+        _same_bits(_host(d).reshape(h.shape), h)
+
+
+def _same_state(host, dev):
+    hs, ds = host.get_state(), dev.get_state()
+    assert sorted(hs) == sorted(ds), (sorted(hs), sorted(ds))
+    for key in hs:
+        a, b = np.asarray(hs[key]), np.asarray(ds[key])
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), key
+
+
+def _check_config(name):
+    def check():
+        _setup()
+        algorithm, options = CONFIGS[name]
+        host, dev = _pair(algorithm, options)
+        for step in range(4):
+            g = _grads(step)
+            _same_list(host.exchange_numpy(g), dev.exchange_numpy(_devs(g)))
+        assert dev.space.on_device and not host.space.on_device
+        _same_state(host, dev)
+    return check
+
+
+def check_selection_on_device_only_payload_to_host():
+    """topk, gtopk and dragonn select on the device: no CPU selection kernel runs and the bucket
+    vector is never copied to the host (the fallback of the other algorithms)."""
+    from tfsparse import space
+    from tfsparse.ops import cpu
+
+    from tfsparse.exchange import _warm_kernels
+
+    _setup()
+    _warm_kernels()  # the CPU kernels compiled first (the other algorithms' fallback needs them)
+    saved = {name: getattr(cpu, name) for name in ("topk_abs", "hash_select", "sample_threshold", "kth_largest_abs")}
+    to_host = space.CudaSpace.to_host
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bucket left the device")
+
+    for name in saved:
+        setattr(cpu, name, refuse)
+    space.CudaSpace.to_host = refuse
+    try:
+        for algorithm, options in (("topk", {}), ("gtopk", {}), ("dragonn", {"min_samples": 16}),
+                                   ("dragonn", {"min_samples": 100000})):  # exact k-th threshold
+            from tfsparse.exchange import GradientExchange
+
+            ex = GradientExchange(algorithm, 0.1, **options)
+            for step in range(2):
+                ex.exchange_numpy(_devs(_grads(step)))
+    finally:
+        for name, fn in saved.items():
+            setattr(cpu, name, fn)
+        space.CudaSpace.to_host = to_host
+
+
+def check_device_result_stays_on_device_flat():
+    _setup()
+    host, dev = _pair("topk", {})
+    for step in range(2):
+        flat = np.concatenate([x.reshape(-1) for x in _grads(step)])
+        out = dev.exchange_numpy(_dev(flat))
+        assert out.shape == (N,)
+        _same_bits(out, host.exchange_numpy(flat))
+
+
+def check_pipelined_steps():
+    _setup()
+    host, dev = _pair("dragonn", {"pipeline": 2, "min_samples": 16})
+    for step in range(4):
+        g = _grads(step)
+        _same_list(host.step(g), dev.step(_devs(g)))
+    host.flush()
+    dev.flush()
+    _same_state(host, dev)  # the pending result, held on the device, saved to the host
+
+
+def check_nonfinite_round_skipped_on_device():
+    _setup()
+    host, dev = _pair("gtopk", {})
+    for step in range(3):
+        g = _grads(step, nonfinite=step == 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = dev.exchange_numpy(_devs(g))
+            _same_list(host.exchange_numpy(g), out)
+        if step == 1:
+            assert any("not finite" in str(w.message) for w in caught)
+            assert all(not np.any(_host(o)) for o in out)
+    _same_state(host, dev)
+
+
+def check_state_restored_onto_device():
+    _setup()
+    host, dev = _pair("topk", {"memory": "momentum"})
+    for step in range(2):
+        g = _grads(step)
+        host.exchange_numpy(g)
+        dev.exchange_numpy(_devs(g))
+    saved = dev.get_state()
+    from tfsparse.exchange import GradientExchange
+
+    resumed = GradientExchange("topk", 0.1, memory="momentum")
+    resumed.set_state(saved)
+    for step in range(2, 4):
+        g = _grads(step)
+        _same_list(host.exchange_numpy(g), resumed.exchange_numpy(_devs(g)))
+    _same_state(host, resumed)
+
+
+def check_clip_norm_on_device():
+    _setup()
+    host, dev = _pair("topk", {"clip_norm": 2.0})
+    for step in range(3):
+        g = _grads(step)
+        h, d = host.exchange_numpy(g), dev.exchange_numpy(_devs(g))
+        for a, b in zip(h, d):  # the float64 norm is summed in another order: not bit for bit
+            np.testing.assert_allclose(_host(b).reshape(a.shape), a, rtol=1e-5, atol=1e-6)
+
+
+def check_host_exchange_takes_device_arrays():
+    _setup()
+    host, other = _pair("topk", {})
+    g = _grads(0)
+    out = other.exchange_numpy(g)  # built on the host
+    got = other.exchange_numpy(_devs(_grads(1)))
+    assert all(isinstance(o, np.ndarray) for o in got + out)
+    host.exchange_numpy(g)
+    for a, b in zip(host.exchange_numpy(_grads(1)), got):
+        _same_bits(b, a)
+
+
+CHECKS = {**{f"same_as_host_{name}": _check_config(name) for name in CONFIGS},
+          **{name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}}
+CHECK_NAMES = tuple(CHECKS)
+
+if __name__ == "__main__":
+    main(sys.argv[1:], CHECKS)
