@@ -70,3 +70,25 @@ def test_cuda_module_imports_without_gpu(cuda_ops):
     assert cuda_ops.Kernels(32, 8, 2).tile == 256
     with pytest.raises(ValueError):
         cuda_ops.Kernels(48, 8)
+
+
+def test_numpy_without_row_stack_gives_a_clear_import_error():
+    """numba-cuda 0.30 fails at kernel compile time with numpy 2.5 ("no attribute 'row_stack'"):
+    importing the CUDA backend says which versions to install instead."""
+    pytest.importorskip("numba_cuda", reason="install numba-cuda[cu13]")
+    code = ("import numpy as np\ndel np.row_stack\n"
+            "try:\n    import tfsparse.ops.cuda\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "ImportError:" in out and "numpy<2.5" in out and "numba-cuda 0.30" in out, out
+
+
+def test_cuda_extra_pins_the_tested_versions():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    extra = cfg["options.extras_require"]["cuda"].split()
+    assert "numba-cuda[cu13]==0.30.*" in extra and "numpy<2.5" in extra
+    assert '"numba-cuda[cu13]==0.30.*" "numpy<2.5"' in (REPO / "tools" / "install.sh").read_text()

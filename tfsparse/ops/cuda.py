@@ -38,13 +38,42 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import cuda
 from numba import config as _numba_config
-from numba.cuda import libdevice
+from numba import cuda
 from numba import types as nt
+from numba.cuda import libdevice
 
 from . import _common as C
 from . import _dlpack
+
+#: what the kernels are tested with (the ``cuda`` extra and tools/install.sh pin it)
+SUPPORTED = "numba-cuda 0.30.x with numpy < 2.5"
+
+
+def check_versions() -> None:
+    """ImportError, saying what to install, where this numba-cuda cannot compile kernels with this
+    numpy: numba-cuda 0.30 registers ``numpy.row_stack``, which numpy 2.5 removed, so every kernel
+    compile fails with "module 'numpy' has no attribute 'row_stack'"."""
+    if hasattr(np, "row_stack"):
+        return
+    try:
+        import numba.cuda.np.arrayobj  # noqa: F401 -- where numba-cuda registers numpy.row_stack
+    except AttributeError as e:
+        if "row_stack" not in str(e):
+            raise
+        from importlib import metadata
+
+        try:
+            version = metadata.version("numba-cuda")
+        except metadata.PackageNotFoundError:
+            version = "?"
+        raise ImportError(f"numba-cuda {version} cannot compile CUDA kernels with numpy {np.__version__} (it "
+                          f"uses numpy.row_stack, removed in numpy 2.5); tfsparse's CUDA kernels need "
+                          f"{SUPPORTED}: pip install 'numpy<2.5' (or pip install 'tfsparse[cuda]', which pins "
+                          f"both)") from e
+
+
+check_versions()  # before any kernel is compiled
 
 DEFAULT_TPB = 256          # threads per block
 DEFAULT_ITEMS = 8          # consecutive elements per thread in the compaction kernels
