@@ -46,7 +46,15 @@ GOALS = {
     "decode_flatness": ("sparse decode time(64 payloads) / time(1 payload) (dense: ~64)", None),
     "decode_marginal_vs_dense": ("extra time per payload, sparse / dense decoding", None),
     "cuda_512MB_encode_ms": ("CUDA hash_select of a 512 MB gradient, ms (H100 goal <= 1)", 1.0),
+    "cuda_512MB_dragonn_encode_ms": ("CUDA sampled threshold + hash_select, 512 MB, ms (H100 goal <= 1)", 1.0),
+    "cuda_<op>_vs_copy": ("CUDA encode op time / device-to-device copy (goal <= 1.5, exact top-k <= 3)", 1.5),
+    "cuda_<op>_vs_best_peer": ("CUDA op time / fastest torch or CuPy equivalent (goal <= 1)", 1.0),
 }
+#: CUDA encode ops held to the copy-bandwidth goal: (op, tfsparse impl, goal)
+CUDA_ENCODE = (("topk", "tfsparse.ops cuda", 3.0), ("select_threshold", "tfsparse.ops cuda", 1.5),
+               ("hash_select", "tfsparse.ops cuda (capacity k)", 1.5),
+               ("hash_select", "cuda sample_threshold + hash", 1.5), ("truncate_fp16", "tfsparse.ops cuda", 1.5),
+               ("quantize_int8", "tfsparse.ops cuda", 1.5))
 
 
 def parse_size(s: str) -> int:
@@ -191,6 +199,7 @@ def bench_cpu(n: int, density: float, repeats: int, payloads: list[int], with_tf
 # ----------------------------------------------------------------------------- CUDA
 
 def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> list[dict]:
+    """The CUDA kernels, their PyTorch/CuPy equivalents and one exchange round, on one GPU."""
     from numba import cuda
 
     import tfsparse.ops as ops
@@ -235,6 +244,13 @@ def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> lis
     add("quantize_int8", "tfsparse.ops cuda", timed(lambda: ops.quantize_int8(d)))
     add("truncate_fp16", "tfsparse.ops cuda", timed(lambda: ops.truncate_fp16(d)))
     add("chunk_l1_norms", "tfsparse.ops cuda", timed(lambda: ops.chunk_l1_norms(d, 32768)))
+    for name, impls in _gpu_peers(d, x, n, k, t).items():
+        for impl, fn in impls:
+            add(name, impl, timed(fn))
+    for alg in ("topk", "dragonn"):
+        step_dev, step_host = _exchange_steps(d, alg, density)
+        add("exchange_step", f"{alg}: device-resident exchange", timed(step_dev))
+        add("exchange_step", f"{alg}: copy to host + host exchange", timed(step_host))
     try:
         import tensorflow as tf
 
@@ -249,6 +265,57 @@ def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> lis
         val = cuda.to_device(rng.standard_normal(p * k, dtype=np.float32))
         add("decode", "tfsparse.ops cuda scatter_add", timed(lambda: ops.scatter_add(n, idx, val)), payloads=p)
     return rows
+
+
+def _gpu_peers(d, x, n: int, k: int, t) -> dict:
+    """What a GPU user has otherwise, on the same device array (zero-copy views): PyTorch and
+    CuPy, where installed.  ``{op: [(impl, fn), ...]}``; the names match the tfsparse rows."""
+    peers: dict = {}
+
+    def put(op, impl, fn):
+        peers.setdefault(op, []).append((impl, fn))
+
+    s = max(1, n // 100)  # DGC's 1% sample
+    rank = max(1, -(-k * s // n))
+    try:
+        import torch
+
+        xt = torch.as_tensor(d, device="cuda")
+        pos = torch.randint(0, n, (s,), device="cuda")
+        q_scale = 127.0
+        put("topk", "torch.topk(x.abs(), k)", lambda: torch.topk(xt.abs(), k))
+        put("select_threshold", "torch.nonzero(x.abs() >= t)", lambda: torch.nonzero(xt.abs() >= float(t)))
+        put("hash_select", "torch sampled threshold + nonzero",
+            lambda: torch.nonzero(xt.abs() >= torch.topk(xt[pos].abs(), rank).values[-1]))
+        put("quantize_int8", "torch max-scaled int8",
+            lambda: (xt * (q_scale / xt.abs().max())).round_().clamp_(-127, 127).to(torch.int8))
+        put("truncate_fp16", "x.half()", lambda: xt.half())
+        if n % 32768 == 0:
+            put("chunk_l1_norms", "x.view(-1, 32768).abs().sum(1)", lambda: xt.view(-1, 32768).abs().sum(1))
+        put("copy", "torch clone", lambda: xt.clone())
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        xc = cupy.asarray(d)
+        put("topk", "cupy.argpartition(|x|)", lambda: cupy.argpartition(cupy.abs(xc), n - k)[n - k:])
+        put("select_threshold", "cupy.nonzero(|x| >= t)", lambda: cupy.nonzero(cupy.abs(xc) >= float(t)))
+        put("truncate_fp16", "x.astype(float16) (cupy)", lambda: xc.astype(cupy.float16))
+    except ImportError:
+        pass
+    return peers
+
+
+def _exchange_steps(d, algorithm: str, density: float):
+    """One exchange round of one rank on the device gradient ``d``: device-resident (encode and
+    decode on the GPU, tfsparse.space.CudaSpace) vs the gradient copied to the host first."""
+    from tfsparse.collectives.inprocess import InProcessCommunicator, InProcessWorld
+    from tfsparse.exchange import GradientExchange
+
+    dev = GradientExchange(algorithm, density, communicator=InProcessCommunicator(InProcessWorld(1), 0))
+    host = GradientExchange(algorithm, density, communicator=InProcessCommunicator(InProcessWorld(1), 0))
+    return (lambda: dev.exchange_numpy(d)), (lambda: host.exchange_numpy(d.copy_to_host()))
 
 
 # ----------------------------------------------------------------------------- report
@@ -292,6 +359,18 @@ def evaluate_goals(rows, sizes, payloads) -> dict:
         enc = _seconds(rows, "hash_select", "tfsparse.ops cuda (capacity k)", n, device="cuda")
         if enc is not None and n * 4 >= 512 * 2**20:
             g["cuda_512MB_encode_ms"] = enc * 1e3
+            full = _seconds(rows, "hash_select", "cuda sample_threshold + hash", n, device="cuda")
+            g["cuda_512MB_dragonn_encode_ms"] = full * 1e3 if full else None
+        copy = _seconds(rows, "copy", "device-to-device copy", n, device="cuda")
+        for op, impl, _goal in CUDA_ENCODE:
+            ours = _seconds(rows, op, impl, n, device="cuda")
+            name = op + ("_sampled" if "sample" in impl else "")
+            if ours and copy and copy > 0:
+                g[f"cuda_{name}_vs_copy"] = ours / copy
+            peers = [r["seconds"] for r in rows if r["op"] == op and r["n"] == n and r.get("device") == "cuda"
+                     and "tfsparse" not in r["impl"] and not r["impl"].startswith("cuda ") and r["seconds"] > 0]
+            if ours and peers and "sample" not in impl:
+                g[f"cuda_{op}_vs_best_peer"] = ours / min(peers)
         goals[str(n)] = g
     return goals
 
