@@ -4,10 +4,6 @@ selection of topk/gtopk/dragonn runs on the device, and on real mpirun jobs (P =
 device exchange equals the reference computed from all ranks' inputs on every rank."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +12,9 @@ import pytest
 from exchange_ref import reference_run
 from mpi_harness import mpirun
 from ops_cuda_workers.device_exchange import CHECK_NAMES
+from ops_cuda_workers.sim_check import run_in_simulator
 from test_exchange_pipeline import DENSITY, OPTIONS, STEPS, flat, grads_of
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ops_cuda_workers" / "device_exchange.py"
 SIM_ENV = {"NUMBA_ENABLE_CUDASIM": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
@@ -26,12 +22,7 @@ SIM_ENV = {"NUMBA_ENABLE_CUDASIM": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
 @pytest.fixture(scope="module")
 def sim_results():
     pytest.importorskip("numba.cuda")
-    env = dict(os.environ, **SIM_ENV, PYTHONPATH=os.pathsep.join(
-        p for p in (str(REPO), str(WORKER.parent), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"simulator worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_simulator(WORKER, timeout=600)
 
 
 @pytest.mark.parametrize("name", CHECK_NAMES)

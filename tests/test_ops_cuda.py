@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ops_cuda_workers.sim_check import CHECK_NAMES
+from ops_cuda_workers.sim_check import CHECK_NAMES, run_in_simulator
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ops_cuda_workers" / "sim_check.py"
@@ -28,12 +27,7 @@ SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 @pytest.fixture(scope="module")
 def sim_results():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, f"simulator worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_simulator(WORKER)
 
 
 @pytest.mark.parametrize("name", CHECK_NAMES)

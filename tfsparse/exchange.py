@@ -59,7 +59,7 @@ from .memory import check_memory, get_memory
 from .plan import Layout, TensorSpec, make_plan
 from .schedules import check_density
 from .selection import make_selection
-from .space import HOST, clip_by_global_norm, space_for  # noqa: F401 (clip_by_global_norm: public here)
+from .space import HOST, space_for
 from .wire import FLOAT32, get_wire
 
 CHECKPOINT_PREFIX = "tfsparse."

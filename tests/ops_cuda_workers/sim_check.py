@@ -342,6 +342,21 @@ CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if 
 CHECK_NAMES = tuple(CHECKS)
 
 
+def run_in_simulator(worker, timeout: float = 900) -> dict:
+    """Runs a worker of this folder in its own process under the CUDA simulator (from a test);
+    returns its ``{check name: "ok" | traceback}``."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(worker)], env=env, cwd=repo, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"simulator worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv, checks=None):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise SystemExit("run with NUMBA_ENABLE_CUDASIM=1")
