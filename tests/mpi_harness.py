@@ -45,11 +45,11 @@ def mpirun(nproc: int, script: str | Path, *args, timeout: float = 300, env: dic
         script = REPO / "tests" / "workers" / script
     what = f"mpirun -np {nproc} {script.name} {args}"
     with tempfile.TemporaryDirectory(prefix="tfsparse-mpi-") as out:
-        cmd, _ = build_command(nproc, [sys.executable, str(script), *map(str, args)])
-        job_env = {"TFSPARSE_TEST_OUT": out, "TF_CPP_MIN_LOG_LEVEL": "3", "OMPI_MCA_btl": "self,vader,tcp",
-                   "OMPI_MCA_rmaps_base_oversubscribe": "1",
-                   # see tfsparse.run.build_command: aggregated abort messages can hang mpirun
-                   "OMPI_MCA_orte_base_help_aggregate": "0", **(env or {})}
+        cmd, launch_env = build_command(nproc, [sys.executable, str(script), *map(str, args)])
+        # the launcher's environment (run-as-root, Open MPI's help aggregation off: see
+        # tfsparse.run.build_command), then the tests' own settings
+        job_env = {**launch_env, "TFSPARSE_TEST_OUT": out, "TF_CPP_MIN_LOG_LEVEL": "3",
+                   "OMPI_MCA_btl": "self,vader,tcp", "OMPI_MCA_rmaps_base_oversubscribe": "1", **(env or {})}
         code, text = run_job(cmd, job_env, timeout, what)
         if expect_fail and code == 0:
             raise MPIJobError(f"expected {what} to fail, it succeeded:\n{_tail(text)}")

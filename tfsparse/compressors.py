@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .schedules import small_tensor_k
 from .state import Stateful
 
 _M64 = (1 << 64) - 1
@@ -42,26 +43,16 @@ def topk_indices(acc: np.ndarray, k: int) -> np.ndarray:
     return idx
 
 
-def _device_topk(acc, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """``topk_abs`` on a CUDA device vector, the payload copied to the host; None for host data."""
-    from . import ops
-
-    if ops.device_kind(acc) != "cuda":
-        return None
-    idx, val = ops.topk_abs(acc, int(min(max(k, 0), acc.size)))
-    return idx.copy_to_host(), val.copy_to_host()
-
-
 def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, acc[indices])`` of :func:`topk_indices`; a CUDA device ``acc`` is selected on
     the device (:func:`tfsparse.ops.topk_abs`, the same indices) and only the payload comes back."""
     from . import ops
 
-    on_device = _device_topk(acc, k)
-    if on_device is not None:
-        return on_device
     n = acc.size
     k = int(min(max(k, 0), n))
+    if ops.device_kind(acc) == "cuda":
+        idx, val = ops.topk_abs(acc, k)
+        return idx.copy_to_host(), val.copy_to_host()
     if k == 0:
         return np.empty(0, dtype=np.int64), np.empty(0, np.float32)
     if k == n:
@@ -130,21 +121,8 @@ def _check_real(name: str, value, lo, hi=None, hi_open=False) -> float:
     return float(value)
 
 
-#: DRAGONN's code and its DGC baseline run every tensor of at most this many elements
-#: (``numel <= 1024*128``) at density 0.01, whatever the requested density
-SMALL_TENSOR = 1024 * 128
-
-
 def check_small_density(small_density) -> float | None:
     return None if small_density is None else _check_fraction("small_density", small_density)
-
-
-def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
-    """``k``, or -- with ``small_density`` (the authors' 0.01) for a tensor of at most
-    :data:`SMALL_TENSOR` elements -- their ``int(n * small_density)`` (at least 1)."""
-    if small_density is None or n > SMALL_TENSOR or k <= 0:
-        return k
-    return max(1, int(n * small_density))
 
 
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
@@ -278,9 +256,8 @@ class DGCSampledThreshold(Compressor):
             self.last_threshold = 0.0
             return idx, acc[idx]
         if acc.size <= self.exact_below:
-            idx = topk_indices(acc, k)
             self.last_threshold, self.last_adaptations = None, 0
-            return idx, acc[idx]
+            return topk_with_values(acc, k)
         t = self.threshold(acc, k)
         mag = np.abs(acc)
         idx = threshold_select(acc, t, strict=True, mag=mag)

@@ -515,10 +515,10 @@ class GradientExchange:
         """``(flat, arrays)`` for numpy or device input (one flat array, or a list of arrays);
         builds the plan the first time (in the space where the gradients live), and afterwards
         checks the shapes."""
-        space = self.space if self.layout is not None else space_for(grads if not isinstance(grads, (list, tuple))
-                                                                    else (grads[0] if grads else None))
+        single = not isinstance(grads, (list, tuple))
+        space = self.space if self.layout is not None else space_for(grads if single else (grads[0] if grads else None))
         # one array is flat (a 2-D numpy array: a list of rows, as always); a list: one per tensor
-        flat = not isinstance(grads, (list, tuple)) and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
+        flat = single and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
         arrays = [space.accept(grads).reshape(-1)] if flat else [space.accept(g) for g in grads]
         self.build(Layout.of(arrays), space)
         if self.clip_norm is not None:

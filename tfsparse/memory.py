@@ -137,8 +137,7 @@ class ResidualMemory(Stateful):
         (``result.contributed``; ``None`` means everything), plus what the wire lost
         (``result.loss``)."""
         _clear_contributed(self.space, acc, result)
-        for where, lost in result.loss.parts:
-            self.space.add_at(acc, where, lost)
+        result.loss.apply_to(acc, self.space)
         return acc
 
 

@@ -23,6 +23,9 @@ import math
 import numbers
 
 RAMPS = ("linear", "exponential")
+#: DRAGONN's code and its DGC baseline run every tensor of at most this many elements
+#: (``numel <= 1024*128``) at density 0.01, whatever the requested density
+SMALL_TENSOR = 1024 * 128
 
 
 def check_density(density, name: str = "density") -> float:
@@ -30,6 +33,15 @@ def check_density(density, name: str = "density") -> float:
         raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of gradient "
                          f"elements each rank sends), e.g. {name}=0.01")
     return float(density)
+
+
+def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
+    """``k``, or -- with ``small_density`` (the authors' 0.01) for a tensor of at most
+    :data:`SMALL_TENSOR` elements -- their ``int(n * small_density)`` (at least 1).  What the
+    DGC and DRAGONN compressors send, and what the α-β simulator prices."""
+    if small_density is None or n > SMALL_TENSOR or k <= 0:
+        return k
+    return max(1, int(n * small_density))
 
 
 def _check_count(value, name: str, allow_zero: bool = True):

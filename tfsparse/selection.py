@@ -51,13 +51,14 @@ import numbers
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 
 import numpy as np
 
 from .aggregators import get_aggregator
 from .collectives.alphabeta import AlphaBeta, format_rate, format_time, measure_alpha_beta
 from .plan import Bucket, Layout, Plan, _bucket
-from .wire import entry_bytes, index_dtype
+from .wire import index_dtype
 
 #: algorithms whose exchange is an allgather of the compressed tensors (what Eq. 1 prices)
 ALLGATHER_ALGORITHMS = ("dgc", "dragonn", "gaussiank", "topk")
@@ -299,7 +300,7 @@ def make_selection(selection, algorithm: str):
     if selection is None:
         return None
     if isinstance(selection, Mapping):  # a CostModel's fields (what get_config saves)
-        fields = ("alpha", "beta", "comp_fixed", "comp_per_element")
+        fields = tuple(f.name for f in dataclass_fields(CostModel))
         if sorted(selection) != sorted(fields):
             raise ValueError(f"selection={dict(selection)!r} is not valid; a mapping must hold exactly the "
                              f"CostModel fields {', '.join(fields)}")

@@ -229,7 +229,7 @@ class CudaSpace(HostSpace):
         for a in arrays:
             scaled = self.empty(a.size)
             self._k.scale(a.reshape(-1), max_norm / norm, scaled)
-            out.append(scaled.reshape(a.shape) if a.ndim > 1 else scaled)
+            out.append(scaled.reshape(a.shape))
         return out
 
 

@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .space import HOST
+
 INT8_CHUNK = 4096
 _F16_MAX = np.float32(65504.0)
 _WIRES: dict = {}
@@ -329,10 +331,12 @@ class WireLoss:
                 out.parts.append((where[hit], loss[hit]))
         return out
 
-    def apply_to(self, residual: np.ndarray) -> None:
-        """``residual[where] += loss`` for every record (indices are unique within a record)."""
+    def apply_to(self, residual, space=HOST) -> None:
+        """``residual[where] += loss`` for every record (indices are unique within a record);
+        ``space``: where ``residual`` lives (:mod:`tfsparse.space`: a device residual is added to
+        on the device)."""
         for where, loss in self.parts:
-            residual[where] += loss
+            space.add_at(residual, where, loss)
 
     def __bool__(self):
         return bool(self.parts)

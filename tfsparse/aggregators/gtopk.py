@@ -100,11 +100,11 @@ class GTopKAllreduce(Aggregator):
     ``received_bytes`` (bytes this rank received in the reduction) and ``local_count``.
     """
 
+    accepts_device = True  # the local top-k runs where acc lives; only the k entries come back
+
     def __init__(self, **unknown):
         reject_unknown_options("gtopk", unknown, ())
         self.last_info: dict = {}
-
-    accepts_device = True  # the local top-k runs where acc lives; only the k entries come back
 
     def encode(self, comm, acc, k, wire):
         acc, k = check_acc(acc, k)

@@ -94,6 +94,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..schedules import small_tensor_k
 from .alphabeta import AlphaBeta
 from .communicator import binomial_children, split_counts
 
@@ -359,14 +360,8 @@ def dgc_adapted_count(n: int, k: int, opts: dict) -> float:
     return float(count)
 
 
-def _small_k(n: int, k: int, small_density) -> int:
-    """The authors' fixed density for tensors of at most 131072 elements (``small_density``,
-    tfsparse.compressors.small_tensor_k)."""
-    return k if small_density is None or n > 1024 * 128 else max(1, int(n * small_density))
-
-
 def _dgc(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, dgc_adapted_count(n, _small_k(n, k, opts["small_density"]), opts))
+    _allgather_sparse(b, n, dgc_adapted_count(n, small_tensor_k(n, k, opts["small_density"]), opts))
 
 
 def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_ratio: float = 0.01,
@@ -385,7 +380,7 @@ def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_rati
 
 
 def _dragonn(b, n, k, step, opts) -> None:
-    count = dragonn_expected_count(n, _small_k(n, k, opts["small_density"]), opts["capacity_factor"],
+    count = dragonn_expected_count(n, small_tensor_k(n, k, opts["small_density"]), opts["capacity_factor"],
                                    opts["sample_ratio"], opts["min_samples"])
     b.allgather("allgather (index, value)", count * (index_bytes(n) + VALUE_BYTES))
     b.local("sparse decode of the gathered pairs", b.P * count)

@@ -366,6 +366,7 @@ def _k_sample(xu, s, step, ha, hb, out):
 # the simulator's libdevice has no body for it, and a numpy float32 product rounds the same)
 _mul_rn = libdevice.fmul_rn if not _numba_config.ENABLE_CUDASIM else (lambda a, b: a * b)
 
+
 def _k_add(a, b, out):
     for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
         out[i] = a[i] + b[i]
@@ -385,10 +386,10 @@ def _k_scale(x, s, out):
 
 
 def _k_nonfinite(xu, flag):
-    """flag[0] += 1 once per block that saw a NaN/Inf (exponent bits all ones)."""
+    """flag[0] += 1 once per thread that saw a NaN/Inf (key >= Inf's)."""
     seen = False
     for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
-        if (np.int64(xu[i]) & _ABS) >= _INFK:
+        if _dkey(xu[i]) >= _INFK:
             seen = True
     if seen:
         cuda.atomic.add(flag, 0, 1)
@@ -396,7 +397,7 @@ def _k_nonfinite(xu, flag):
 
 def _k_zero_nonfinite(xu):
     for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
-        if (np.int64(xu[i]) & _ABS) >= _INFK:
+        if _dkey(xu[i]) >= _INFK:
             xu[i] = np.uint32(0)
 
 
