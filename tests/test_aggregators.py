@@ -503,7 +503,7 @@ def test_threshold_select_edge_cases():
     ("oktopk", {"tau_prime": -1}, ["tau_prime=-1"]),
     ("oktopk", {"bucket_size": 0}, ["bucket_size=0"]),
     ("oktopk", {"balance_factor": 0.5}, ["balance_factor=0.5"]),
-    ("oktopk", {"local_raise": 0.9}, ["local_raise=0.9", ">= 1", "1.03"]),
+    ("oktopk", {"local_raise": 0.9}, ["local_raise=0.9", "[1, inf)", "1.03"]),
     ("oktopk", {"global_adjust": "x"}, ["global_adjust='x'", "1.008"]),
     ("dgc", {"sample_ratio": 0.0}, ["sample_ratio=0.0", "(0, 1]"]),
     ("dgc", {"min_samples": 0}, ["min_samples=0"]),

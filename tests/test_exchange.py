@@ -97,10 +97,10 @@ def test_topk_indices_edge_cases():
 
 @pytest.mark.parametrize("algorithm,density,match", [
     ("nope", 0.1, "algorithm='nope' is not supported; accepted: .*'dense'.*'topk'"),
-    ("topk", 0.0, r"density=0.0 must be a number in \(0, 1\]"),
-    ("topk", 1.5, r"density=1.5 must be a number in \(0, 1\]"),
-    ("topk", "0.1", r"density='0.1' must be a number"),
-    ("topk", True, r"density=True must be a number"),
+    ("topk", 0.0, r"density=0.0 is not valid; accepted: a number in \(0, 1\]"),
+    ("topk", 1.5, r"density=1.5 is not valid; accepted: a number in \(0, 1\]"),
+    ("topk", "0.1", r"density='0.1' is not valid; accepted: a number"),
+    ("topk", True, r"density=True is not valid; accepted: a number"),
 ])
 def test_bad_config_is_rejected(algorithm, density, match):
     with pytest.raises(ValueError, match=match):

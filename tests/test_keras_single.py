@@ -29,7 +29,7 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(algorithm="bogus"), "algorithm='bogus' is not supported"),
-    (dict(algorithm="topk", density=2), r"density=2 must be a number in \(0, 1\]"),
+    (dict(algorithm="topk", density=2), r"density=2 is not valid; accepted: a number in \(0, 1\]"),
 ])
 def test_strategy_rejects_bad_input_before_communicating(kwargs, match):
     with pytest.raises(ValueError, match=match):

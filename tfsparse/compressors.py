@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _checks
 from .schedules import small_tensor_k
 from .state import Stateful
 
@@ -92,37 +93,8 @@ class Identity(Compressor):
 
 # -- threshold compressors (approximate top-k) ------------------------------------------
 
-def _check_fraction(name: str, value) -> float:
-    import numbers
-
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{name}={value!r} must be a number in (0, 1]")
-    return float(value)
-
-
-def _check_positive_int(name: str, value, minimum: int = 1) -> int:
-    import numbers
-
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return int(value)
-
-
-def _check_real(name: str, value, lo, hi=None, hi_open=False) -> float:
-    """A real number ``> lo`` (and ``< hi`` / ``<= hi``); ValueError naming ``name`` otherwise."""
-    import numbers
-
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and float(value) > lo and np.isfinite(value)
-    if ok and hi is not None:
-        ok = float(value) < hi if hi_open else float(value) <= hi
-    if not ok:
-        upper = "" if hi is None else (f" and < {hi}" if hi_open else f" and <= {hi}")
-        raise ValueError(f"{name}={value!r} must be a number > {lo}{upper}")
-    return float(value)
-
-
 def check_small_density(small_density) -> float | None:
-    return None if small_density is None else _check_fraction("small_density", small_density)
+    return None if small_density is None else _checks.real("small_density", small_density, 0.0, 1.0, lo_open=True)
 
 
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
@@ -195,19 +167,19 @@ class DGCSampledThreshold(Compressor):
                  lower: float = 1.0, upper: float = 1.3, adapt_factor: float = 0.9, truncate="largest",
                  exact_below: int = 16384, small_density: float | None = None):
         self.small_density = check_small_density(small_density)
-        self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
-        self.min_samples = _check_positive_int("min_samples", min_samples)
+        self.sample_ratio = _checks.real("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True)
+        self.min_samples = _checks.integer("min_samples", min_samples, 1)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"seed={seed!r} must be None or a non-negative integer")
         self.seed = seed
-        self.adapt_iters = _check_positive_int("adapt_iters", adapt_iters, minimum=0)
-        self.lower = _check_real("lower", lower, 0.0, None)
-        self.upper = _check_real("upper", upper, self.lower, None)
-        self.adapt_factor = _check_real("adapt_factor", adapt_factor, 0.0, 1.0, hi_open=True)
+        self.adapt_iters = _checks.integer("adapt_iters", adapt_iters, 0)
+        self.lower = _checks.real("lower", lower, 0.0, lo_open=True)
+        self.upper = _checks.real("upper", upper, self.lower, lo_open=True)
+        self.adapt_factor = _checks.real("adapt_factor", adapt_factor, 0.0, 1.0, lo_open=True, hi_open=True)
         if truncate not in self.TRUNCATE:
             raise ValueError(f"truncate={truncate!r} is not supported; accepted: 'largest', 'first', None")
         self.truncate = truncate
-        self.exact_below = _check_positive_int("exact_below", exact_below, minimum=0)
+        self.exact_below = _checks.integer("exact_below", exact_below, 0)
         self._rng = np.random.default_rng(seed)
         self.last_threshold = None
         self.last_adaptations = 0
@@ -311,10 +283,10 @@ class HashedThreshold(Compressor):
     def __init__(self, capacity_factor: int = 4, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0,
                  small_density: float | None = None):
         self.small_density = check_small_density(small_density)
-        self.capacity_factor = _check_positive_int("capacity_factor", capacity_factor)
-        self.sample_ratio = _check_fraction("sample_ratio", sample_ratio)
-        self.min_samples = _check_positive_int("min_samples", min_samples)
-        self.seed = _check_positive_int("seed", seed, minimum=0)
+        self.capacity_factor = _checks.integer("capacity_factor", capacity_factor, 1)
+        self.sample_ratio = _checks.real("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True)
+        self.min_samples = _checks.integer("min_samples", min_samples, 1)
+        self.seed = _checks.integer("seed", seed, 0)
         self.step = 0
         self.last_threshold = None
 
@@ -412,12 +384,8 @@ class GaussianKThreshold(Compressor):
     name = "gaussiank"
 
     def __init__(self, scale: float = 0.9, max_adjust: int = 50):
-        import numbers
-
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0.0 < float(scale) < 1.0:
-            raise ValueError(f"scale={scale!r} must be a number in (0, 1)")
-        self.scale = float(scale)
-        self.max_adjust = _check_positive_int("max_adjust", max_adjust, minimum=0)
+        self.scale = _checks.real("scale", scale, 0.0, 1.0, lo_open=True, hi_open=True)
+        self.max_adjust = _checks.integer("max_adjust", max_adjust, 0)
         self.last_threshold = None
         self.last_adjustments = 0
 

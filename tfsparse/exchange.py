@@ -51,6 +51,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from . import _checks
 from .aggregators import available_aggregators, get_aggregator
 from .aggregators.dense import DenseAllreduce
 from .collectives.agreement import check_agreement
@@ -71,11 +72,8 @@ def check_clip_norm(clip_norm) -> float | None:
     """``clip_norm``: None (no clipping) or a positive finite number."""
     if clip_norm is None:
         return None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not math.isfinite(clip_norm) \
-            or clip_norm <= 0:
-        raise ValueError(f"clip_norm={clip_norm!r} is not valid; accepted: None (no clipping) or a positive number "
-                         f"(DGC's local gradient clipping: each rank clips its gradient to clip_norm / sqrt(P))")
-    return float(clip_norm)
+    return _checks.real("clip_norm", clip_norm, 0.0, lo_open=True, hint=(
+        " or None (no clipping); DGC's local gradient clipping: each rank clips its gradient to clip_norm / sqrt(P)"))
 
 
 def check_pipeline(pipeline) -> int:

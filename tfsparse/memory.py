@@ -24,10 +24,10 @@ keeps (the momentum velocity) is its explicit state (:class:`~tfsparse.state.Sta
 """
 from __future__ import annotations
 
-import numbers
 
 import numpy as np
 
+from . import _checks
 from .space import HOST
 from .state import Stateful
 
@@ -164,9 +164,7 @@ class MomentumMemory(ResidualMemory):
     def check_options(momentum=None) -> dict:
         if momentum is None:
             return {"momentum": MomentumMemory.DEFAULT_MOMENTUM}
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum={momentum!r} must be a number in [0, 1), e.g. momentum=0.9")
-        return {"momentum": float(momentum)}
+        return {"momentum": _checks.real("momentum", momentum, 0.0, 1.0, hi_open=True, hint=", e.g. momentum=0.9")}
 
     def compensate(self, grad, residual, out, span):
         """``u = m·u + grad; out = residual + u`` over ``span`` of the bucket."""

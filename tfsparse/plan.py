@@ -30,10 +30,11 @@ back-propagation finishes are the first to travel.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from . import _checks
 
 _FLOAT32_BYTES = 4
 
@@ -253,11 +254,9 @@ def available_plans() -> tuple[str, ...]:
 def check_bucket_bytes(bucket_bytes):
     if bucket_bytes is None:
         return None
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be None (one fused bucket) or an integer >= 0 "
-                         f"(GradientFlow's lazy-allreduce threshold θ in bytes; 0: one bucket per tensor), "
-                         f"e.g. bucket_bytes=4 << 20")
-    return int(bucket_bytes)
+    return _checks.integer("bucket_bytes", bucket_bytes, 0, hint=(
+        " (GradientFlow's lazy-allreduce threshold θ in bytes; 0: one bucket per tensor) or None (one fused "
+        "bucket), e.g. bucket_bytes=4 << 20"))
 
 
 def make_plan(plan=None, bucket_bytes=None) -> Plan:

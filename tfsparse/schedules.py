@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
+
+from . import _checks
 
 RAMPS = ("linear", "exponential")
 #: DRAGONN's code and its DGC baseline run every tensor of at most this many elements
@@ -29,10 +30,8 @@ SMALL_TENSOR = 1024 * 128
 
 
 def check_density(density, name: str = "density") -> float:
-    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of gradient "
-                         f"elements each rank sends), e.g. {name}=0.01")
-    return float(density)
+    return _checks.real(name, density, 0.0, 1.0, lo_open=True,
+                        hint=f" (the fraction of gradient elements each rank sends), e.g. {name}=0.01")
 
 
 def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
@@ -42,15 +41,6 @@ def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
     if small_density is None or n > SMALL_TENSOR or k <= 0:
         return k
     return max(1, int(n * small_density))
-
-
-def _check_count(value, name: str, allow_zero: bool = True):
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < low or \
-            (name == "steps" and not isinstance(value, numbers.Integral)):
-        raise ValueError(f"{name}={value!r} must be a{' non-negative' if allow_zero else ' positive'} "
-                         f"{'integer' if name == 'steps' else 'number'}")
-    return value
 
 
 class WarmUp:
@@ -74,8 +64,8 @@ class WarmUp:
                  target: float | None = None):
         if (steps is None) == (epochs is None):
             raise ValueError(f"WarmUp takes steps= or epochs= (one of them), got steps={steps!r}, epochs={epochs!r}")
-        self.steps = None if steps is None else int(_check_count(steps, "steps"))
-        self.epochs = None if epochs is None else float(_check_count(epochs, "epochs"))
+        self.steps = None if steps is None else _checks.integer("steps", steps, 0)
+        self.epochs = None if epochs is None else _checks.real("epochs", epochs, 0.0)
         if ramp not in RAMPS:
             raise ValueError(f"ramp={ramp!r} is not supported; accepted: {', '.join(repr(r) for r in RAMPS)}")
         self.ramp = ramp

@@ -47,7 +47,6 @@ to other GS algorithms, such as DGC, TopK", §4.3).
 from __future__ import annotations
 
 import math
-import numbers
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -55,6 +54,7 @@ from dataclasses import fields as dataclass_fields
 
 import numpy as np
 
+from . import _checks
 from .aggregators import get_aggregator
 from .collectives.alphabeta import AlphaBeta, format_rate, format_time, measure_alpha_beta
 from .plan import Bucket, Layout, Plan, _bucket
@@ -66,15 +66,6 @@ ALLGATHER_ALGORITHMS = ("dgc", "dragonn", "gaussiank", "topk")
 PROFILE_SIZES = (1 << 12, 1 << 20)
 #: message sizes of the start-up ping-pong (bytes): up to 4 MiB keeps it well under a second at 1 Gbit/s
 PING_SIZES = (8, 512, 32768, 1 << 20, 4 << 20)
-
-
-def _number(name, value, minimum=0.0, strict=False) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and \
-        (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not valid; accepted: a finite number {'>' if strict else '>='} "
-                         f"{minimum}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -95,7 +86,7 @@ class CostModel:
 
     def __post_init__(self):
         for name, strict in (("alpha", False), ("beta", True), ("comp_fixed", False), ("comp_per_element", False)):
-            object.__setattr__(self, name, _number(name, getattr(self, name), strict=strict))
+            object.__setattr__(self, name, _checks.real(name, getattr(self, name), 0.0, lo_open=strict))
 
     def t_comp(self, d: int) -> float:
         return self.comp_fixed + self.comp_per_element * d

@@ -14,9 +14,9 @@ bit-identically.
 """
 from __future__ import annotations
 
-import numbers
 import numpy as np
 
+from .. import _checks
 from ..collectives.communicator import Communicator
 from ..state import Stateful
 from ..wire import FLOAT32, Wire, WireLoss
@@ -109,11 +109,7 @@ class Aggregator(Stateful):
 
 def check_k(k, n: int) -> int:
     """``k`` must be an integer in ``[0, n]``; raises ValueError before any communication."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise ValueError(f"k={k!r} must be an integer in [0, {n}] (the number of elements to keep)")
-    if not 0 <= int(k) <= n:
-        raise ValueError(f"k={k} must be in [0, {n}] (the gradient has {n} elements)")
-    return int(k)
+    return _checks.integer("k", k, 0, n, hint=f" (the number of elements to keep of the gradient's {n})")
 
 
 def check_acc(acc: np.ndarray, k) -> tuple[np.ndarray, int]:

@@ -32,12 +32,11 @@ GradientFlow pairs CSC with momentum correction and a dense warm-up (§3.2): use
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
+from .. import _checks, ops
 from ..wire import Wire, WireLoss
 from .base import Aggregator, AllreduceResult, check_acc
 from .dense import DenseAllreduce
@@ -47,10 +46,8 @@ SELECTIONS = ("current", "previous")
 
 
 def check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (elements per chunk), "
-                         f"e.g. chunk_size=32768 (GradientFlow's 32K)")
-    return int(chunk_size)
+    return _checks.integer("chunk_size", chunk_size, 1,
+                           hint=" (elements per chunk), e.g. chunk_size=32768 (GradientFlow's 32K)")
 
 
 def chunk_elements(chunks: np.ndarray, chunk_size: int, n: int) -> np.ndarray:

@@ -78,12 +78,11 @@ resumed between two re-evaluations reuses exactly the thresholds it would have r
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
+from .. import _checks, ops
 from ..compressors import threshold_select
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
@@ -187,11 +186,8 @@ class OkTopkAllreduce(Aggregator):
         self.tau = _positive_int("tau", tau)
         self.tau_prime = _positive_int("tau_prime", tau_prime)
         self.bucket_size = _positive_int("bucket_size", bucket_size)
-        if (isinstance(balance_factor, bool) or not isinstance(balance_factor, numbers.Real)
-                or not float(balance_factor) >= 1.0):
-            raise ValueError(f"balance_factor={balance_factor!r} must be a number >= 1 (data balancing runs "
-                             f"when the largest buffer exceeds balance_factor times the mean; default 4)")
-        self.balance_factor = float(balance_factor)
+        self.balance_factor = _checks.real("balance_factor", balance_factor, 1.0, hint=(
+            " (data balancing runs when the largest buffer exceeds balance_factor times the mean; default 4)"))
         self.local_raise = _factor("local_raise", local_raise, 1.03)
         self.local_adjust = _factor("local_adjust", local_adjust, 1.012)
         self.global_adjust = _factor("global_adjust", global_adjust, 1.008)
@@ -446,13 +442,9 @@ def _adjusted(threshold, count, k, high, factor):
 
 
 def _factor(name, value, default) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 1.0:
-        raise ValueError(f"{name}={value!r} must be a number >= 1 (the authors' threshold adjustment "
-                         f"factor; default {default}, 1.0 turns it off)")
-    return float(value)
+    return _checks.real(name, value, 1.0, hint=(
+        f" (the authors' threshold adjustment factor; default {default}, 1.0 turns it off)"))
 
 
 def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return int(value)
+    return _checks.integer(name, value, 1)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _checks
 from .communicator import Communicator
 
 #: bit-rate units of ``from_strings`` (tc's, decimal: ``1gbit`` = 10**9 bit/s), as ``tfsparse-run --net``
@@ -98,12 +99,8 @@ class AlphaBeta:
     beta: float
 
     def __post_init__(self):
-        for name, value, ok, accepted in (("alpha", self.alpha, lambda v: v >= 0, "a finite number of seconds >= 0"),
-                                          ("beta", self.beta, lambda v: v > 0, "a finite number of bytes/s > 0")):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or not ok(value):
-                raise ValueError(f"{name}={value!r} is not valid; accepted: {accepted}")
-            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "alpha", _checks.real("alpha", self.alpha, 0.0, hint=" (seconds)"))
+        object.__setattr__(self, "beta", _checks.real("beta", self.beta, 0.0, lo_open=True, hint=" (bytes/s)"))
 
     def time(self, nbytes):
         """One-way time of a message of ``nbytes`` bytes: ``alpha + nbytes / beta`` seconds
@@ -141,9 +138,7 @@ def _check_sizes(sizes) -> tuple[int, ...]:
 
 
 def _check_count(name, value, minimum, example) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= {minimum} (e.g. {name}={example})")
-    return int(value)
+    return _checks.integer(name, value, minimum, hint=f" (e.g. {name}={example})")
 
 
 def fit_alpha_beta(sizes, seconds) -> AlphaBeta:

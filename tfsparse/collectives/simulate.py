@@ -88,12 +88,13 @@ the data-dependent algorithms, how real gradients differ from uniformly spread s
 """
 from __future__ import annotations
 
+import functools
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import _checks
 from ..schedules import small_tensor_k
 from .alphabeta import AlphaBeta
 from .communicator import binomial_children, split_counts
@@ -448,28 +449,15 @@ def _csc(b: _Builder, n, k, step, opts) -> None:
 
 
 def _int_at_least(minimum):
-    def check(name, value):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-            raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= {minimum}")
-        return int(value)
-    return check
+    return functools.partial(_checks.integer, minimum=minimum)
 
 
 _positive_int = _int_at_least(1)
 
 
 def _number(lo, hi=None, lo_open=False, hi_open=False):
-    """A validator of a finite number in the interval from ``lo`` to ``hi`` (None: unbounded)."""
-    top = math.inf if hi is None else hi
-    text = f"{'(' if lo_open else '['}{lo}, {'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}"
-
-    def check(name, value):
-        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-        ok = ok and (value > lo if lo_open else value >= lo) and (value < top if hi_open else value <= top)
-        if not ok:
-            raise ValueError(f"{name}={value!r} is not valid; accepted: a number in {text}")
-        return float(value)
-    return check
+    """A validator ``check(name, value)`` of a finite number from ``lo`` to ``hi`` (None: unbounded)."""
+    return functools.partial(_checks.real, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
 
 
 def _selection(name, value):
@@ -534,10 +522,8 @@ def _check_case(algorithm, workers, n, density, options) -> tuple:
         raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
                          f"{', '.join(repr(a) for a in ALGORITHMS)}")
     for name, value in (("workers", workers), ("n", n)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-            raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= 1")
-    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density={density!r} is not valid; accepted: a number in (0, 1]")
+        _checks.integer(name, value, 1)
+    _checks.real("density", density, 0.0, 1.0, lo_open=True)
     accepted = _ALGORITHMS[algorithm][1]
     unknown = sorted(set(options) - set(accepted))
     if unknown:

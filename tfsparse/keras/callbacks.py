@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import keras
 
-from .. import runtime
+from .. import _checks, runtime
 from ..collectives.agreement import check_agreement
 
 
@@ -306,10 +306,8 @@ class DSyncWarmUp(keras.callbacks.Callback):
 
     def __init__(self, epochs: int = 4):
         super().__init__()
-        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
-            raise ValueError(f"epochs={epochs!r} must be an integer >= 0 (the number of synchronous float32 "
-                             f"epochs before the pipelined, compressed ones)")
-        self.epochs = int(epochs)
+        self.epochs = _checks.integer("epochs", epochs, 0, hint=(
+            " (the number of synchronous float32 epochs before the pipelined, compressed ones)"))
 
     def on_epoch_begin(self, epoch, logs=None):
         exchange = find_exchange(self.model)

@@ -35,6 +35,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .. import _checks
 from . import _common as C
 from ._atomics import atomic_max_i64
 
@@ -597,8 +598,7 @@ def set_thread_limit(threads: int) -> None:
     """At most ``threads`` Numba threads per kernel launch, in every thread of this process (the
     communication thread's included); 0 restores Numba's default.  ``tfsparse.init()`` sets it
     to this rank's share of the node's cores."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"threads={threads!r} must be an integer >= 0 (0: Numba's default)")
+    threads = _checks.integer("threads", threads, 0, hint=" (0: Numba's default)")
     _THREAD_LIMIT[0] = min(threads, numba.config.NUMBA_NUM_THREADS)
 
 

@@ -1,0 +1,46 @@
+"""The shared argument checks: one message naming the argument, the value and what is accepted."""
+import math
+
+import numpy as np
+import pytest
+
+from tfsparse import _checks
+
+
+@pytest.mark.parametrize("value, kwargs, accepted", [
+    (0.0, dict(lo=0.0, hi=1.0, lo_open=True), r"a number in \(0, 1\]"),
+    (1.0, dict(lo=0.0, hi=1.0, hi_open=True), r"a number in \[0, 1\)"),
+    (-1, dict(lo=0.0), r"a number in \[0, inf\)"),
+    (2.5, dict(hi=2.0), r"a number in \(-inf, 2\]"),
+    (math.nan, {}, r"a number in \(-inf, inf\)"),
+    (math.inf, dict(lo=0.0), "a number"),
+    (True, dict(lo=0.0), "a number"),
+    ("0.5", dict(lo=0.0), "a number"),
+])
+def test_real_refuses_with_name_value_and_interval(value, kwargs, accepted):
+    with pytest.raises(ValueError, match=rf"^x={value!r} is not valid; accepted: {accepted}"):
+        _checks.real("x", value, **kwargs)
+
+
+def test_real_returns_a_float_and_appends_the_hint():
+    assert _checks.real("x", np.float32(0.5), 0.0, 1.0) == 0.5
+    assert type(_checks.real("x", 1, 0.0)) is float
+    with pytest.raises(ValueError, match=r"accepted: a number in \(0, inf\) \(bytes/s\)$"):
+        _checks.real("beta", 0, 0.0, lo_open=True, hint=" (bytes/s)")
+
+
+@pytest.mark.parametrize("value, kwargs, accepted", [
+    (0, dict(minimum=1), "an integer >= 1"),
+    (5, dict(minimum=0, maximum=4), r"an integer in \[0, 4\]"),
+    (1.0, dict(minimum=0), "an integer >= 0"),
+    (False, dict(minimum=0), "an integer >= 0"),
+    (None, {}, "an integer"),
+])
+def test_integer_refuses_with_name_value_and_range(value, kwargs, accepted):
+    with pytest.raises(ValueError, match=rf"^n={value!r} is not valid; accepted: {accepted}"):
+        _checks.integer("n", value, **kwargs)
+
+
+def test_integer_accepts_numpy_integers():
+    got = _checks.integer("n", np.int64(3), 0, 3)
+    assert got == 3 and type(got) is int

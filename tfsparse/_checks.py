@@ -1,0 +1,48 @@
+"""Argument checks shared by every public constructor: one message format for bad numbers.
+
+Each raises ``ValueError("<name>=<value!r> is not valid; accepted: <what>")`` -- naming the
+argument, the value and the accepted values -- before any communication, and returns the value
+as a Python ``float``/``int``.  bools are refused (``True`` is not a density), and so are NaN and
+infinities.  Imports nothing from the package, so every module may use it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def _reject(name: str, value, accepted: str, hint: str):
+    raise ValueError(f"{name}={value!r} is not valid; accepted: {accepted}{hint}")
+
+
+def real(name: str, value, lo: float | None = None, hi: float | None = None, *,
+         lo_open: bool = False, hi_open: bool = False, hint: str = "") -> float:
+    """``value`` as a float if it is a finite real number in the interval from ``lo`` to ``hi``
+    (None: unbounded; ``lo_open``/``hi_open``: the bound itself excluded)."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        left = "(-inf" if lo is None else f"{'(' if lo_open else '['}{lo:g}"
+        right = "inf)" if hi is None else f"{hi:g}{')' if hi_open else ']'}"
+        _reject(name, value, f"a number in {left}, {right}", hint)
+    return float(value)
+
+
+def integer(name: str, value, minimum: int | None = None, maximum: int | None = None, *, hint: str = "") -> int:
+    """``value`` as an int if it is an integer (Python or numpy) from ``minimum`` to ``maximum``
+    (None: unbounded)."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Integral)
+    if ok and minimum is not None:
+        ok = value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        if maximum is None:
+            accepted = "an integer" if minimum is None else f"an integer >= {minimum}"
+        else:
+            accepted = f"an integer in [{'-inf' if minimum is None else minimum}, {maximum}]"
+        _reject(name, value, accepted, hint)
+    return int(value)
