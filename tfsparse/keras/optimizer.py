@@ -66,7 +66,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
       momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
       pipeline: ``1`` (synchronous, default) or ``2`` (Pipe-SGD, pipe-sgd-li2018 §3.1: each
         step applies the previous step's aggregated gradient while its own is on the wire;
-        the first step applies zeros).  At the end of ``fit``
+        the first step applies zeros; momentum β is then stable only for ``lr·h < 1 − β``
+        on a curvature h, see ``SparseStrategy``).  At the end of ``fit``
         (``finalize_variable_values``) the round in flight is finished and held for the next
         step.
       selection: ``None`` or ``"cost_model"`` (DRAGONN's per-tensor choice by Eq. 1,

@@ -274,7 +274,10 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         applies it (one step stale); the first step applies a zero gradient.  Pair it with
         ``algorithm="dense", wire_dtype="int8"`` (or ``"bfloat16"``) for the paper's
         compressed pipelined training, and with ``tfsparse.keras.callbacks.DSyncWarmUp`` for
-        its synchronous warm-up.
+        its synchronous warm-up.  A gradient one step late narrows the stable learning rates:
+        heavy-ball momentum β is stable for ``lr·h < 1 − β`` on a curvature h instead of
+        ``lr·h < 2(1 + β)`` (plain SGD, the paper's update: ``lr·h < 1`` instead of 2), so a
+        learning rate tuned for synchronous momentum SGD may need lowering (README, Pipe-SGD).
       selection: ``None`` (every tensor compressed, default) or ``"cost_model"``: DRAGONN's
         efficiency-aware tensor selection (dragonn-wang2022 §4.2, Eq. 1) -- α, β and the
         compression cost are measured at the first step and only the tensors whose compression
