@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ops_cuda_workers.sim_check import CHECK_NAMES, run_in_simulator
+from ops_cuda_workers.sim_check import CHECK_NAMES, repo_env, run_in_simulator
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "ops_cuda_workers" / "sim_check.py"
@@ -72,8 +72,7 @@ def test_numpy_without_row_stack_gives_a_clear_import_error():
     pytest.importorskip("numba_cuda", reason="install numba-cuda[cu13]")
     code = ("import numpy as np\ndel np.row_stack\n"
             "try:\n    import tfsparse.ops.cuda\nexcept ImportError as e:\n    print('ImportError:', e)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=repo_env(), cwd=REPO, capture_output=True, text=True,
                          timeout=300).stdout
     assert "ImportError:" in out and "numpy<2.5" in out and "numba-cuda 0.30" in out, out
 

@@ -169,9 +169,7 @@ class DGCSampledThreshold(Compressor):
         self.small_density = check_small_density(small_density)
         self.sample_ratio = _checks.real("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True)
         self.min_samples = _checks.integer("min_samples", min_samples, 1)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-            raise ValueError(f"seed={seed!r} must be None or a non-negative integer")
-        self.seed = seed
+        self.seed = None if seed is None else _checks.integer("seed", seed, 0, hint=" or None")
         self.adapt_iters = _checks.integer("adapt_iters", adapt_iters, 0)
         self.lower = _checks.real("lower", lower, 0.0, lo_open=True)
         self.upper = _checks.real("upper", upper, self.lower, lo_open=True)

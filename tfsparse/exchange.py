@@ -788,10 +788,7 @@ class GradientExchange:
         for b in self._buckets:
             b.held = None if pending is None else self.space.from_host(pending.reshape(-1)[b.spec.start:b.spec.stop])
             if b.residual is not None:
-                if residual is None:
-                    self.space.fill(b.residual, 0.0)
-                else:
-                    self.space.set(b.residual, np.asarray(residual, np.float32).reshape(-1)[b.spec.start:b.spec.stop])
+                self.space.load(b.residual, None if residual is None else residual.reshape(-1)[b.spec.start:b.spec.stop])
             b.memory.set_state({key: state[key].reshape(-1)[b.spec.start:b.spec.stop]
                                 for key in b.memory.get_state() if key in state})
             prefix = f"bucket{b.spec.index}."

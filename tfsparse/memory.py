@@ -24,7 +24,6 @@ keeps (the momentum velocity) is its explicit state (:class:`~tfsparse.state.Sta
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from . import _checks
@@ -189,11 +188,7 @@ class MomentumMemory(ResidualMemory):
 
     def set_state(self, state):
         super().set_state(state)
-        v = state.get("velocity")
-        if v is None:
-            self.space.fill(self.velocity, 0.0)
-        else:
-            self.space.set(self.velocity, np.asarray(v, np.float32).reshape(-1))
+        self.space.load(self.velocity, state.get("velocity"))
 
     def __repr__(self):
         return f"MomentumMemory(momentum={float(self.momentum)})"

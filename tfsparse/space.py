@@ -106,8 +106,15 @@ class HostSpace:
         """``x[where] += values`` (``where``: unique indices or a slice)."""
         x[where] += values
 
-    def set(self, x, values) -> None:
-        """``x[:] = values`` (host data)."""
+    def load(self, x, values) -> None:
+        """``x[:] = values`` (host data of ``x``'s size, as float32), or zeros when ``values`` is None
+        (restoring a state that lacks it)."""
+        if values is None:
+            self.fill(x, 0.0)
+        else:
+            self._put(x, np.ascontiguousarray(values, np.float32).reshape(-1))
+
+    def _put(self, x, values) -> None:
         x[:] = values
 
     def to_host(self, x):
@@ -189,8 +196,8 @@ class CudaSpace(HostSpace):
         else:
             self._k.scatter_add(x.size, np.asarray(where, np.int64), values, out=x)  # unique: deterministic
 
-    def set(self, x, values) -> None:
-        x.copy_to_device(np.ascontiguousarray(values, np.float32).reshape(-1))
+    def _put(self, x, values) -> None:
+        x.copy_to_device(values)
 
     def to_host(self, x):
         return x.copy_to_host()

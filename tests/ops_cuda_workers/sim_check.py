@@ -342,16 +342,22 @@ CHECKS = {name[len("check_"):]: fn for name, fn in sorted(globals().items()) if 
 CHECK_NAMES = tuple(CHECKS)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def repo_env(**extra) -> dict:
+    """This environment with the repository first on ``PYTHONPATH`` (for a child process)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+                **extra)
+
+
 def run_in_simulator(worker, timeout: float = 900) -> dict:
     """Runs a worker of this folder in its own process under the CUDA simulator (from a test);
     returns its ``{check name: "ok" | traceback}``."""
     import subprocess
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(worker)], env=env, cwd=repo, capture_output=True, text=True,
+    env = repo_env(NUMBA_ENABLE_CUDASIM="1", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, str(worker)], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"simulator worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
