@@ -223,8 +223,36 @@ def test_period_mean_and_gamma():
     assert json.loads(json.dumps(r.as_dict()))["bytes"] == r.bytes
 
 
+def test_cores_slow_local_work_that_more_ranks_than_cores_do_at_once():
+    n, d, gamma = 25_200_000, 0.001, 1e-8
+    k = math.ceil(d * n)
+
+    def local(name, P, cores, **kw):
+        return (simulate(name, P, n, d, AB, gamma, cores=cores, **kw).seconds
+                - simulate(name, P, n, d, AB, cores=cores, **kw).seconds)
+
+    # topk: every rank sums the P*k gathered pairs at once: P ranks on 2 cores take P/2 times as long
+    for P in (2, 3, 4, 8):
+        assert local("topk", P, None) == pytest.approx(gamma * P * k, rel=1e-9)
+        assert local("topk", P, 2) == pytest.approx(gamma * P * k * max(1.0, P / 2), rel=1e-9)
+        assert local("topk", P, 64) == pytest.approx(local("topk", P, None), rel=1e-12)
+    # gtopk's tree rounds keep only their receivers busy: P = 4 has 2, then 1 -- two cores suffice,
+    # at P = 8 the first round's 4 receivers share them
+    assert local("gtopk", 4, 2) == pytest.approx(local("gtopk", 4, None), rel=1e-12)
+    assert local("gtopk", 8, 2) == pytest.approx(gamma * 2 * k * (2 + 1 + 1), rel=1e-9)
+    # the ring reduce-scatter: every rank adds a block at once
+    assert local("dense", 4, 1) == pytest.approx(4 * local("dense", 4, None), rel=1e-9)
+    r = simulate("oktopk", 4, n, d, AB, gamma, cores=2, step=2)
+    assert r.cores == 2 and r.as_dict()["cores"] == 2
+    assert sum(r.breakdown().values()) == pytest.approx(r.seconds)
+    # the α-β terms do not depend on it
+    assert simulate("oktopk", 4, n, d, AB, cores=1).seconds == simulate("oktopk", 4, n, d, AB).seconds
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: simulate("sparse", 4, N, DENSITY, AB), r"algorithm='sparse'.*accepted: 'dense'"),
+    (lambda: simulate("topk", 4, N, DENSITY, AB, cores=0), r"cores=0.*accepted.*None"),
+    (lambda: simulate("topk", 4, N, DENSITY, AB, cores=1.5), r"cores=1.5.*accepted"),
     (lambda: simulate("topk", 0, N, DENSITY, AB), r"workers=0.*accepted"),
     (lambda: simulate("topk", 4, 2.5, DENSITY, AB), r"n=2.5.*accepted"),
     (lambda: simulate("topk", 4, N, 0.0, AB), r"density=0.0.*accepted.*\(0, 1\]"),
@@ -331,6 +359,11 @@ def test_cli_json(algorithm):
     text = subprocess.run(TOOL + ["--algorithm", algorithm, "--workers", "32"], capture_output=True, text=True,
                           timeout=60).stdout
     assert f"{algorithm}: P=32" in text and "ms per step" in text
+    shared = json.loads(subprocess.run(TOOL + ["--algorithm", algorithm, "--workers", "4", "--gamma", "1e-7",
+                                               "--cores", "2", "--json"], capture_output=True, text=True,
+                                       timeout=60).stdout)
+    assert shared["cores"] == 2 and shared["seconds"] == pytest.approx(
+        simulate(algorithm, 4, 25_200_000, 0.001, AlphaBeta.from_strings("1gbit", "50us"), 1e-7, cores=2).seconds)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -339,6 +372,7 @@ def test_cli_json(algorithm):
     (["--algorithm", "topk", "--workers", "4", "--latency", "soon"], "--latency: latency='soon'"),
     (["--algorithm", "topk", "--workers", "-2"], "--workers: '-2' is not valid; accepted"),
     (["--algorithm", "topk", "--workers", "4", "--density", "2"], r"--density: '2' is not valid; accepted"),
+    (["--algorithm", "topk", "--workers", "4", "--cores", "0"], "--cores: '0' is not valid; accepted"),
     (["--workers", "4"], "--algorithm required"),
     (["--sweep", "--algorithm", "topk"], "--sweep"),
 ])

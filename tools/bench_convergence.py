@@ -151,7 +151,7 @@ def main():
             json.dump(results, f, indent=1)
     plot(results, args.out + ".png")
     print(f"\n| configuration | density | test accuracy (mean) | seeds | vs its synchronous dense (points) "
-          f"| bytes/step/rank |\n|---|---|---|---|---|---|")
+          "| bytes/step/rank |\n|---|---|---|---|---|---|")
     for label, run in results["runs"].items():
         gap = 100 * (run["test_accuracy"] - baseline_of(results, label)["test_accuracy"])
         print(f"| {label} | {run['density'][-1]:.4f} | {run['test_accuracy']:.4f} | "

@@ -12,7 +12,8 @@ re-evaluations and allgathers, ...) on a link of the given bandwidth and latency
 ``seconds`` is the predicted exchange time of one step (Ok-Topk: the mean over its period of
 threshold re-evaluations), ``bytes`` the most bytes one rank sends per step, counted as
 ``Communicator.bytes_sent`` counts them.  ``--gamma`` adds seconds per element of local work
-inside the exchange (reductions, merges; default 0: the pure α-β model).  ``--latency`` defaults
+inside the exchange (reductions, merges; default 0: the pure α-β model), ``--cores`` the cores
+the ranks share when they run on one node (``tfsparse-run --net``).  ``--latency`` defaults
 to 50us, ``--n`` to 25.2M (the MLP 1024-4096-4096-1024) and ``--density`` to 0.001.
 
 ``--sweep`` writes ``results/simulate_network.json`` and ``results/simulate_network.png``: the
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-message latency: s, ms, us, ns, or 0 (default 50us)")
     p.add_argument("--gamma", type=_type(_gamma), default=0.0,
                    help="seconds per element of local work in the exchange (default 0)")
+    p.add_argument("--cores", type=_type(_positive_int), default=None,
+                   help="cores all the ranks share on one node (default: every rank has its own); local "
+                        "work done by more ranks at once than cores is slowed by busy/cores")
     p.add_argument("--step", type=_type(_positive_int), default=None,
                    help="price this step only (from 1; default: the mean over the algorithm's period)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -135,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def one(args) -> dict:
     ab = AlphaBeta.from_strings(args.bandwidth, args.latency)
-    res = simulate(args.algorithm, args.workers, args.n, args.density, ab, args.gamma, step=args.step)
+    res = simulate(args.algorithm, args.workers, args.n, args.density, ab, args.gamma, step=args.step,
+                   cores=args.cores)
     out = {"algorithm": res.algorithm, "workers": res.workers, "n": res.n, "density": res.density, "k": res.k,
            "bandwidth": args.bandwidth, "latency": args.latency, "step": args.step, **res.as_dict()}
     return out

@@ -8,16 +8,21 @@ network namespace, tbf-shaped link; needs root) runs the worker: it measures the
 :func:`tfsparse.collectives.measure_alpha_beta`, then runs every algorithm's real aggregator on
 per-rank synthetic gradients (Laplace noise, a different seed per rank; float32 wire) and
 times the **exchange alone** (``Aggregator.exchange`` after a barrier; the local selection is
-outside it, as in the model) -- the slowest rank's time, median over ``--steps`` steps (Ok-Topk:
-its first step, which re-evaluates the thresholds, reported separately from its reuse steps).
-Next to it: :func:`~tfsparse.collectives.simulate.simulate` of the same step with the measured
-α and β and γ = 0 (the papers' α-β model), and with γ -- seconds per element of the local work
-the schedule counts -- fitted per algorithm on the smallest P and used to predict the others.
+outside it, as in the model) -- the slowest rank's time, median over ``--steps`` steps after
+one warm-up step (Ok-Topk: steps that re-evaluate the thresholds and steps that reuse them,
+timed separately).  Next to it: :func:`~tfsparse.collectives.simulate.simulate` of the same
+step with the measured α and β and γ = 0 (the papers' α-β model), and with γ -- seconds per
+element of the local work the schedule counts -- fitted per algorithm on the smallest P and
+used to predict the others.  All ranks of a launch share this machine's cores; the model is
+told so (``cores``: local work done by more ranks at once than there are cores is slowed by
+``busy / cores``; ``--cores 0`` leaves it out).
 
-Open MPI's own choice of allreduce algorithm is not the ring the model prices: at 1 Gbit/s,
-P = 4, 100 MB its default decision took 1.7-1.9 s where the ring takes 1.3 s (measured here).
-The launches therefore pin the ring (``--mca coll_tuned_allreduce_algorithm 4``; ``--mpi-default``
-leaves Open MPI's decision).  Each launch takes the MPI lock (``/tmp/tfsparse-mpi.lock``).
+Open MPI's own choice of collective algorithms is not the ring the model prices.  The
+Communicator's allreduce is a ``Reduce_scatter`` and an ``Allgatherv`` (bit-identical on every
+rank), so those are the calls to pin: at 1 Gbit/s, P = 4, 25.2M floats Open MPI's default
+decision took 2086 ms, the ring reduce-scatter and ring allgatherv 1539 ms (the model: 1265 ms;
+measured here).  The launches therefore pin the rings of the collectives the aggregators call
+(reduce-scatter, allgather, allgatherv, allreduce; ``--mpi-default`` leaves Open MPI's decision).  Each launch takes the MPI lock (``/tmp/tfsparse-mpi.lock``).
 Output: a table, ``results/validate_network_model.json``.
 """
 from __future__ import annotations
@@ -33,9 +38,23 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-RING = "--mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4"
+RING = "--mca coll_tuned_use_dynamic_rules 1 " + " ".join(
+    f"--mca coll_tuned_{name}_algorithm {ring}"
+    for name, ring in (("reduce_scatter", 3), ("allgatherv", 3), ("allgather", 4), ("allreduce", 4)))
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk")
 TOLERANCE = 0.25
+
+
+def series(algorithms):
+    """``(label, algorithm, options)`` of the timed runs: Ok-Topk twice, re-evaluating its
+    thresholds at every step (``tau_prime=1``) and reusing them (the default period's steps
+    2-32), so that both kinds of step are medians over ``--steps`` steps."""
+    for name in algorithms:
+        if name == "oktopk":
+            yield "oktopk (re-evaluation steps)", name, {"tau_prime": 1}
+            yield "oktopk (reuse steps)", name, {}
+        else:
+            yield name, name, {}
 
 
 def worker(args) -> None:
@@ -50,9 +69,10 @@ def worker(args) -> None:
     rng = np.random.default_rng([comm.rank, 7])
     k = int(np.ceil(args.density * args.n))
     wire = get_wire("float32")
+    cores = args.cores or None
     rows = []
-    for name in args.algorithms:
-        agg = get_aggregator(name)
+    for label, name, options in series(args.algorithms):
+        agg = get_aggregator(name, **options)
         times = []
         for step in range(1, args.steps + 2):
             acc = rng.laplace(size=args.n).astype(np.float32)
@@ -62,14 +82,12 @@ def worker(args) -> None:
             agg.exchange(comm, payload)
             mine = time.perf_counter() - t0
             times.append(float(comm.allreduce(np.array([mine]), op="max")[0]))
-        groups = {"": times[1:]} if name != "oktopk" else {" (re-evaluation step)": times[:1],
-                                                          " (reuse steps)": times[1:]}
-        for suffix, measured in groups.items():
-            step = 1 if "re-evaluation" in suffix else (2 if name == "oktopk" else None)
-            predicted = simulate(name, comm.size, args.n, args.density, ab, step=step).seconds
-            per_gamma = simulate(name, comm.size, args.n, args.density, ab, gamma=1.0, step=step).seconds - predicted
-            rows.append({"algorithm": name + suffix, "measured_s": float(np.median(measured)),
-                         "predicted_s": predicted, "elements": per_gamma})
+        # step 1 (warm-up; Ok-Topk's repartition) is not timed: every later step is alike
+        model = dict(step=2, cores=cores, **options)
+        predicted = simulate(name, comm.size, args.n, args.density, ab, **model).seconds
+        per_gamma = simulate(name, comm.size, args.n, args.density, ab, 1.0, **model).seconds - predicted
+        rows.append({"algorithm": label, "measured_s": float(np.median(times[1:])),
+                     "predicted_s": predicted, "elements": per_gamma})
     if comm.rank == 0:
         for r in rows:
             r["ratio"] = r["measured_s"] / r["predicted_s"]
@@ -85,7 +103,8 @@ def launch(P: int, rate: str, args) -> dict:
     if not args.mpi_default:
         cmd += ["--mpi-args", RING]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(args.n),
-            "--density", str(args.density), "--steps", str(args.steps), "--algorithms", *args.algorithms]
+            "--density", str(args.density), "--steps", str(args.steps), "--cores", str(args.cores),
+            "--algorithms", *args.algorithms]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     with mpi_lock():
@@ -118,9 +137,11 @@ def main(argv=None) -> int:
     p.add_argument("--rates", nargs="+", default=["1gbit"])
     p.add_argument("--n", type=int, default=25_175_040, help="gradient elements (default: the 25.2M MLP)")
     p.add_argument("--density", type=float, default=0.001)
-    p.add_argument("--steps", type=int, default=4, help="timed steps per algorithm (after one warm-up)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per algorithm (after one warm-up)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    p.add_argument("--mpi-default", action="store_true", help="leave Open MPI's allreduce decision")
+    p.add_argument("--mpi-default", action="store_true", help="leave Open MPI's decision of collective algorithms")
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                   help="cores the ranks share, for the model (default: this machine's; 0: every rank its own)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "results" / "validate_network_model.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -142,6 +163,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {os.uname().release}",
                                "date": time.strftime("%Y-%m-%d"), "ring_pinned": not args.mpi_default,
+                               "model_cores": args.cores or None, "steps": args.steps,
                                "n": args.n, "density": args.density, "cells": cells}, indent=1))
     print(f"wrote {out}")
     return 0

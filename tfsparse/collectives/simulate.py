@@ -17,6 +17,10 @@ sizes it calls them with (float32 values, int32 indices below 2**31 elements: th
   top-k merges *inside* the exchange.  The local selection before it (``encode``) and the
   residual update after it are not part of the model; leave gamma at 0 for the pure α-β
   model of the papers' Tables (gtopk-ssgd-shi2019 Table I, oktopk-li2022 Table 1);
+* ``cores`` (default None: every rank has its own) prices ranks that share a node's cores, as
+  ``tfsparse-run --net`` does on one machine: a round whose local work ``busy`` ranks do at
+  the same time takes ``max(1, busy / cores)`` times its ``gamma · elements`` (every rank in a
+  ring step or Ok-Topk's rotation, only the receivers of a gTop-k tree round);
 * ``bytes`` of the result is the most bytes one rank sends in the step, counted **exactly as**
   :class:`~tfsparse.collectives.Communicator` counts ``bytes_sent`` (ring allreduce
   ``2·nbytes·(P-1)/P``, ring allgather of all blocks but the successor's, binomial broadcast,
@@ -122,6 +126,7 @@ class Round:
       elements: values the busiest rank adds, merges or selects (the γ term).
       weight: the fraction of steps the round occurs in (1.0; less for Ok-Topk's periodic steps
         in a period mean).
+      busy: the ranks that do this local work at the same time (they share ``cores``).
     """
 
     phase: str
@@ -130,10 +135,12 @@ class Round:
     bytes: int
     elements: int = 0
     weight: float = 1.0
+    busy: int = 1
 
-    def seconds(self, ab: AlphaBeta, gamma: float = 0.0) -> float:
-        """``weight · (alpha · messages + bytes / beta + gamma · elements)``."""
-        return self.weight * (ab.alpha * self.messages + self.bytes / ab.beta + gamma * self.elements)
+    def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
+        """``weight · (alpha · messages + bytes / beta + gamma · elements · max(1, busy / cores))``."""
+        share = max(1.0, self.busy / cores) if cores else 1.0
+        return self.weight * (ab.alpha * self.messages + self.bytes / ab.beta + gamma * self.elements * share)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,10 +151,10 @@ class Phase:
     name: str
     variants: tuple
 
-    def best(self, ab: AlphaBeta, gamma: float = 0.0) -> tuple:
-        """The fastest variant's rounds under ``ab``."""
+    def best(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> tuple:
+        """The fastest variant's rounds under the model."""
         return min((rounds for _, rounds in self.variants),
-                   key=lambda rounds: sum(r.seconds(ab, gamma) for r in rounds))
+                   key=lambda rounds: sum(r.seconds(ab, gamma, cores) for r in rounds))
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,12 +182,12 @@ class Schedule:
         """The most bytes one rank sends in the step (rounded to whole bytes)."""
         return int(round(float(self.sent.max()))) if self.sent.size else 0
 
-    def rounds(self, ab: AlphaBeta, gamma: float = 0.0) -> tuple:
-        """The rounds of the fastest variant of every phase under ``ab``."""
-        return tuple(r for phase in self.phases for r in phase.best(ab, gamma))
+    def rounds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> tuple:
+        """The rounds of the fastest variant of every phase under the model."""
+        return tuple(r for phase in self.phases for r in phase.best(ab, gamma, cores))
 
-    def seconds(self, ab: AlphaBeta, gamma: float = 0.0) -> float:
-        return float(sum(r.seconds(ab, gamma) for r in self.rounds(ab, gamma)))
+    def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
+        return float(sum(r.seconds(ab, gamma, cores) for r in self.rounds(ab, gamma, cores)))
 
 
 @dataclass(frozen=True)
@@ -194,7 +201,7 @@ class SimResult:
       bytes: the most bytes one rank sends per step (Communicator accounting; a period mean,
         rounded, likewise).
       rounds: the rounds priced, each with the ``weight`` of the steps it occurs in.
-      ab, gamma: the model.
+      ab, gamma, cores: the model.
     """
 
     algorithm: str
@@ -207,6 +214,7 @@ class SimResult:
     rounds: tuple = field(repr=False)
     ab: AlphaBeta = None
     gamma: float = 0.0
+    cores: int | None = None
 
     @property
     def messages(self) -> float:
@@ -217,7 +225,7 @@ class SimResult:
         """Seconds per phase, in schedule order."""
         out: dict = {}
         for r in self.rounds:
-            out[r.phase] = out.get(r.phase, 0.0) + r.seconds(self.ab, self.gamma)
+            out[r.phase] = out.get(r.phase, 0.0) + r.seconds(self.ab, self.gamma, self.cores)
         return out
 
     def as_dict(self) -> dict:
@@ -226,7 +234,7 @@ class SimResult:
                 "k": self.k, "seconds": self.seconds, "bytes": self.bytes,
                 "rounds": float(sum(r.weight for r in self.rounds if r.messages)),
                 "messages": self.messages, "alpha_s": self.ab.alpha, "beta_bytes_per_s": self.ab.beta,
-                "gamma_s_per_element": self.gamma, "phases_s": self.breakdown()}
+                "gamma_s_per_element": self.gamma, "cores": self.cores, "phases_s": self.breakdown()}
 
 
 # -- collectives: counted bytes and round variants ------------------------------------------------
@@ -250,7 +258,7 @@ class _Builder:
         """Local work of the busiest rank (no messages): the γ term only (none on one rank:
         nothing is exchanged)."""
         if elements and self.P > 1:
-            self._phase(name, ("local", [Round(name, "local", 0, 0, int(round(elements)))]))
+            self._phase(name, ("local", [Round(name, "local", 0, 0, int(round(elements)), busy=self.P)]))
 
     def allreduce(self, name, count: int, itemsize: int, reduce: bool = True) -> None:
         """``comm.allreduce`` of ``count`` elements: counted ``2·nbytes·(P-1)//P`` per rank."""
@@ -259,14 +267,14 @@ class _Builder:
             return
         self.sent += 2 * count * itemsize * (P - 1) // P
         block = int(split_counts(count, P).max())
-        ring = [Round(name, "ring reduce-scatter", 1, block * itemsize, block if reduce else 0)] * (P - 1) + \
+        ring = [Round(name, "ring reduce-scatter", 1, block * itemsize, block if reduce else 0, busy=P)] * (P - 1) + \
                [Round(name, "ring allgather", 1, block * itemsize)] * (P - 1)
         p2 = 1 << (P.bit_length() - 1)
         halving = []
         if P > p2:  # the surplus ranks hand their vector to a partner first, get the result last
-            halving.append(Round(name, "fold", 1, count * itemsize, count if reduce else 0))
+            halving.append(Round(name, "fold", 1, count * itemsize, count if reduce else 0, busy=P - p2))
         segments = [math.ceil(count / 2**j) for j in range(1, p2.bit_length())]
-        halving += [Round(name, "recursive halving", 1, s * itemsize, s if reduce else 0) for s in segments]
+        halving += [Round(name, "recursive halving", 1, s * itemsize, s if reduce else 0, busy=p2) for s in segments]
         halving += [Round(name, "recursive doubling", 1, s * itemsize) for s in reversed(segments)]
         if P > p2:
             halving.append(Round(name, "unfold", 1, count * itemsize))
@@ -403,7 +411,7 @@ def _gtopk(b: _Builder, n, k, step, opts) -> None:
     sent = np.zeros(P)
     for group in senders:
         sent[group] += msg
-    rounds = [Round("reduction tree", "tree", 1, msg, 2 * k) for _ in senders]
+    rounds = [Round("reduction tree", "tree", 1, msg, 2 * k, busy=len(group)) for group in senders]
     b.point_to_point("reduction tree", "tree", rounds, sent)
     b.bcast("broadcast length", 8)       # Alg. 3 line 19: the result's length first (int64) ...
     b.bcast("broadcast result", msg)     # ... then the k-entry result
@@ -419,7 +427,7 @@ def _oktopk(b: _Builder, n, k, step, opts) -> None:
     if repartition:                                  # Alg. 1 lines 5-7
         b.allreduce("space repartition (boundaries)", P - 1, 8)
     b.alltoall("split and reduce: message lengths", 8)
-    rotation = [Round("split and reduce", "rotation", 1, int(round(share * entry)), int(round(share)))
+    rotation = [Round("split and reduce", "rotation", 1, int(round(share * entry)), int(round(share)), busy=P)
                 for _ in range(P - 1)]              # Alg. 1 line 8, Eq. 1
     b.point_to_point("split and reduce", "rotation", rotation, np.full(P, (P - 1) * share * entry))
     b.local("split and reduce: own region", share)
@@ -573,7 +581,7 @@ def period(algorithm: str, **options) -> tuple:
 
 
 def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta, gamma: float = 0.0, *,
-             step: int | None = None, **options) -> SimResult:
+             step: int | None = None, cores: int | None = None, **options) -> SimResult:
     """Predicted time and bytes of one exchange step under the α-β-γ model.
 
     Args:
@@ -582,6 +590,9 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
       ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
       gamma: seconds per element of local work inside the exchange (>= 0; default 0, the pure
         α-β model).
+      cores: the cores all ``workers`` ranks share on one node (>= 1); None (default): every
+        rank has cores of its own.  Local work that more ranks than cores do at once is slowed
+        by ``busy / cores``.
       step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
       options: the aggregator's options (see :func:`schedule`).
 
@@ -592,13 +603,15 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
         raise ValueError(f"ab={ab!r} is not valid; accepted: a tfsparse.collectives.AlphaBeta, e.g. "
                          f"AlphaBeta.from_strings('1gbit', '50us')")
     gamma = _number(0.0)("gamma", gamma)
+    if cores is not None:
+        cores = _checks.integer("cores", cores, 1, hint=" (or None: every rank has its own)")
     steps = ((step, 1.0),) if step is not None else period(algorithm, **options)
     rounds, sent, case = [], None, None
     for t, weight in steps:
         s = schedule(algorithm, workers, n, density, step=t, **options)
         case = s
-        rounds += [replace(r, weight=r.weight * weight) for r in s.rounds(ab, gamma)]
+        rounds += [replace(r, weight=r.weight * weight) for r in s.rounds(ab, gamma, cores)]
         sent = s.sent * weight if sent is None else sent + s.sent * weight
-    seconds = float(sum(r.seconds(ab, gamma) for r in rounds))
+    seconds = float(sum(r.seconds(ab, gamma, cores) for r in rounds))
     return SimResult(case.algorithm, case.workers, case.n, case.density, case.k, seconds,
-                     int(round(float(sent.max()))) if sent.size else 0, tuple(rounds), ab, gamma)
+                     int(round(float(sent.max()))) if sent.size else 0, tuple(rounds), ab, gamma, cores)
