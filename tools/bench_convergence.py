@@ -150,7 +150,7 @@ def main():
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=1)
     plot(results, args.out + ".png")
-    print(f"\n| configuration | density | test accuracy (mean) | seeds | vs its synchronous dense (points) "
+    print("\n| configuration | density | test accuracy (mean) | seeds | vs its synchronous dense (points) "
           "| bytes/step/rank |\n|---|---|---|---|---|---|")
     for label, run in results["runs"].items():
         gap = 100 * (run["test_accuracy"] - baseline_of(results, label)["test_accuracy"])
