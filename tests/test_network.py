@@ -4,7 +4,6 @@ The launched jobs need root (or CAP_NET_ADMIN) and are skipped without it; argum
 everywhere.
 """
 import ipaddress
-import json
 import os
 import signal
 import subprocess
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mpi_harness import MPIJobError, job_env, load_result, mpi_lock, run_job
+from mpi_harness import job_env, load_result, mpi_lock, run_job
 from tfsparse import network
-from tfsparse.network import NetSpec
+from tfsparse.network import EmulatedNetwork, NetSpec
 
 needs_net_admin = pytest.mark.skipif(
     not (sys.platform.startswith("linux") and network.has_net_admin()),
@@ -41,6 +40,12 @@ def test_net_spec_parsing():
     assert spec.rate == 10**8 and spec.latency == pytest.approx(5e-05)
     assert NetSpec.parse("2.5Gbit").rate == 2_500_000_000
     assert str(NetSpec.parse("10gbit")) == "10gbit"
+
+
+@pytest.mark.parametrize("rate, depth", [("1gbit", 128 * 1024), ("100mbit", 128 * 1024), ("10gbit", 1_250_000),
+                                         ("2.5gbit", 312_500)])
+def test_token_bucket_holds_one_millisecond_and_at_least_128_kib(rate, depth):
+    assert EmulatedNetwork(2, NetSpec.parse(rate), owner=1).burst_bytes == depth
 
 
 @pytest.mark.parametrize("text, named", [("1gbyte", "rate='1gbyte'"), ("fast", "rate='fast'"),

@@ -22,7 +22,11 @@ Communicator's allreduce is a ``Reduce_scatter`` and an ``Allgatherv`` (bit-iden
 rank), so those are the calls to pin: at 1 Gbit/s, P = 4, 25.2M floats Open MPI's default
 decision took 2086 ms, the ring reduce-scatter and ring allgatherv 1539 ms (the model: 1265 ms;
 measured here).  The launches therefore pin the rings of the collectives the aggregators call
-(reduce-scatter, allgather, allgatherv, allreduce; ``--mpi-default`` leaves Open MPI's decision).  Each launch takes the MPI lock (``/tmp/tfsparse-mpi.lock``).
+(reduce-scatter, allgather, allgatherv, allreduce; ``--mpi-default`` leaves Open MPI's decision).
+They also open two TCP connections per pair of ranks (``--mca btl_tcp_links 2``): with Open MPI's
+one, an exchange that sends both ways between the same two ranks at once -- the whole ring at
+P = 2 -- ran at two thirds of the link's rate (ring allreduce of 16 MB at 100 Mbit/s: 1858 ms,
+1412 ms with two; the model 1338 ms).  Each launch takes the MPI lock (``/tmp/tfsparse-mpi.lock``).
 Output: a table, ``results/validate_network_model.json``.
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 RING = "--mca coll_tuned_use_dynamic_rules 1 " + " ".join(
     f"--mca coll_tuned_{name}_algorithm {ring}"
     for name, ring in (("reduce_scatter", 3), ("allgatherv", 3), ("allgather", 4), ("allreduce", 4)))
+FULL_DUPLEX = "--mca btl_tcp_links 2"
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk")
 TOLERANCE = 0.25
 
@@ -100,8 +105,7 @@ def launch(P: int, rate: str, args) -> dict:
     from tfsparse.run import mpi_lock
 
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(P), "--net", rate]
-    if not args.mpi_default:
-        cmd += ["--mpi-args", RING]
+    cmd += ["--mpi-args", FULL_DUPLEX if args.mpi_default else f"{RING} {FULL_DUPLEX}"]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(args.n),
             "--density", str(args.density), "--steps", str(args.steps), "--cores", str(args.cores),
             "--algorithms", *args.algorithms]
