@@ -10,7 +10,9 @@ per-rank synthetic gradients (Laplace noise, a different seed per rank; float32 
 times the **exchange alone** (``Aggregator.exchange`` after a barrier; the local selection is
 outside it, as in the model) -- the slowest rank's time, median over ``--steps`` steps after
 one warm-up step (Ok-Topk: steps that re-evaluate the thresholds and steps that reuse them,
-timed separately).  Next to it: :func:`~tfsparse.collectives.simulate.simulate` of the same
+timed separately); with ``--repeats R`` each P is launched R times and every number is the
+median over the launches (on this 2-core machine the CPU-bound cells move by up to a third
+from one launch to the next).  Next to it: :func:`~tfsparse.collectives.simulate.simulate` of the same
 step with the measured α and β and γ = 0 (the papers' α-β model), and with γ -- seconds per
 element of the local work the schedule counts -- fitted per algorithm on the smallest P and
 used to predict the others.  All ranks of a launch share this machine's cores; the model is
@@ -119,6 +121,23 @@ def launch(P: int, rate: str, args) -> dict:
     raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
+def combine(launches: list) -> dict:
+    """One cell from repeated launches of the same P and rate: every number the median over the
+    launches (the spread between launches on a shared machine is larger than within one), the
+    launches' own measurements kept as ``measured_runs_s``."""
+    cell = dict(launches[0], launches=len(launches))
+    for key in ("alpha_s", "beta_bytes_per_s"):
+        cell[key] = float(np.median([c[key] for c in launches]))
+    cell["rows"] = []
+    for rows in zip(*(c["rows"] for c in launches)):
+        row = {"algorithm": rows[0]["algorithm"], "measured_runs_s": [r["measured_s"] for r in rows]}
+        for key in ("measured_s", "predicted_s", "elements"):
+            row[key] = float(np.median([r[key] for r in rows]))
+        row["ratio"] = row["measured_s"] / row["predicted_s"]
+        cell["rows"].append(row)
+    return cell
+
+
 def calibrate(cells) -> None:
     """γ (seconds per element of local work in the exchange: the reductions, merges, selections
     the schedule counts) fitted per algorithm and link on the smallest P, then predicted at the
@@ -142,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=25_175_040, help="gradient elements (default: the 25.2M MLP)")
     p.add_argument("--density", type=float, default=0.001)
     p.add_argument("--steps", type=int, default=8, help="timed steps per algorithm (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="launches per P and rate; each number is the median over them (default 1)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--mpi-default", action="store_true", help="leave Open MPI's decision of collective algorithms")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
@@ -153,7 +174,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    cells = [launch(P, rate, args) for rate in args.rates for P in args.procs]
+    cells = [combine([launch(P, rate, args) for _ in range(args.repeats)])
+             for rate in args.rates for P in args.procs]
     calibrate(cells)
     print(f"{'link':>7} {'P':>2} {'algorithm':<32} {'measured':>10} {'α-β':>10} {'ratio':>6} {'α-β-γ':>10} {'ratio':>6}")
     for c in cells:
@@ -167,7 +189,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {os.uname().release}",
                                "date": time.strftime("%Y-%m-%d"), "ring_pinned": not args.mpi_default,
-                               "model_cores": args.cores or None, "steps": args.steps,
+                               "model_cores": args.cores or None, "steps": args.steps, "repeats": args.repeats,
                                "n": args.n, "density": args.density, "cells": cells}, indent=1))
     print(f"wrote {out}")
     return 0
