@@ -249,6 +249,39 @@ def test_cores_slow_local_work_that_more_ranks_than_cores_do_at_once():
     assert simulate("oktopk", 4, n, d, AB, cores=1).seconds == simulate("oktopk", 4, n, d, AB).seconds
 
 
+def test_token_bucket_lets_the_burst_through_after_idle_moments():
+    n, d = 25_200_000, 0.001
+    k = math.ceil(d * n)
+    msg = 8 * k                                         # one (index, value) message: 201,600 B
+    plain = AlphaBeta(0.0, 125e6)
+    deep = AlphaBeta(0.0, 125e6, burst=10 * msg)
+    # a bucket deeper than the whole step: every byte passes at once, only local work is left
+    assert simulate("topk", 4, n, d, deep).seconds == 0.0
+    assert simulate("topk", 4, n, d, deep, 1e-9).seconds == pytest.approx(1e-9 * 4 * k, rel=1e-9)
+    # back-to-back ring rounds: the bucket helps the first round only
+    b = 128 * 1024
+    ring = AlphaBeta(0.0, 125e6, burst=b)
+    r = simulate("topk", 4, n, d, ring)
+    assert [x.free for x in r.rounds if x.messages] == [b, 0.0, 0.0]
+    assert r.seconds == pytest.approx((3 * msg - b) / 125e6, rel=1e-12)
+    assert r.seconds == pytest.approx(sum(x.seconds(ring) for x in r.rounds), rel=1e-12)
+    # local work between rounds refills it at the link rate: gTop-k's merges after each tree round
+    gamma = 1e-8                                         # a 2k merge: 504 us, 63 KB of tokens
+    t = simulate("gtopk", 4, n, d, ring, gamma)
+    tree = [x.free for x in t.rounds if x.phase == "reduction tree"]
+    assert tree == [b, pytest.approx(min(b, gamma * 2 * k * 125e6))]
+    # each round's latency refills it too (1 ms at 1 Gbit/s: 125 KB); a plain link has none, and
+    # the bytes counted do not depend on it
+    slow = AlphaBeta(1e-3, 125e6, burst=b)
+    assert [x.free for x in simulate("dense", 3, n, d, slow).rounds] == [b] + [pytest.approx(125e3)] * 3
+    assert all(x.free == 0.0 for x in simulate("oktopk", 4, n, d, plain, step=2).rounds)
+    assert simulate("gtopk", 4, n, d, ring).bytes == simulate("gtopk", 4, n, d, plain).bytes
+    assert str(ring) == "1gbit, 0 latency, 131072 B burst"
+    assert AlphaBeta.from_strings("1gbit", "0", burst=b) == ring
+    with pytest.raises(ValueError, match=r"burst=-1.*accepted"):
+        AlphaBeta(0.0, 1e9, burst=-1)
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: simulate("sparse", 4, N, DENSITY, AB), r"algorithm='sparse'.*accepted: 'dense'"),
     (lambda: simulate("topk", 4, N, DENSITY, AB, cores=0), r"cores=0.*accepted.*None"),
@@ -360,10 +393,11 @@ def test_cli_json(algorithm):
                           timeout=60).stdout
     assert f"{algorithm}: P=32" in text and "ms per step" in text
     shared = json.loads(subprocess.run(TOOL + ["--algorithm", algorithm, "--workers", "4", "--gamma", "1e-7",
-                                               "--cores", "2", "--json"], capture_output=True, text=True,
-                                       timeout=60).stdout)
-    assert shared["cores"] == 2 and shared["seconds"] == pytest.approx(
-        simulate(algorithm, 4, 25_200_000, 0.001, AlphaBeta.from_strings("1gbit", "50us"), 1e-7, cores=2).seconds)
+                                               "--cores", "2", "--burst", "131072", "--json"],
+                                       capture_output=True, text=True, timeout=60).stdout)
+    link = AlphaBeta.from_strings("1gbit", "50us", burst=131072)
+    assert shared["cores"] == 2 and shared["burst_bytes"] == 131072 and shared["seconds"] == pytest.approx(
+        simulate(algorithm, 4, 25_200_000, 0.001, link, 1e-7, cores=2).seconds)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -373,6 +407,7 @@ def test_cli_json(algorithm):
     (["--algorithm", "topk", "--workers", "-2"], "--workers: '-2' is not valid; accepted"),
     (["--algorithm", "topk", "--workers", "4", "--density", "2"], r"--density: '2' is not valid; accepted"),
     (["--algorithm", "topk", "--workers", "4", "--cores", "0"], "--cores: '0' is not valid; accepted"),
+    (["--algorithm", "topk", "--workers", "4", "--burst", "-1"], "--burst: '-1' is not valid; accepted"),
     (["--workers", "4"], "--algorithm required"),
     (["--sweep", "--algorithm", "topk"], "--sweep"),
 ])
@@ -397,3 +432,30 @@ def test_cli_sweep(tmp_path):
             want = simulate(name, 256, 25_200_000, 0.001, AlphaBeta.from_strings(bw, "50us"))
             assert c["seconds"][i] == pytest.approx(want.seconds) and c["bytes"][i] == want.bytes
     assert {p["algorithm"] for p in result["papers"]} == {"gtopk", "oktopk"}
+
+
+def test_validation_tool_reprices_stored_measurements(tmp_path):
+    """tools/validate_network_model.py --reanalyze: the model of stored runs, γ fitted at the
+    smallest P so that the model gives its measured time, and used at the others."""
+    n, d = 4_000_000, 0.01
+    link = AlphaBeta(2e-5, 1.2e7, burst=128 * 1024)          # 100mbit's bucket (NetSpec.burst)
+    labels = {"topk": ("topk", {}), "oktopk (re-evaluation steps)": ("oktopk", {"tau_prime": 1})}
+
+    def cell(P, factor):
+        return {"rate": "100mbit", "P": P, "alpha_s": link.alpha, "beta_bytes_per_s": link.beta,
+                "rows": [{"algorithm": label, "measured_s": factor * simulate(name, P, n, d, link, 2e-8,
+                                                                              step=2, **opts).seconds,
+                          "measured_runs_s": [0.0]} for label, (name, opts) in labels.items()]}
+    stored = tmp_path / "stored.json"
+    stored.write_text(json.dumps({"n": n, "density": d, "steps": 8, "repeats": 1, "ring_pinned": True,
+                                  "date": "2026-11-24", "cells": [cell(2, 1.0), cell(3, 1.1)]}))
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "validate_network_model.py"), "--reanalyze",
+                           str(stored)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(stored.read_text())
+    assert out["model_burst"] and out["model_cores"] is None and out["date"] == "2026-11-24"
+    for fitted, predicted in zip(out["cells"][0]["rows"], out["cells"][1]["rows"]):
+        assert fitted["calibration"] and fitted["gamma_s_per_element"] == pytest.approx(2e-8, rel=1e-6)
+        assert predicted["ratio_gamma"] == pytest.approx(1.1, rel=1e-6)
+        assert predicted["ratio"] > predicted["ratio_gamma"]            # the α-β terms alone: less time
+    assert "outside 25 %" not in done.stdout and "(γ fitted here)" in done.stdout

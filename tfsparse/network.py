@@ -67,6 +67,17 @@ class NetSpec:
             raise ValueError(f"rate={head!r} is below the accepted minimum of 8kbit")
         return cls(bits, latency)
 
+    @property
+    def burst(self) -> int:
+        """Token-bucket depth: 1 ms at the link rate, at least 128 KiB.  Smaller buckets lose
+        rate (measured, 1 Gbit/s: 648 Mbit/s at 16 KiB, 966 at 128 KiB; 100 Mbit/s at 16 KiB:
+        full rate for two ranks, but Ok-Topk's exchange 1.5-1.7x the α-β model's time with 3 or
+        4 ranks on 2 busy cores); larger ones let whole sparse messages pass at the veth's
+        speed, which no real link of that rate does (at 128 KiB and 100 Mbit/s a 320 KB
+        allgather after an idle moment already took 16.6 ms, not the rate's 25.6).  The α-β model
+        is told it (``AlphaBeta(burst=...)``)."""
+        return max(128 * 1024, self.rate // 8 // 1000)
+
     def __str__(self):
         text = f"{self.rate / 1e9:g}gbit" if self.rate >= 10**9 else f"{self.rate / 1e6:g}mbit"
         return text + (f", latency {self.latency * 1e6:g}us" if self.latency else "")
@@ -180,13 +191,8 @@ class EmulatedNetwork:
 
     @property
     def burst_bytes(self) -> int:
-        """Token-bucket depth: 1 ms at the link rate, at least 128 KiB.  Smaller buckets lose
-        rate (measured, 1 Gbit/s: 648 Mbit/s at 16 KiB, 966 at 128 KiB; 100 Mbit/s at 16 KiB:
-        full rate for two ranks, but Ok-Topk's exchange 1.5-1.7x the α-β model's time with 3 or
-        4 ranks on 2 busy cores); larger ones let whole sparse messages pass at the veth's
-        speed, which no real link of that rate does (at 128 KiB and 100 Mbit/s a 320 KB
-        allgather after an idle moment already took 16.6 ms, not the rate's 25.6)."""
-        return max(128 * 1024, self.spec.rate // 8 // 1000)
+        """Each link's token-bucket depth (:attr:`NetSpec.burst`)."""
+        return self.spec.burst
 
     # launch glue -----------------------------------------------------------
     def mpirun_args(self) -> list[str]:

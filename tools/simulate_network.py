@@ -13,7 +13,8 @@ re-evaluations and allgathers, ...) on a link of the given bandwidth and latency
 threshold re-evaluations), ``bytes`` the most bytes one rank sends per step, counted as
 ``Communicator.bytes_sent`` counts them.  ``--gamma`` adds seconds per element of local work
 inside the exchange (reductions, merges; default 0: the pure α-β model), ``--cores`` the cores
-the ranks share when they run on one node (``tfsparse-run --net``).  ``--latency`` defaults
+the ranks share when they run on one node (``tfsparse-run --net``), ``--burst`` the depth in
+bytes of a token bucket that shapes the links (``tfsparse-run --net``'s do: 131072 at 1gbit).  ``--latency`` defaults
 to 50us, ``--n`` to 25.2M (the MLP 1024-4096-4096-1024) and ``--density`` to 0.001.
 
 ``--sweep`` writes ``results/simulate_network.json`` and ``results/simulate_network.png``: the
@@ -98,6 +99,7 @@ def _float(ok, accepted):
 
 _density = _float(lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 _gamma = _float(lambda v: 0.0 <= v < float("inf"), "seconds per element, a number >= 0")
+_burst = _float(lambda v: 0.0 <= v < float("inf"), "bytes, a number >= 0")
 
 
 def _rate(text):
@@ -124,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-message latency: s, ms, us, ns, or 0 (default 50us)")
     p.add_argument("--gamma", type=_type(_gamma), default=0.0,
                    help="seconds per element of local work in the exchange (default 0)")
+    p.add_argument("--burst", type=_type(_burst), default=0.0,
+                   help="bytes a token-bucket-shaped link lets through at once after an idle moment "
+                        "(default 0: a plain link; tfsparse-run --net's bucket: 131072 at 1gbit)")
     p.add_argument("--cores", type=_type(_positive_int), default=None,
                    help="cores all the ranks share on one node (default: every rank has its own); local "
                         "work done by more ranks at once than cores is slowed by busy/cores")
@@ -138,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def one(args) -> dict:
-    ab = AlphaBeta.from_strings(args.bandwidth, args.latency)
+    ab = AlphaBeta.from_strings(args.bandwidth, args.latency, burst=args.burst)
     res = simulate(args.algorithm, args.workers, args.n, args.density, ab, args.gamma, step=args.step,
                    cores=args.cores)
     out = {"algorithm": res.algorithm, "workers": res.workers, "n": res.n, "density": res.density, "k": res.k,

@@ -16,15 +16,23 @@ from one launch to the next).  Next to it: :func:`~tfsparse.collectives.simulate
 step with the measured α and β and γ = 0 (the papers' α-β model), and with γ -- seconds per
 element of the local work the schedule counts -- fitted per algorithm on the smallest P and
 used to predict the others.  All ranks of a launch share this machine's cores; the model is
-told so (``cores``: local work done by more ranks at once than there are cores is slowed by
-``busy / cores``; ``--cores 0`` leaves it out).
+not told so by default: ``--cores C`` slows local work done by more ranks at once than there are
+cores by ``busy / cores``, which on top of a γ fitted on whole steps at P = 2 overprices
+Ok-Topk's re-evaluation steps at P = 4 (measured: 0.71 at 100 Mbit/s, 0.48 at 1 Gbit/s, against
+0.94 and 0.92 without).  The model is told the links' token bucket
+(:attr:`tfsparse.network.NetSpec.burst`: the first 128 KiB after an idle moment pass at once;
+``--no-burst`` leaves it out).  The model runs in this process, after the launches:
+``--reanalyze JSON`` reprices an earlier run's stored measurements without launching anything.
 
 Open MPI's own choice of collective algorithms is not the ring the model prices.  The
 Communicator's allreduce is a ``Reduce_scatter`` and an ``Allgatherv`` (bit-identical on every
 rank), so those are the calls to pin: at 1 Gbit/s, P = 4, 25.2M floats Open MPI's default
 decision took 2086 ms, the ring reduce-scatter and ring allgatherv 1539 ms (the model: 1265 ms;
 measured here).  The launches therefore pin the rings of the collectives the aggregators call
-(reduce-scatter, allgather, allgatherv, allreduce; ``--mpi-default`` leaves Open MPI's decision).
+(reduce-scatter, allgather, allgatherv, allreduce) and the binomial tree of their broadcasts
+the model prices (gTop-k's exchange at P = 4, 100 Mbit/s, 4M elements, density 0.01: 129 ms under
+Open MPI's default decision, 117 ms with the binomial tree pinned, one launch each);
+``--mpi-default`` leaves Open MPI's decision.
 They also open two TCP connections per pair of ranks (``--mca btl_tcp_links 2``): with Open MPI's
 one, an exchange that sends both ways between the same two ranks at once -- the whole ring at
 P = 2 -- ran at two thirds of the link's rate (ring allreduce of 16 MB at 100 Mbit/s: 1858 ms,
@@ -46,7 +54,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 RING = "--mca coll_tuned_use_dynamic_rules 1 " + " ".join(
     f"--mca coll_tuned_{name}_algorithm {ring}"
-    for name, ring in (("reduce_scatter", 3), ("allgatherv", 3), ("allgather", 4), ("allreduce", 4)))
+    for name, ring in (("reduce_scatter", 3), ("allgatherv", 3), ("allgather", 4), ("allreduce", 4), ("bcast", 6)))
 FULL_DUPLEX = "--mca btl_tcp_links 2"
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk")
 TOLERANCE = 0.25
@@ -68,7 +76,6 @@ def worker(args) -> None:
     import tfsparse
     from tfsparse.aggregators import get_aggregator
     from tfsparse.collectives import measure_alpha_beta
-    from tfsparse.collectives.simulate import simulate
     from tfsparse.wire import get_wire
 
     comm = tfsparse.init(backend="mpi")
@@ -76,7 +83,6 @@ def worker(args) -> None:
     rng = np.random.default_rng([comm.rank, 7])
     k = int(np.ceil(args.density * args.n))
     wire = get_wire("float32")
-    cores = args.cores or None
     rows = []
     for label, name, options in series(args.algorithms):
         agg = get_aggregator(name, **options)
@@ -90,25 +96,19 @@ def worker(args) -> None:
             mine = time.perf_counter() - t0
             times.append(float(comm.allreduce(np.array([mine]), op="max")[0]))
         # step 1 (warm-up; Ok-Topk's repartition) is not timed: every later step is alike
-        model = dict(step=2, cores=cores, **options)
-        predicted = simulate(name, comm.size, args.n, args.density, ab, **model).seconds
-        per_gamma = simulate(name, comm.size, args.n, args.density, ab, 1.0, **model).seconds - predicted
-        rows.append({"algorithm": label, "measured_s": float(np.median(times[1:])),
-                     "predicted_s": predicted, "elements": per_gamma})
+        rows.append({"algorithm": label, "measured_s": float(np.median(times[1:]))})
     if comm.rank == 0:
         print("RESULT " + json.dumps({"P": comm.size, "alpha_s": ab.alpha, "beta_bytes_per_s": ab.beta,
                                       "rows": rows}), flush=True)
 
 
 def launch(P: int, rate: str, args) -> dict:
-    sys.path.insert(0, str(REPO))
     from tfsparse.run import mpi_lock
 
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(P), "--net", rate]
     cmd += ["--mpi-args", FULL_DUPLEX if args.mpi_default else f"{RING} {FULL_DUPLEX}"]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(args.n),
-            "--density", str(args.density), "--steps", str(args.steps), "--cores", str(args.cores),
-            "--algorithms", *args.algorithms]
+            "--density", str(args.density), "--steps", str(args.steps), "--algorithms", *args.algorithms]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     with mpi_lock():
@@ -120,35 +120,67 @@ def launch(P: int, rate: str, args) -> dict:
 
 
 def combine(launches: list) -> dict:
-    """One cell from repeated launches of the same P and rate: every number the median over the
-    launches (the spread between launches on a shared machine is larger than within one), the
-    launches' own measurements kept as ``measured_runs_s``."""
+    """One cell from repeated launches of the same P and rate: every measured number the median
+    over the launches (the spread between launches on a shared machine is larger than within
+    one), the launches' own measurements kept as ``measured_runs_s``."""
     cell = dict(launches[0], launches=len(launches))
     for key in ("alpha_s", "beta_bytes_per_s"):
         cell[key] = float(np.median([c[key] for c in launches]))
-    cell["rows"] = []
-    for rows in zip(*(c["rows"] for c in launches)):
-        row = {"algorithm": rows[0]["algorithm"], "measured_runs_s": [r["measured_s"] for r in rows]}
-        for key in ("measured_s", "predicted_s", "elements"):
-            row[key] = float(np.median([r[key] for r in rows]))
-        row["ratio"] = row["measured_s"] / row["predicted_s"]
-        cell["rows"].append(row)
+    cell["rows"] = [{"algorithm": rows[0]["algorithm"], "measured_runs_s": [r["measured_s"] for r in rows],
+                     "measured_s": float(np.median([r["measured_s"] for r in rows]))}
+                    for rows in zip(*(c["rows"] for c in launches))]
     return cell
 
 
-def calibrate(cells) -> None:
-    """γ (seconds per element of local work in the exchange: the reductions, merges, selections
-    the schedule counts) fitted per algorithm and link on the smallest P, then predicted at the
-    others -- the exchange's CPU cost, which the pure α-β model leaves out."""
+def model(cell: dict, label: str, args, gamma: float = 0.0) -> float:
+    """The simulator's time of one step (step 2: no repartition) of the row ``label`` of ``cell``:
+    the measured α and β, the token bucket of ``tfsparse-run --net`` (unless ``--no-burst``),
+    ``cores`` and ``gamma``."""
+    from tfsparse.collectives import AlphaBeta
+    from tfsparse.collectives.simulate import simulate
+    from tfsparse.network import NetSpec
+
+    name, options = {lab: (n, o) for lab, n, o in series(ALGORITHMS)}[label]
+    ab = AlphaBeta(cell["alpha_s"], cell["beta_bytes_per_s"],
+                   burst=0 if args.no_burst else NetSpec.parse(cell["rate"]).burst)
+    return simulate(name, cell["P"], args.n, args.density, ab, gamma, step=2, cores=args.cores or None,
+                    **options).seconds
+
+
+def fit_gamma(cell: dict, row: dict, args) -> float:
+    """The γ (seconds per element of the local work the schedule counts) at which the model
+    gives the measured time: bisection (the model's time does not fall as γ grows -- the local
+    work it adds refills the token bucket by at most its own duration's worth of bytes), 0 when
+    the α-β terms alone already reach the measured time."""
+    target = row["measured_s"]
+    if model(cell, row["algorithm"], args) >= target:
+        return 0.0
+    lo, hi = 0.0, 1e-9
+    while model(cell, row["algorithm"], args, hi) < target:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if model(cell, row["algorithm"], args, mid) < target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def calibrate(cells, args) -> None:
+    """The α-β model's prediction of every row, and γ -- the exchange's CPU cost, which the pure
+    α-β model leaves out -- fitted per algorithm and link on the smallest P, then used to
+    predict the others."""
+    for c in cells:
+        for r in c["rows"]:
+            r["predicted_s"] = model(c, r["algorithm"], args)
+            r["ratio"] = r["measured_s"] / r["predicted_s"]
     for rate in {c["rate"] for c in cells}:
         mine = sorted((c for c in cells if c["rate"] == rate), key=lambda c: c["P"])
         for i, row in enumerate(mine[0]["rows"]):
-            gamma = max(0.0, (row["measured_s"] - row["predicted_s"]) / row["elements"]) if row["elements"] else 0.0
+            gamma = fit_gamma(mine[0], row, args)
             row["gamma_s_per_element"], row["calibration"] = gamma, True
             for c in mine[1:]:
                 r = c["rows"][i]
                 r["gamma_s_per_element"] = gamma
-                r["predicted_gamma_s"] = r["predicted_s"] + gamma * r["elements"]
+                r["predicted_gamma_s"] = model(c, r["algorithm"], args, gamma)
                 r["ratio_gamma"] = r["measured_s"] / r["predicted_gamma_s"]
 
 
@@ -163,18 +195,34 @@ def main(argv=None) -> int:
                    help="launches per P and rate; each number is the median over them (default 1)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     p.add_argument("--mpi-default", action="store_true", help="leave Open MPI's decision of collective algorithms")
-    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
-                   help="cores the ranks share, for the model (default: this machine's; 0: every rank its own)")
+    p.add_argument("--cores", type=int, default=0,
+                   help="cores the ranks share, for the model (default 0: every rank has its own; e.g. 2 for "
+                        "this machine: local work of more ranks at once than cores is slowed by busy/cores)")
+    p.add_argument("--no-burst", action="store_true",
+                   help="model plain links (default: the model is told the token bucket of tfsparse-run --net)")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", default=str(REPO / "results" / "validate_network_model.json"))
+    p.add_argument("--reanalyze", metavar="JSON",
+                   help="launch nothing: the model (with this run's --cores, --no-burst) against the "
+                        "measurements stored in JSON, an earlier run's output (written back there by default)")
+    p.add_argument("--out", help="output JSON (default results/validate_network_model.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    cells = [combine([launch(P, rate, args) for _ in range(args.repeats)])
-             for rate in args.rates for P in args.procs]
-    calibrate(cells)
+    sys.path.insert(0, str(REPO))
+    if args.reanalyze:
+        stored = json.loads(Path(args.reanalyze).read_text())
+        args.n, args.density, args.steps = (stored[key] for key in ("n", "density", "steps"))
+        args.repeats = stored.get("repeats", 1)
+        args.mpi_default, date = not stored["ring_pinned"], stored["date"]
+        keep = ("algorithm", "measured_s", "measured_runs_s")
+        cells = [dict(c, rows=[{key: r[key] for key in keep if key in r} for r in c["rows"]]) for c in stored["cells"]]
+    else:
+        date = time.strftime("%Y-%m-%d")
+        cells = [combine([launch(P, rate, args) for _ in range(args.repeats)])
+                 for rate in args.rates for P in args.procs]
+    calibrate(cells, args)
     print(f"{'link':>7} {'P':>2} {'algorithm':<32} {'measured':>10} {'α-β':>10} {'ratio':>6} {'α-β-γ':>10} {'ratio':>6}")
     for c in cells:
         for r in c["rows"]:
@@ -183,11 +231,11 @@ def main(argv=None) -> int:
                      f"{1e3 * r['predicted_gamma_s']:>8.1f}ms {r['ratio_gamma']:>6.2f}")
             print(f"{c['rate']:>7} {c['P']:>2} {r['algorithm']:<32} {1e3 * r['measured_s']:>8.1f}ms "
                   f"{1e3 * r['predicted_s']:>8.1f}ms {r['ratio']:>6.2f} {gamma}{flag}")
-    out = Path(args.out)
+    out = Path(args.out or args.reanalyze or REPO / "results" / "validate_network_model.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {os.uname().release}",
-                               "date": time.strftime("%Y-%m-%d"), "ring_pinned": not args.mpi_default,
-                               "model_cores": args.cores or None, "steps": args.steps, "repeats": args.repeats,
+    out.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {os.uname().release}", "date": date,
+                               "ring_pinned": not args.mpi_default, "model_cores": args.cores or None,
+                               "model_burst": not args.no_burst, "steps": args.steps, "repeats": args.repeats,
                                "n": args.n, "density": args.density, "cells": cells}, indent=1))
     print(f"wrote {out}")
     return 0

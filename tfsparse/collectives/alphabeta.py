@@ -93,14 +93,21 @@ class AlphaBeta:
       alpha: latency of one message, seconds (>= 0).
       beta: bandwidth, bytes per second (> 0).  (The papers write β as the *time* per byte or
         per word; here it is the rate, so a transfer of ``n`` bytes takes ``n / beta``.)
+      burst: bytes the link lets through at once after an idle moment (>= 0; default 0, a plain
+        link): the depth of a token bucket that shapes it -- ``tc ... tbf burst``, what
+        ``tfsparse-run --net`` sets (:attr:`tfsparse.network.NetSpec.burst`).  The bucket fills
+        at ``beta`` while the link is idle; :mod:`~tfsparse.collectives.simulate` carries it
+        through a step's rounds.  :meth:`time` is a plain link's.
     """
 
     alpha: float
     beta: float
+    burst: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "alpha", _checks.real("alpha", self.alpha, 0.0, hint=" (seconds)"))
         object.__setattr__(self, "beta", _checks.real("beta", self.beta, 0.0, lo_open=True, hint=" (bytes/s)"))
+        object.__setattr__(self, "burst", _checks.real("burst", self.burst, 0.0, hint=" (bytes)"))
 
     def time(self, nbytes):
         """One-way time of a message of ``nbytes`` bytes: ``alpha + nbytes / beta`` seconds
@@ -112,14 +119,15 @@ class AlphaBeta:
         return float(out) if out.ndim == 0 else out
 
     @classmethod
-    def from_strings(cls, bandwidth: str, latency: str = "0") -> "AlphaBeta":
+    def from_strings(cls, bandwidth: str, latency: str = "0", burst: float = 0.0) -> "AlphaBeta":
         """``AlphaBeta.from_strings("1gbit", "50us")``: bandwidth as a bit rate (bit, kbit, mbit,
         gbit, tbit per second, decimal, e.g. ``1gbit``, ``10gbit``, ``100mbit``) and latency as a
-        duration (s, ms, us, ns, e.g. ``50us``, ``1ms``; ``0`` for none)."""
-        return cls(alpha=parse_time(latency), beta=parse_rate(bandwidth))
+        duration (s, ms, us, ns, e.g. ``50us``, ``1ms``; ``0`` for none); ``burst`` in bytes."""
+        return cls(alpha=parse_time(latency), beta=parse_rate(bandwidth), burst=burst)
 
     def __str__(self):
-        return f"{format_rate(self.beta)}, {format_time(self.alpha)} latency"
+        text = f"{format_rate(self.beta)}, {format_time(self.alpha)} latency"
+        return text + (f", {self.burst:.0f} B burst" if self.burst else "")
 
 
 def _check_sizes(sizes) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ builds the messages one exchange step sends -- the collectives each aggregator c
 sizes it calls them with (float32 values, int32 indices below 2**31 elements: the float32 wire's
 ``[indices | values]`` messages) -- and :func:`simulate` prices them:
 
-    seconds = Σ_rounds (alpha · messages + bytes / beta) + gamma · elements
+    seconds = Σ_rounds (alpha · messages + (bytes - free) / beta) + gamma · elements
 
 * a **round** (:class:`Round`) is one communication step all ranks take together: ``messages``
   and ``bytes`` are the maximum over ranks of the messages one rank starts and of the bytes it
@@ -17,6 +17,12 @@ sizes it calls them with (float32 values, int32 indices below 2**31 elements: th
   top-k merges *inside* the exchange.  The local selection before it (``encode``) and the
   residual update after it are not part of the model; leave gamma at 0 for the pure α-β
   model of the papers' Tables (gtopk-ssgd-shi2019 Table I, oktopk-li2022 Table 1);
+* ``free`` are the bytes a token-bucket-shaped link lets through at once (``ab.burst``, default
+  0: none): the bucket is full when the step starts and fills at ``beta`` while the link is
+  idle (latency, local work), so a message after a pause passes its first ``burst`` bytes at
+  once and back-to-back ring rounds pass only the first's (:func:`through_bucket`).  Real
+  switches have no such burst; ``tfsparse-run --net`` has one (``tc tbf``, 128 KiB at 1 Gbit/s,
+  one millisecond's worth at 10), and a model of its runs must be told it;
 * ``cores`` (default None: every rank has its own) prices ranks that share a node's cores, as
   ``tfsparse-run --net`` does on one machine: a round whose local work ``busy`` ranks do at
   the same time takes ``max(1, busy / cores)`` times its ``gamma · elements`` (every rank in a
@@ -127,6 +133,8 @@ class Round:
       weight: the fraction of steps the round occurs in (1.0; less for Ok-Topk's periodic steps
         in a period mean).
       busy: the ranks that do this local work at the same time (they share ``cores``).
+      free: of ``bytes``, those the link's token bucket let through at once (``AlphaBeta.burst``;
+        set by :meth:`Schedule.rounds`).
     """
 
     phase: str
@@ -136,11 +144,36 @@ class Round:
     elements: int = 0
     weight: float = 1.0
     busy: int = 1
+    free: float = 0.0
+
+    def local_seconds(self, gamma: float = 0.0, cores: int | None = None) -> float:
+        """``gamma · elements · max(1, busy / cores)`` (unweighted)."""
+        share = max(1.0, self.busy / cores) if cores else 1.0
+        return gamma * self.elements * share
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
-        """``weight · (alpha · messages + bytes / beta + gamma · elements · max(1, busy / cores))``."""
-        share = max(1.0, self.busy / cores) if cores else 1.0
-        return self.weight * (ab.alpha * self.messages + self.bytes / ab.beta + gamma * self.elements * share)
+        """``weight · (alpha · messages + (bytes - free) / beta + gamma · elements · max(1, busy / cores))``."""
+        return self.weight * (ab.alpha * self.messages + (self.bytes - self.free) / ab.beta
+                              + self.local_seconds(gamma, cores))
+
+
+def through_bucket(rounds, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None,
+                   tokens: float | None = None) -> tuple:
+    """``(rounds, tokens)``: ``rounds`` with :attr:`Round.free` set as a token bucket of depth
+    ``ab.burst`` lets them through, starting with ``tokens`` bytes in it (None: full), and the
+    tokens left.  The bucket fills at ``beta`` while the link is idle -- during each round's
+    latency and its local work, which follows the transfer (a received block is reduced or
+    merged after it arrived) -- and each round's bytes first take what it holds.  The same
+    bucket shapes what a rank sends and what it receives (``tfsparse-run --net``), and a round's
+    ``bytes`` are the larger of the two, so one bucket stands for both."""
+    tokens = ab.burst if tokens is None else min(ab.burst, tokens)
+    out = []
+    for r in rounds:
+        tokens = min(ab.burst, tokens + ab.alpha * r.messages * ab.beta)
+        free = min(float(r.bytes), tokens)
+        out.append(replace(r, free=free))
+        tokens = min(ab.burst, tokens - free + r.local_seconds(gamma, cores) * ab.beta)
+    return tuple(out), tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,10 +184,12 @@ class Phase:
     name: str
     variants: tuple
 
-    def best(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> tuple:
-        """The fastest variant's rounds under the model."""
-        return min((rounds for _, rounds in self.variants),
-                   key=lambda rounds: sum(r.seconds(ab, gamma, cores) for r in rounds))
+    def best(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, tokens: float | None = None) -> tuple:
+        """``(rounds, tokens)``: the fastest variant's rounds under the model, starting with
+        ``tokens`` in the link's token bucket (None: full), and the tokens left
+        (:func:`through_bucket`)."""
+        priced = [through_bucket(rounds, ab, gamma, cores, tokens) for _, rounds in self.variants]
+        return min(priced, key=lambda p: sum(r.seconds(ab, gamma, cores) for r in p[0]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,8 +218,14 @@ class Schedule:
         return int(round(float(self.sent.max()))) if self.sent.size else 0
 
     def rounds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> tuple:
-        """The rounds of the fastest variant of every phase under the model."""
-        return tuple(r for phase in self.phases for r in phase.best(ab, gamma, cores))
+        """The rounds of the fastest variant of every phase under the model, in order; the step
+        starts with a full token bucket (the link idle during the backward pass and the local
+        selection before the exchange)."""
+        out, tokens = [], None
+        for phase in self.phases:
+            rounds, tokens = phase.best(ab, gamma, cores, tokens)
+            out += rounds
+        return tuple(out)
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
         return float(sum(r.seconds(ab, gamma, cores) for r in self.rounds(ab, gamma, cores)))
@@ -234,6 +275,7 @@ class SimResult:
                 "k": self.k, "seconds": self.seconds, "bytes": self.bytes,
                 "rounds": float(sum(r.weight for r in self.rounds if r.messages)),
                 "messages": self.messages, "alpha_s": self.ab.alpha, "beta_bytes_per_s": self.ab.beta,
+                "burst_bytes": self.ab.burst,
                 "gamma_s_per_element": self.gamma, "cores": self.cores, "phases_s": self.breakdown()}
 
 
@@ -587,7 +629,8 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
     Args:
       algorithm: one of :data:`ALGORITHMS` (the aggregator registry's names).
       workers: P (>= 1).  n: elements of the (one, fused) bucket.  density: in (0, 1].
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`; its ``burst``, a token bucket's
+        depth, lets the first bytes after an idle moment through at once).
       gamma: seconds per element of local work inside the exchange (>= 0; default 0, the pure
         α-β model).
       cores: the cores all ``workers`` ranks share on one node (>= 1); None (default): every
