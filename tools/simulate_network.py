@@ -14,8 +14,9 @@ threshold re-evaluations), ``bytes`` the most bytes one rank sends per step, cou
 ``Communicator.bytes_sent`` counts them.  ``--gamma`` adds seconds per element of local work
 inside the exchange (reductions, merges; default 0: the pure α-β model), ``--cores`` the cores
 the ranks share when they run on one node (``tfsparse-run --net``), ``--burst`` the depth in
-bytes of a token bucket that shapes the links (``tfsparse-run --net``'s do: 131072 at 1gbit).  ``--latency`` defaults
-to 50us, ``--n`` to 25.2M (the MLP 1024-4096-4096-1024) and ``--density`` to 0.001.
+bytes of a token bucket that shapes the links (``tfsparse-run --net``'s do: 131072 at 1gbit).
+``--latency`` defaults to 50us, ``--n`` to 25.2M (the MLP 1024-4096-4096-1024) and
+``--density`` to 0.001.
 
 ``--sweep`` writes ``results/simulate_network.json`` and ``results/simulate_network.png``: the
 predicted time per step against P = 2, 4, .., 1024 for each algorithm at 1 and 10 Gbit/s, and the
