@@ -448,12 +448,14 @@ def test_validation_tool_reprices_stored_measurements(tmp_path):
                           "measured_runs_s": [0.0]} for label, (name, opts) in labels.items()]}
     stored = tmp_path / "stored.json"
     stored.write_text(json.dumps({"n": n, "density": d, "steps": 8, "repeats": 1, "ring_pinned": True,
-                                  "date": "2026-11-24", "cells": [cell(2, 1.0), cell(3, 1.1)]}))
+                                  "date": "2026-11-24", "machine": "the measuring one",
+                                  "cells": [cell(2, 1.0), cell(3, 1.1)]}))
     done = subprocess.run([sys.executable, str(REPO / "tools" / "validate_network_model.py"), "--reanalyze",
                            str(stored)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = json.loads(stored.read_text())
-    assert out["model_burst"] and out["model_cores"] is None and out["date"] == "2026-11-24"
+    assert out["model_burst"] and out["model_cores"] is None
+    assert (out["date"], out["machine"]) == ("2026-11-24", "the measuring one")   # the measurements' own
     for fitted, predicted in zip(out["cells"][0]["rows"], out["cells"][1]["rows"]):
         assert fitted["calibration"] and fitted["gamma_s_per_element"] == pytest.approx(2e-8, rel=1e-6)
         assert predicted["ratio_gamma"] == pytest.approx(1.1, rel=1e-6)

@@ -72,6 +72,10 @@ def series(algorithms):
             yield name, name, {}
 
 
+#: label -> (algorithm, options) of every timed series
+SERIES = {label: (name, options) for label, name, options in series(ALGORITHMS)}
+
+
 def worker(args) -> None:
     import tfsparse
     from tfsparse.aggregators import get_aggregator
@@ -140,7 +144,7 @@ def model(cell: dict, label: str, args, gamma: float = 0.0) -> float:
     from tfsparse.collectives.simulate import simulate
     from tfsparse.network import NetSpec
 
-    name, options = {lab: (n, o) for lab, n, o in series(ALGORITHMS)}[label]
+    name, options = SERIES[label]
     ab = AlphaBeta(cell["alpha_s"], cell["beta_bytes_per_s"],
                    burst=0 if args.no_burst else NetSpec.parse(cell["rate"]).burst)
     return simulate(name, cell["P"], args.n, args.density, ab, gamma, step=2, cores=args.cores or None,
@@ -151,9 +155,9 @@ def fit_gamma(cell: dict, row: dict, args) -> float:
     """The γ (seconds per element of the local work the schedule counts) at which the model
     gives the measured time: bisection (the model's time does not fall as γ grows -- the local
     work it adds refills the token bucket by at most its own duration's worth of bytes), 0 when
-    the α-β terms alone already reach the measured time."""
-    target = row["measured_s"]
-    if model(cell, row["algorithm"], args) >= target:
+    the α-β terms alone already reach the measured time or the schedule counts no local work."""
+    target, plain = row["measured_s"], model(cell, row["algorithm"], args)
+    if plain >= target or model(cell, row["algorithm"], args, 1.0) == plain:
         return 0.0
     lo, hi = 0.0, 1e-9
     while model(cell, row["algorithm"], args, hi) < target:
@@ -215,11 +219,11 @@ def main(argv=None) -> int:
         stored = json.loads(Path(args.reanalyze).read_text())
         args.n, args.density, args.steps = (stored[key] for key in ("n", "density", "steps"))
         args.repeats = stored.get("repeats", 1)
-        args.mpi_default, date = not stored["ring_pinned"], stored["date"]
+        args.mpi_default, date, machine = not stored["ring_pinned"], stored["date"], stored["machine"]
         keep = ("algorithm", "measured_s", "measured_runs_s")
         cells = [dict(c, rows=[{key: r[key] for key in keep if key in r} for r in c["rows"]]) for c in stored["cells"]]
     else:
-        date = time.strftime("%Y-%m-%d")
+        date, machine = time.strftime("%Y-%m-%d"), f"{os.cpu_count()} cores, {os.uname().release}"
         cells = [combine([launch(P, rate, args) for _ in range(args.repeats)])
                  for rate in args.rates for P in args.procs]
     calibrate(cells, args)
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
                   f"{1e3 * r['predicted_s']:>8.1f}ms {r['ratio']:>6.2f} {gamma}{flag}")
     out = Path(args.out or args.reanalyze or REPO / "results" / "validate_network_model.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": f"{os.cpu_count()} cores, {os.uname().release}", "date": date,
+    out.write_text(json.dumps({"machine": machine, "date": date,
                                "ring_pinned": not args.mpi_default, "model_cores": args.cores or None,
                                "model_burst": not args.no_burst, "steps": args.steps, "repeats": args.repeats,
                                "n": args.n, "density": args.density, "cells": cells}, indent=1))
