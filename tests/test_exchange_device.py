@@ -33,12 +33,13 @@ def test_device_exchange_in_simulator(sim_results, name):
 CASES = ("topk:float32", "gtopk:bfloat16", "dragonn:float32", "oktopk:float32", "dense:int8")
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("P", [2, 3])
-def test_device_exchange_on_mpi_ranks_equals_reference(P):
-    results, _ = mpirun(P, "device_exchange_mpi.py", *CASES, timeout=600, env=SIM_ENV)
+def check_device_equals_host_and_reference(results, P, cases):
+    """Per round and rank: the device exchange's result bit-identical on every rank and to the
+    host exchange's (itself checked against the references in test_exchange_mpi.py, Ok-Topk's
+    threshold reuse included), the residuals equal, and both equal to the reference computed from
+    all ranks' gradients."""
     grads = [[flat(grads_of(r, s)) for r in range(P)] for s in range(STEPS)]
-    for case in CASES:
+    for case in cases:
         algorithm, wire = case.split(":")
         buckets = [tuple(b) for b in results[0][f"{case}/buckets"].tolist()]
         want = None if algorithm == "oktopk" else reference_run(algorithm, wire, buckets, grads, DENSITY,
@@ -46,8 +47,6 @@ def test_device_exchange_on_mpi_ranks_equals_reference(P):
         for s in range(STEPS):
             for r in range(P):
                 got = results[r][f"{case}/dev{s}"]
-                # bit-identical on every rank, and to the host exchange (itself checked against the
-                # references in test_exchange_mpi.py, Ok-Topk's threshold reuse included)
                 np.testing.assert_array_equal(got.view(np.uint32), results[0][f"{case}/dev{s}"].view(np.uint32),
                                               err_msg=f"{case}: ranks differ")
                 np.testing.assert_array_equal(got.view(np.uint32), results[r][f"{case}/host{s}"].view(np.uint32),
@@ -60,4 +59,70 @@ def test_device_exchange_on_mpi_ranks_equals_reference(P):
                     if residuals is not None:
                         np.testing.assert_allclose(results[r][f"{case}/devres{s}"], residuals[r], rtol=2e-5,
                                                    atol=2e-5, err_msg=case)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("P", [2, 3])
+def test_device_exchange_on_mpi_ranks_equals_reference(P):
+    results, _ = mpirun(P, "device_exchange_mpi.py", *CASES, timeout=600, env=SIM_ENV)
+    check_device_equals_host_and_reference(results, P, CASES)
     assert all(all(r["device"]) for r in results)
+
+
+# synchronous rounds only: a pipelined round's decode on the communication thread would overlap the
+# next step's kernels, which the simulator cannot run at once (the single-process simulator worker
+# checks the pipelined TF glue, inline)
+TF_CASES = ("topk:float32", "gtopk:bfloat16", "dragonn:float32", "oktopk:float32")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("P", [2, 3])
+def test_tf_glue_on_the_cuda_path_equals_the_host_path_on_mpi_ranks(P):
+    """GradientExchange inside a tf.function, its "cuda" path (tf.py_function, the gradients
+    viewed on the device, a CudaSpace) against its host path (tf.numpy_function), as above."""
+    pytest.importorskip("tensorflow")
+    results, _ = mpirun(P, "device_exchange_tf_mpi.py", *TF_CASES, timeout=600, env=SIM_ENV)
+    for case in TF_CASES:
+        for r in range(P):
+            assert results[r][f"{case}/dev/ops"] == ["EagerPyFunc"] and results[r][f"{case}/dev/space"] == "cuda"
+            assert results[r][f"{case}/host/ops"] == ["PyFunc"] and results[r][f"{case}/host/space"] == "host"
+    check_device_equals_host_and_reference(results, P, TF_CASES)
+
+
+def test_tf_glue_picks_the_path_from_where_the_gradients_live():
+    """tfsparse.ops.tf.exchange_device: the host path (None) on the "cpu" path and for gradients
+    placed on a CPU even when the "cuda" path is chosen (outside the simulator); on the "cuda"
+    path, gradients placed on a GPU stay there and unplaced ones go to TF's first GPU (here, with
+    no GPU, the CPU device: what the simulator tests run on)."""
+    tf = pytest.importorskip("tensorflow")
+    pytest.importorskip("numba.cuda")
+    from tfsparse.ops import tf as ops_tf
+
+    with tf.device("/cpu:0"):
+        on_cpu = tf.zeros([3])
+
+    class Placed:
+        device = "/job:localhost/replica:0/task:0/device:GPU:1"
+
+    try:
+        ops_tf.set_path("cpu")
+        assert ops_tf.exchange_device([on_cpu]) is None
+        assert ops_tf.exchange_device([Placed()]) is None
+        ops_tf.set_path("cuda")
+        assert ops_tf.exchange_device([on_cpu]) is None
+        assert ops_tf.exchange_device([Placed()]) == Placed.device
+
+        chosen = []
+
+        @tf.function
+        def unplaced(x):
+            y = x * 2.0
+            assert y.device == ""
+            chosen.append(ops_tf.exchange_device([y]))
+            return y
+
+        unplaced.get_concrete_function(tf.TensorSpec([3], tf.float32))
+        assert chosen == ["/device:CPU:0"]  # no GPU here
+        assert ops_tf.exchange_device([tf.constant([1.0])]) is None  # eager: placed on the CPU
+    finally:
+        ops_tf.set_path(None)

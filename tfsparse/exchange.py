@@ -40,6 +40,7 @@ every rank into Keras checkpoints by ``tfsparse.keras.callbacks.ModelCheckpoint`
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -199,6 +200,17 @@ class _Outcome:
         self.skipped = skipped
 
 
+def _in_space(method):
+    """An exchange method run with the exchange's space active (its GPU current in the calling
+    thread, :meth:`tfsparse.space.CudaSpace.active`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.space.active():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Round:
     """One step of an exchange, started by :meth:`GradientExchange.start`."""
 
@@ -213,8 +225,9 @@ class Round:
         flat array, or a list of arrays in layout order).  Blocks until the round is done."""
         if self._result is None:
             ex = self._exchange
-            self._result = ex._assemble({b.spec.index: ex._finish_bucket(b, self.index) for b in ex._buckets},
-                                        self._flat)
+            with ex.space.active():
+                self._result = ex._assemble({b.spec.index: ex._finish_bucket(b, self.index) for b in ex._buckets},
+                                            self._flat)
         return self._result
 
 
@@ -410,8 +423,12 @@ class GradientExchange:
                                  f"{layout.describe()}; every model needs its own exchange (its own "
                                  f"SparseStrategy or DistributedOptimizer)")
             return
-        comm = self.comm
         self.space = space if space is not None else HOST
+        with self.space.active():  # the vectors are allocated on the space's device
+            self._build(layout)
+
+    def _build(self, layout: Layout) -> None:
+        comm = self.comm
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
             check_agreement(comm, "the gradient exchange", self._agreement(layout, []), _AGREE_HINT)
@@ -464,6 +481,7 @@ class GradientExchange:
         """Whether a pipelined round's result is owed to the next step (in flight or held)."""
         return any(b.held is not None or b.next_owed is not None for b in self._buckets)
 
+    @_in_space
     def flush(self) -> None:
         """Finishes the communication of the pipelined round owed to the next step and holds its
         result (the next :meth:`step` applies it; :meth:`get_state` saves it).  Call it on every
@@ -494,10 +512,11 @@ class GradientExchange:
     def start(self, grads) -> Round:
         """Starts a round: every bucket is encoded here and handed to the communication
         thread; :meth:`Round.wait` returns the result."""
-        flat, arrays = self._arrays(grads)
-        index = None
-        for b in self._buckets:
-            index = self._start_bucket(b, arrays[b.spec.first:b.spec.last])
+        with self._space_of(grads).active():
+            flat, arrays = self._arrays(grads)
+            index = None
+            for b in self._buckets:
+                index = self._start_bucket(b, arrays[b.spec.first:b.spec.last])
         return Round(self, index, flat)
 
     def step(self, grads):
@@ -505,16 +524,23 @@ class GradientExchange:
         returns the gradient to apply now -- this round's result (``pipeline=1``), or the
         previous round's (``pipeline=2``; zeros when there is none, e.g. at the first step),
         in the form of ``grads`` (one flat array or a list of arrays)."""
-        flat, arrays = self._arrays(grads)
-        tokens = [self._begin(b, arrays[b.spec.first:b.spec.last]) for b in self._buckets]
-        return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
+        with self._space_of(grads).active():
+            flat, arrays = self._arrays(grads)
+            tokens = [self._begin(b, arrays[b.spec.first:b.spec.last]) for b in self._buckets]
+            return self._assemble({b.spec.index: self._finish(b, t) for b, t in zip(self._buckets, tokens)}, flat)
+
+    def _space_of(self, grads):
+        """The exchange's space once built; before, the space where ``grads`` live."""
+        if self.layout is not None:
+            return self.space
+        return space_for(grads if not isinstance(grads, (list, tuple)) else (grads[0] if grads else None))
 
     def _arrays(self, grads) -> tuple[bool, list]:
         """``(flat, arrays)`` for numpy or device input (one flat array, or a list of arrays);
         builds the plan the first time (in the space where the gradients live), and afterwards
         checks the shapes."""
         single = not isinstance(grads, (list, tuple))
-        space = self.space if self.layout is not None else space_for(grads if single else (grads[0] if grads else None))
+        space = self._space_of(grads)
         # one array is flat (a 2-D numpy array: a list of rows, as always); a list: one per tensor
         flat = single and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
         arrays = [space.accept(grads).reshape(-1)] if flat else [space.accept(g) for g in grads]
@@ -623,6 +649,7 @@ class GradientExchange:
         b.futures[index] = self._runner.submit(self._run_bucket, b, payload)
         return index
 
+    @_in_space
     def _run_bucket(self, b: _BucketState, payload) -> _Outcome:
         """The communication thread's job for one bucket."""
         t0 = time.perf_counter()
@@ -741,6 +768,7 @@ class GradientExchange:
             raise RuntimeError(f"{what} while a round is in flight (buckets {busy}); wait() for it first: the "
                                f"state must not mix two rounds")
 
+    @_in_space
     def get_state(self) -> dict:
         """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets``
         (the plan's element ranges), ``residual`` (when kept), the memory's state over the layout
@@ -765,6 +793,7 @@ class GradientExchange:
                 state[f"bucket{b.spec.index}.{key}"] = np.asarray(value).copy()
         return state
 
+    @_in_space
     def set_state(self, state: dict) -> None:
         """Restores :meth:`get_state`'s output (before :meth:`build`, it is applied at build)."""
         state = {k: np.asarray(v) for k, v in state.items()}
@@ -864,14 +893,28 @@ class GradientExchange:
     def __call__(self, grads, names=None):
         """Exchanges a list of gradient tensors inside a TF graph; returns the summed tensors.
 
-        Per bucket, one ``tf.numpy_function`` starts the bucket (error feedback, selection,
-        encoding; then the communication thread takes over) as soon as its gradients exist,
-        and one finishes it (waits for the result).  Like :meth:`step`, it honours
-        ``pipeline``: pipelined, the tensors returned are the previous round's.  ``names``: the gradients' names (the
-        variables' paths; default ``gradient_<i>``)."""
+        Per bucket, one op starts the bucket (error feedback, selection, encoding; then the
+        communication thread takes over) as soon as its gradients exist, and one finishes it
+        (waits for the result).  Like :meth:`step`, it honours ``pipeline``: pipelined, the
+        tensors returned are the previous round's.  ``names``: the gradients' names (the
+        variables' paths; default ``gradient_<i>``).
+
+        Where the gradients live picks the path (:func:`tfsparse.ops.tf.exchange_device`):
+
+        * on the host -- ``tf.numpy_function`` ops; TF hands over its host buffers;
+        * on a GPU (TensorFlow sees one and ``numba.cuda`` works: the ``"cuda"`` path of
+          :mod:`tfsparse.ops.tf`) -- ``tf.py_function`` ops placed on that GPU.  The fused
+          gradient never leaves it: the ops view TF's device buffers through DLPack, the
+          exchange's vectors live there (:class:`tfsparse.space.CudaSpace` of that GPU), the
+          algorithms that select on the device do (``topk``, ``gtopk``, ``dragonn``), only the
+          payload is copied to the host for the transport, and the result is decoded on the
+          device and copied device-to-device into a tensor TF allocates (gtopk-ssgd-shi2019
+          §III-F, dragonn-wang2022 §4.3).  The path is fixed when the exchange is built."""
         import tensorflow as tf
 
         from ._tf_private import reject_xla
+        from .ops import tf as ops_tf
+        from .space import cuda_space
 
         reject_xla("the gradient exchange")
         grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
@@ -882,19 +925,30 @@ class GradientExchange:
                 raise ValueError(f"gradient of shape {g.shape} is not fully defined; tfsparse needs static "
                                  f"variable shapes")
         names = list(names) if names is not None else [f"gradient_{i}" for i in range(len(grads))]
+        device = ops_tf.exchange_device(grads)
         with tf.init_scope():  # the first build's collectives run now, eagerly (Horovod's need it)
+            space = None if device is None or self.layout is not None else cuda_space(ops_tf.device_ordinal(device))
             self.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
-                              for nm, g in zip(names, grads)))
+                              for nm, g in zip(names, grads)), space)
         as_f32 = [g if g.dtype == tf.float32 else tf.cast(g, tf.float32) for g in grads]
         if self.clip_norm is not None:  # DGC's local clipping, over all of this rank's gradients
             as_f32 = tf.clip_by_global_norm(as_f32, self.local_clip_norm)[0]
-        tokens = [tf.numpy_function(functools.partial(self._tf_start, b.spec.index),
-                                    as_f32[b.spec.first:b.spec.last], tf.int64, stateful=True,
-                                    name=f"tfsparse_start_{b.spec.index}") for b in self._buckets]
+        if self.space.on_device:
+            as_f32 = [tf.reshape(g, [-1]) for g in as_f32]  # flat views (the kernels take 1-D arrays)
+
+            def op(fn, inputs, dtype, name):
+                with tf.device(device) if device else contextlib.nullcontext():
+                    return tf.py_function(fn, inputs, dtype, name=name)
+            start, finish = self._tf_start_device, self._tf_finish_device
+        else:
+            def op(fn, inputs, dtype, name):
+                return tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
+            start, finish = self._tf_start, self._tf_finish
+        tokens = [op(functools.partial(start, b.spec.index), as_f32[b.spec.first:b.spec.last], tf.int64,
+                     f"tfsparse_start_{b.spec.index}") for b in self._buckets]
         out = [None] * len(grads)
         for b, token in zip(self._buckets, tokens):
-            summed = tf.numpy_function(functools.partial(self._tf_finish, b.spec.index), [token], tf.float32,
-                                       stateful=True, name=f"tfsparse_finish_{b.spec.index}")
+            summed = op(functools.partial(finish, b.spec.index), [token], tf.float32, f"tfsparse_finish_{b.spec.index}")
             summed.set_shape([b.spec.size])
             sizes = [int(s) for s in self.layout.sizes[b.spec.first:b.spec.last]]
             parts = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
@@ -917,6 +971,23 @@ class GradientExchange:
 
     def _tf_finish(self, bucket: int, index):
         return self._finish(self._buckets[bucket], int(index))
+
+    @_in_space
+    def _tf_start_device(self, bucket: int, *tensors):
+        """``tf.py_function`` body: the bucket's gradients (TF tensors on the exchange's GPU) viewed
+        in place and the bucket started from them."""
+        from .ops import tf as ops_tf
+
+        return np.int64(self._begin(self._buckets[bucket], ops_tf.device_views(tensors)))
+
+    @_in_space
+    def _tf_finish_device(self, bucket: int, index):
+        """``tf.py_function`` body: the bucket's result, copied on the device into a TF tensor."""
+        import tensorflow as tf
+
+        from .ops import tf as ops_tf
+
+        return ops_tf.to_tensor(self._finish(self._buckets[bucket], int(index)), tf.float32, index.device)
 
     def __repr__(self):
         return (f"GradientExchange(algorithm={self.algorithm!r}, density={self.density}, "

@@ -25,6 +25,7 @@ except for ``clip_norm``, whose float64 norm is summed in a different order.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -52,6 +53,10 @@ class HostSpace:
 
     name = "host"
     on_device = False
+
+    def active(self):
+        """A context in which this space's operations run (the host: nothing to enter)."""
+        return contextlib.nullcontext()
 
     def accept(self, a):
         """One gradient as an array of this space (a device array is copied to the host)."""
@@ -140,11 +145,22 @@ class CudaSpace(HostSpace):
     name = "cuda"
     on_device = True
 
-    def __init__(self):
+    def __init__(self, device_id: int = 0):
         from .ops import cuda as kc
 
         self._k = kc
         self._cuda = kc.cuda
+        #: the CUDA ordinal of the GPU the vectors live on
+        self.device_id = int(device_id)
+
+    def active(self):
+        """Makes this space's GPU current in the calling thread (``numba.cuda.gpus[i]``, the
+        primary context pushed on entry and popped on exit).  The exchange enters it wherever it
+        touches its vectors: in its caller's thread, in TensorFlow's executor threads (which run
+        ``tf.py_function``) and in its communication thread -- a thread's current device is
+        GPU 0 otherwise, wrong for every rank but the first of a node whose processes each see
+        all GPUs (Horovod's and ``SparseStrategy``'s ``/gpu:<local_rank>``)."""
+        return self._cuda.gpus[self.device_id]
 
     def accept(self, a):
         """A device view of one gradient (float32; host arrays are copied to the device)."""
@@ -241,15 +257,28 @@ class CudaSpace(HostSpace):
 
 
 HOST = HostSpace()
-_CUDA: list = []
+_CUDA: dict = {}  # CUDA ordinal -> CudaSpace
+
+
+def cuda_space(device_id: int | None = None) -> CudaSpace:
+    """The :class:`CudaSpace` of GPU ``device_id`` (default: the calling thread's current device)."""
+    if device_id is None:
+        from numba import cuda
+
+        device_id = getattr(cuda.get_current_device(), "id", 0)  # the simulator's device has no id
+    device_id = int(device_id)
+    if device_id not in _CUDA:
+        _CUDA[device_id] = CudaSpace(device_id)
+    return _CUDA[device_id]
 
 
 def space_for(x):
-    """:data:`HOST` for host arrays, the (one) :class:`CudaSpace` for device arrays."""
+    """:data:`HOST` for host arrays, the :class:`CudaSpace` of their GPU for device arrays: the
+    device a DLPack producer names (CuPy, PyTorch, TensorFlow), else the calling thread's current
+    device (Numba arrays, which do not say)."""
     from .ops import device_kind
 
     if device_kind(x) != "cuda":
         return HOST
-    if not _CUDA:
-        _CUDA.append(CudaSpace())
-    return _CUDA[0]
+    device = getattr(x, "__dlpack_device__", None)
+    return cuda_space(int(device()[1]) if device is not None else None)

@@ -195,6 +195,95 @@ def check_host_exchange_takes_device_arrays():
         _same_bits(b, a)
 
 
+def _tf_pair(algorithm, options):
+    """Two exchanges called inside tf.functions: one built on the "cuda" path of the TF glue
+    (tf.py_function, the gradients viewed on the device, a CudaSpace), one on the host path."""
+    import tensorflow as tf
+
+    from tfsparse.ops import tf as ops_tf
+
+    out = []
+    for path, ex in zip(("cpu", "cuda"), _pair(algorithm, options)):
+        ops_tf.set_path(path)  # read when the exchange is built (its first trace)
+        fn = tf.function(ex, autograph=False)
+        fn([tf.constant(g) for g in _grads(0)])
+        out.append((ex, fn))
+    ops_tf.set_path(None)
+    return out
+
+
+def check_tf_glue_pipelined_on_the_cuda_path():
+    """The TF glue's cuda path, pipelined (the result owed to the next step held on the device),
+    gives the host path's tensors and state bit for bit; its graph runs EagerPyFunc ops."""
+    import tensorflow as tf
+
+    _setup()
+    (host, host_fn), (dev, dev_fn) = _tf_pair("dragonn", {"pipeline": 2, "min_samples": 16})
+    assert dev.space.on_device and not host.space.on_device
+    for step in range(1, 4):
+        g = [tf.constant(x) for x in _grads(step)]
+        h, d = host_fn(g), dev_fn(g)
+        for a, b in zip(h, d):
+            assert a.shape == b.shape and a.dtype == b.dtype == tf.float32
+            _same_bits(b.numpy(), a.numpy())
+    kinds = {op.type for op in dev_fn.get_concrete_function(g).graph.get_operations()}
+    assert "EagerPyFunc" in kinds and "PyFunc" not in kinds, kinds
+    host.flush()
+    dev.flush()
+    _same_state(host, dev)
+
+
+def check_keras_fit_on_the_cuda_path():
+    """model.fit with tfsparse.keras.DistributedOptimizer: built on the cuda path of the TF glue,
+    its exchange lives on the device, and training gives the host path's weights bit for bit."""
+    import keras
+    import tensorflow as tf
+
+    from tfsparse.keras import DistributedOptimizer
+    from tfsparse.ops import tf as ops_tf
+
+    _setup()
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((32, 6)).astype(np.float32), rng.integers(0, 3, 32)
+    weights, spaces = [], []
+    for path in ("cpu", "cuda"):
+        ops_tf.set_path(path)
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+        opt = DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.1)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        initial = [w.numpy() for w in model.weights]
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        weights.append([w.numpy() for w in model.weights])
+        assert any(not np.array_equal(a, b) for a, b in zip(initial, weights[-1])), "fit changed nothing"
+        spaces.append(opt.exchange.space.name)
+    ops_tf.set_path(None)
+    assert spaces == ["host", "cuda"], spaces
+    for a, b in zip(*weights):
+        _same_bits(b, a)
+    assert tf.executing_eagerly()
+
+
+def check_space_of_the_gpu_the_arrays_name():
+    """A DLPack producer's device ordinal picks the CudaSpace (one per GPU); a Numba array (which
+    names none) gets the current device's; the space makes its GPU current while active."""
+    from tfsparse.space import CudaSpace, cuda_space, space_for
+
+    class OnGpu1:  # what CuPy/PyTorch/TF arrays on GPU 1 say
+        __cuda_array_interface__ = {}
+
+        def __dlpack_device__(self):
+            return (2, 1)
+
+    one = space_for(OnGpu1())
+    assert isinstance(one, CudaSpace) and one.device_id == 1 and one is cuda_space(1)
+    zero = space_for(_dev(np.zeros(3, np.float32)))
+    assert zero.device_id == 0 and zero is not one
+    with zero.active():
+        x = zero.full(4, 2.0)
+    assert _host(x).tolist() == [2.0] * 4
+
+
 CHECKS = {**{f"same_as_host_{name}": _check_config(name) for name in CONFIGS},
           **{name[len("check_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("check_")}}
 CHECK_NAMES = tuple(CHECKS)

@@ -32,7 +32,9 @@ Two execution paths, chosen by a table (:data:`PATHS`):
   gradient never leaves the GPU (gtopk-ssgd-shi2019 §III-F).
 
 The default is ``"cuda"`` when TensorFlow sees a GPU and ``numba.cuda`` is usable, else
-``"cpu"``; :func:`set_path` overrides it.
+``"cpu"``; :func:`set_path` overrides it.  The gradient exchange's TF glue
+(:meth:`tfsparse.exchange.GradientExchange.__call__`) follows the same choice, through
+:func:`exchange_device`, :func:`device_ordinal`, :func:`device_views` and :func:`to_tensor`.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def _numpy_path(name, inputs, tout, lead, static):
     return tf.numpy_function(run, inputs, tout, stateful=False, name=f"tfsparse_{name}")
 
 
-def _to_tensor(value, dtype: tf.DType, device: str):
+def to_tensor(value, dtype: tf.DType, device: str):
     """A device result as a TF tensor on ``device`` (device-to-device copy)."""
     if isinstance(value, (np.ndarray, np.generic)):
         return tf.constant(value, dtype=dtype)
@@ -102,7 +104,7 @@ def _cuda_path(name, inputs, tout, lead, static):
         arrays = [mod.as_device(t, t.dtype.as_numpy_dtype) if t.shape.rank else t.numpy() for t in tensors]
         out = fn(*lead, *arrays, **static)
         outs = out if isinstance(out, tuple) else (out,)
-        return [_to_tensor(o, d, tensors[0].device) for o, d in zip(outs, touts)]
+        return [to_tensor(o, d, tensors[0].device) for o, d in zip(outs, touts)]
 
     res = tf.py_function(run, inputs, touts, name=f"tfsparse_{name}")
     return res if isinstance(tout, (list, tuple)) else res[0]
@@ -133,6 +135,42 @@ def get_path() -> str:
     if _PATH[0] is None:
         _PATH[0] = _default_path()
     return _PATH[0]
+
+
+def exchange_device(tensors) -> str | None:
+    """Where a gradient exchange of ``tensors`` runs (:meth:`tfsparse.exchange.GradientExchange.__call__`):
+    a TF device name for the ``"cuda"`` path -- the tensors' device when they are placed on a GPU,
+    the first GPU TensorFlow sees when they are not placed (TF's own placement) -- or None for
+    the host path (tensors placed on a CPU, or the ``"cpu"`` path).  Under Numba's CUDA
+    simulator a forced ``"cuda"`` path runs on the CPU device, for the tests."""
+    if get_path() != "cuda":
+        return None
+    named = next((t.device for t in tensors if getattr(t, "device", "")), "")
+    if named:
+        kind = tf.DeviceSpec.from_string(named).device_type
+        return named if kind in (None, "GPU") or _dispatch.backend("cuda").SIMULATOR else None
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else "/device:CPU:0"
+
+
+def device_ordinal(device: str) -> int:
+    """The CUDA ordinal of TF device ``device`` -- the GPU its tensors' DLPack export names,
+    which need not be the TF index (``tf.config.set_visible_devices``); 0 for a host device
+    (the simulator)."""
+    from ._dlpack import CUDA_DEVICE_TYPES
+
+    with tf.init_scope(), tf.device(device):
+        kind, ordinal = tf.zeros([1]).__dlpack_device__()
+    return int(ordinal) if int(kind) in CUDA_DEVICE_TYPES else 0
+
+
+def device_views(tensors) -> list:
+    """Zero-copy float32 device views of TF tensors (DLPack, :func:`tfsparse.ops.cuda.as_device`),
+    after the device finished the work that made them (TF's stream is not Numba's); host
+    tensors are copied to the device (the simulator)."""
+    mod = _dispatch.backend("cuda")
+    mod.sync()
+    return [mod.as_device(t, np.float32) for t in tensors]
 
 
 def _op(name, inputs, tout, *lead, **static):

@@ -286,7 +286,9 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
       clip_norm: DGC's local gradient clipping: each rank clips its gradient to the global L2
         norm ``clip_norm / sqrt(P)`` before error feedback (default None: off).
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
-        when GPUs are visible, else ``/cpu:0``).
+        when GPUs are visible, else ``/cpu:0``).  On a GPU, with ``numba.cuda`` usable, the
+        exchange stays there: the gradients are viewed in place, only the payload crosses to
+        the host (:meth:`tfsparse.exchange.GradientExchange.__call__`).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
       **algorithm_options: algorithm options (see each aggregator).
 
