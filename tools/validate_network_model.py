@@ -153,10 +153,11 @@ def model(cell: dict, label: str, args, gamma: float = 0.0) -> float:
 
 def fit_gamma(cell: dict, row: dict, args) -> float:
     """The γ (seconds per element of the local work the schedule counts) at which the model
-    gives the measured time: bisection (the model's time does not fall as γ grows -- the local
-    work it adds refills the token bucket by at most its own duration's worth of bytes), 0 when
-    the α-β terms alone already reach the measured time or the schedule counts no local work."""
-    target, plain = row["measured_s"], model(cell, row["algorithm"], args)
+    gives the measured time: bisection from the row's ``predicted_s`` (γ = 0, already priced;
+    the model's time does not fall as γ grows -- the local work it adds refills the token bucket
+    by at most its own duration's worth of bytes), 0 when the α-β terms alone already reach the
+    measured time or the schedule counts no local work."""
+    target, plain = row["measured_s"], row["predicted_s"]
     if plain >= target or model(cell, row["algorithm"], args, 1.0) == plain:
         return 0.0
     lo, hi = 0.0, 1e-9
