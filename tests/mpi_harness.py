@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfsparse.run import build_command, find_program, mpi_lock  # noqa: F401  (mpi_lock: for tests)
+from tfsparse.run import (build_command, find_program, kill_session, mpi_lock,  # noqa: F401  (mpi_lock: for tests)
+                          session_processes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,8 @@ def job_env(env: dict | None = None) -> dict:
 
 
 def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
-    """Holds the lock, runs ``cmd`` in its own process group; kills the group on timeout.
+    """Holds the lock, runs ``cmd`` in a session of its own; kills every process of the session
+    on timeout (the ranks too: Open MPI gives each a process group of its own).
     Returns (exit status, output)."""
     full_env = job_env(env)
     with mpi_lock():
@@ -87,9 +88,14 @@ def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
         try:
             text, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            running = session_processes(proc.pid)
+            left = kill_session(proc.pid)
             text, _ = proc.communicate()
-            raise MPIJobError(f"{what or cmd} timed out after {timeout}s (a hang):\n{_tail(text)}") from None
+            listing = "".join(f"\n  {pid} {line[:200]}" for pid, line in running.items())
+            raise MPIJobError(f"{what or cmd} timed out after {timeout}s (a hang); still running then "
+                              f"(pid, state, command):{listing}\n"
+                              + (f"still there after SIGKILL: {sorted(left)}\n" if left else "")
+                              + _tail(text)) from None
     return proc.returncode, text
 
 

@@ -198,6 +198,15 @@ def test_harness_reports_a_hang_as_a_failure(tmp_path):
                       "if MPI.COMM_WORLD.rank == 0:\n    MPI.COMM_WORLD.Recv(np.empty(1), source=1)\n")
     with pytest.raises(MPIJobError, match="timed out"):
         mpirun(2, script, timeout=10)
+    # and no rank is left behind (each has a process group of its own; rank 0 spins in Recv)
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if str(script).encode() in (entry / "cmdline").read_bytes():
+                left.append(entry.name)
+        except OSError:
+            pass
+    assert not left, f"ranks still running after the timeout: {left}"
 
 
 HELLO = ("import sys, numpy as np, tfsparse\nc = tfsparse.init()\n"

@@ -67,7 +67,7 @@ def launch(procs: int, link: str, program: list[str], timeout: float, log: Path)
     """``tfsparse-run -np procs [--net link] program`` under the MPI lock; returns its wall seconds.
     Raises RuntimeError (with the output's tail) on failure or timeout."""
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import mpi_lock
+    from tfsparse.run import kill_session, mpi_lock
 
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(procs)]
     if link != "shm":
@@ -92,10 +92,7 @@ def launch(procs: int, link: str, program: list[str], timeout: float, log: Path)
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_session(proc.pid)  # the ranks too: each has a process group of its own
                 proc.wait()
                 raise RuntimeError(f"timed out after {timeout:g} s\n{tail(log)}") from None
             except KeyboardInterrupt:
