@@ -186,7 +186,8 @@ def _share_cores(cores_per_rank, backend: str) -> None:
 
 
 def _abort_on_uncaught_exception(rank: int, size: int) -> None:
-    """Chains ``sys.excepthook``: after the usual traceback, ``MPI_Abort`` on the world."""
+    """Chains ``sys.excepthook``: after the usual traceback, ``MPI_Abort`` on the world
+    (:func:`~tfsparse.collectives.watchdog.abort_world`)."""
     import sys
 
     previous = sys.excepthook
@@ -199,13 +200,12 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
             gone = watch.gone() if watch is not None else []
             cause = (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
                      f"finished or fit returned early on that rank)") if gone else ""
-            sys.stderr.write(f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}{cause}; aborting "
-                             f"all {size} ranks (MPI_Abort)\n")
-            sys.stderr.flush()
-            sys.stdout.flush()
             from mpi4py import MPI
 
-            MPI.COMM_WORLD.Abort(1)
+            from .collectives.watchdog import abort_world
+
+            abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}{cause}; "
+                                        f"aborting all {size} ranks (MPI_Abort)\n")
 
     sys.excepthook = hook
 

@@ -13,14 +13,18 @@ other rank that it is leaving (one tiny non-blocking message each, on a duplicat
 communicator).  A daemon thread on every rank receives those notices; when a rank has left and
 this rank has been blocked in a collective for ``grace`` seconds since (tracked by
 :func:`tracked`, which every public :class:`~tfsparse.collectives.Communicator` collective
-goes through), it prints which rank left and calls ``MPI_Abort``: every rank exits non-zero,
-within ``grace`` plus a poll interval.  Ranks that finish together, or that keep working
+goes through), it prints which rank left and calls ``MPI_Abort`` (:func:`abort_world`, which
+also ends this rank itself should Open MPI's abort block): every rank exits non-zero, within
+``grace`` plus a poll interval.  Ranks that finish together, or that keep working
 without communicating, are left alone.  It needs ``MPI_THREAD_MULTIPLE`` (as the exchange's
 communication thread does).
 """
 from __future__ import annotations
 
 import functools
+import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -46,6 +50,32 @@ def tracked(fn):
             if outer:
                 _busy.pop(me, None)
     return wrapper
+
+
+ABORT_DEADLINE = 30.0
+"""Seconds a rank gives ``MPI_Abort`` to end it before it ends itself (:func:`abort_world`)."""
+
+
+def abort_world(world, message: str, deadline: float = ABORT_DEADLINE) -> None:
+    """Writes ``message`` to stderr, then ``world.Abort(1)`` (every rank of the job ends).
+
+    Open MPI's abort can itself block: ``PMIx_Abort`` deadlocks at times (open-mpi/ompi#3225,
+    #1379), and this project's CI once saw ``mpirun`` keep a job alive after a rank's
+    ``MPI_Abort``.  So the last resort is armed first: a rank still alive ``deadline`` seconds
+    later ends itself -- ``SIGALRM`` with its default action (works whatever the calling thread
+    and even if ``MPI_Abort`` holds the GIL), or ``os._exit(1)`` from a timer thread when the
+    program installed a ``SIGALRM`` handler of its own.  ``mpirun`` then sees a rank end without
+    finalising and ends the job, so no rank is left waiting for it."""
+    sys.stdout.flush()
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    if signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None):
+        signal.alarm(max(1, math.ceil(deadline)))
+    else:
+        timer = threading.Timer(deadline, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+    world.Abort(1)
 
 
 def blocked_since() -> float | None:
@@ -104,13 +134,10 @@ class DepartureWatch:
 
     def _abort(self) -> None:
         gone = sorted(self.departed)
-        sys.stdout.flush()
-        sys.stderr.write(f"tfsparse: rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended "
-                         f"(the program finished or fit returned early on that rank) while rank {self.rank} "
-                         f"waits for it in a collective for more than {self.grace:g} s; aborting all "
-                         f"{self.size} ranks (MPI_Abort)\n")
-        sys.stderr.flush()
-        self._MPI.COMM_WORLD.Abort(1)
+        abort_world(self._MPI.COMM_WORLD,
+                    f"tfsparse: rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} ended (the program "
+                    f"finished or fit returned early on that rank) while rank {self.rank} waits for it in a "
+                    f"collective for more than {self.grace:g} s; aborting all {self.size} ranks (MPI_Abort)\n")
 
     def depart(self) -> None:
         """At a normal exit: tell every other rank, then stop watching."""
