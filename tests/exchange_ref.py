@@ -215,7 +215,7 @@ def top_chunks(norms, m):
 def csc_round(accs, cs, m, wire, chunks=None):
     """GradientFlow CSC: the ``m`` chunks of largest summed L1 norm (or the given ``chunks``)
     are summed by a dense allreduce of their gathered elements; the rest stays."""
-    P, n = len(accs), accs[0].size
+    n = accs[0].size
     if chunks is None:
         chunks = top_chunks(chunk_norms(accs, cs), m)
     elems = np.array([i for c in chunks for i in range(c * cs, min(n, (c + 1) * cs))], np.int64)

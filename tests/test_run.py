@@ -3,7 +3,6 @@ shows examples, and launchers are found next to the running Python (a venv need 
 
 Building a command line needs no MPI job; one real launch (under the MPI lock) checks that a
 ``-x`` given to tfsparse-run reaches every rank."""
-import os
 import shlex
 import shutil
 import stat
