@@ -290,11 +290,6 @@ def unpack_sparse(buf, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndar
     return idx, wire.decode(buf[m * isz:], m)
 
 
-def entry_bytes(itype, wire: Wire = FLOAT32) -> int:
-    """Nominal bytes of one sparse entry (index + value)."""
-    return np.dtype(itype).itemsize + wire.value_bytes
-
-
 # -- what the wire lost ----------------------------------------------------------------------
 
 class WireLoss:

@@ -272,35 +272,6 @@ def check_default_block_shape():
     _same_bits(ops.select_threshold(d, 1.25)[0], R.select_threshold(x, 1.25)[0])
 
 
-def check_tf_cuda_path():
-    import tensorflow as tf
-
-    from tfsparse.ops import reference as R
-    from tfsparse.ops import tf as T
-
-    _setup()
-    T.set_path("cuda")
-    x = _mixed(600, 11).reshape(20, 30)
-
-    @tf.function
-    def f(x):
-        i, v = T.topk_abs(x, 9)
-        t = T.kth_largest_abs(x, 9)
-        si, sv = T.select_threshold(x, t)
-        hi, hv = T.hash_select(x, t, 16)
-        q, s = T.quantize_int8(tf.where(tf.math.is_finite(x), x, 0.0))
-        return i, v, t, si, hi, T.scatter_add(600, si, sv), q, T.truncate_fp16(x), T.chunk_l1_norms(x, 100)
-
-    i, v, t, si, hi, dense, q, h, norms = f(tf.constant(x))
-    assert i.shape == (9,) and hi.shape == (16,) and dense.shape == (600,) and norms.shape == (6,)
-    _same_bits(i.numpy(), R.topk_abs(x, 9)[0])
-    _same_scalar(t.numpy(), R.kth_largest_abs(x, 9))
-    _same_bits(si.numpy(), R.select_threshold(x, R.kth_largest_abs(x, 9))[0])
-    _same_bits(hi.numpy(), R.hash_select(x, R.kth_largest_abs(x, 9), 16)[0])
-    _same_bits(h.numpy(), R.truncate_fp16(x))
-    T.set_path(None)
-
-
 def check_exchange_buffer_kernels():
     """The kernels of a device-resident exchange (tfsparse.space.CudaSpace) against numpy."""
     kc = _setup()

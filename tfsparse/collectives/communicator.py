@@ -101,10 +101,6 @@ class Communicator(ABC):
         self.calls = 0
 
     # -- statistics -------------------------------------------------------
-    def reset_stats(self) -> None:
-        self.bytes_sent = 0
-        self.calls = 0
-
     def _count(self, nbytes) -> None:
         self.bytes_sent += int(nbytes)
         self.calls += 1

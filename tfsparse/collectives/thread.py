@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from concurrent.futures import Future
 
 _STOP = object()
@@ -27,7 +26,6 @@ class CommThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
-        self.busy_seconds = 0.0
         self._thread.start()
 
     def submit(self, fn, *args) -> Future:
@@ -52,13 +50,10 @@ class CommThread:
             fut, fn, args = item
             if not fut.set_running_or_notify_cancel():
                 continue
-            t0 = time.perf_counter()
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to whoever waits for this job
                 fut.set_exception(e)
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
 
     def close(self, wait: bool = True) -> None:
         """Stops the thread after the jobs already submitted; ``wait``: until they are done (so
