@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tfsparse.run import (build_command, find_program, kill_session, mpi_lock,  # noqa: F401  (mpi_lock: for tests)
-                          session_processes)
+from mpi_jobs import kill_session, mpi_lock, session_processes
+from tfsparse.run import build_command, find_program
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mpi_harness import job_env, load_result, mpi_lock, run_job
+from mpi_harness import job_env, load_result, run_job
+from mpi_jobs import mpi_lock
 from tfsparse import network
 from tfsparse.network import EmulatedNetwork, NetSpec
 

@@ -25,16 +25,12 @@ and links when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM are passe
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from .network import EmulatedNetwork, NetSpec
@@ -105,81 +101,6 @@ examples:
       a flag tfsparse-run does not know: end mpirun's flags with --
   tfsparse-run -np 4 --dry-run python train.py
       print the mpirun command line instead of running it"""
-
-
-MPI_LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
-
-
-@contextlib.contextmanager
-def mpi_lock(announce: bool = False):
-    """Held while one MPI job runs: the tests, the benchmarks and the tools take it, so that
-    jobs on a small machine run one at a time instead of sharing its cores.  ``announce``:
-    say so on stdout when the lock is held by another job and this one waits."""
-    with open(MPI_LOCK, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if announce:
-                print(f"  waiting for the MPI lock {MPI_LOCK} ...", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def _process_table() -> dict[int, tuple[str, int, int]]:
-    """``{pid: (state, parent pid, session id)}`` of every process ``/proc`` shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):  # gone meanwhile
-                continue
-            table[int(entry)] = (fields[0].decode(), int(fields[1]), int(fields[3]))
-    return table
-
-
-def session_processes(leader: int) -> dict[int, str]:
-    """The live processes of the session ``leader`` leads (a launcher started with
-    ``start_new_session=True``) and its descendants, whatever session they moved to:
-    ``{pid: "state command line"}`` (zombies left out)."""
-    table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (_, parent, _) in table.items():
-        children.setdefault(parent, []).append(pid)
-    found = {pid for pid, (_, _, session) in table.items() if session == leader}
-    todo = [leader]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    live = {}
-    for pid in sorted(found):
-        if pid in table and table[pid][0] != "Z":
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                continue
-            live[pid] = f"{table[pid][0]} {command}"
-    return live
-
-
-def kill_session(leader: int, sig: int = signal.SIGKILL, wait: float = 10.0) -> dict[int, str]:
-    """Sends ``sig`` to every process of :func:`session_processes` (Open MPI starts each rank in
-    a process group of its own, so a signal to the launcher's group alone leaves the ranks
-    running, reparented to init), then waits up to ``wait`` seconds until they are gone: a
-    killed process lingers while the kernel tears it down.  Returns those still there."""
-    for pid in session_processes(leader):
-        try:
-            os.kill(pid, sig)
-        except OSError:  # gone meanwhile, or not ours
-            pass
-    deadline = time.monotonic() + wait
-    while (left := session_processes(leader)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
 
 
 def find_program(name: str) -> str | None:

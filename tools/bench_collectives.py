@@ -129,7 +129,8 @@ def summarize(row: dict) -> dict:
 
 def run_job(P: int, args) -> list[dict]:
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import build_command, mpi_lock
+    from tests.mpi_jobs import mpi_lock
+    from tfsparse.run import build_command
 
     with tempfile.TemporaryDirectory(prefix="tfsparse-bench-") as tmp:
         result = Path(tmp) / "rows.json"

@@ -49,7 +49,7 @@ def mlp_shapes(scale: float) -> list[tuple]:
 def parse_plan(text: str) -> dict:
     """``fused`` | ``buckets:<bytes>`` | ``per_tensor``."""
     if text.startswith("buckets:"):
-        return {"bucket_bytes": int(float(text.split(":", 1)[1]))}
+        return {"plan": int(float(text.split(":", 1)[1]))}
     return {"plan": text}
 
 
@@ -101,7 +101,8 @@ def worker(args) -> None:
 
 def run_job(args) -> list[dict]:
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import build_command, mpi_lock
+    from tests.mpi_jobs import mpi_lock
+    from tfsparse.run import build_command
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"

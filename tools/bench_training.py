@@ -67,7 +67,7 @@ def launch(procs: int, link: str, program: list[str], timeout: float, log: Path)
     """``tfsparse-run -np procs [--net link] program`` under the MPI lock; returns its wall seconds.
     Raises RuntimeError (with the output's tail) on failure or timeout."""
     sys.path.insert(0, str(REPO))
-    from tfsparse.run import kill_session, mpi_lock
+    from tests.mpi_jobs import kill_session, mpi_lock
 
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(procs)]
     if link != "shm":

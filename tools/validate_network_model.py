@@ -1,4 +1,4 @@
-"""The α-β model of :mod:`tfsparse.collectives.simulate` against emulated runs.
+"""The α-β model of :mod:`tfsparse.timing` against emulated runs.
 
     python tools/validate_network_model.py                        # P = 2, 3, 4 at 1 Gbit/s
     python tools/validate_network_model.py --procs 2 3 --rates 1gbit 10gbit --n 4000000
@@ -12,7 +12,7 @@ outside it, as in the model) -- the slowest rank's time, median over ``--steps``
 one warm-up step (Ok-Topk: steps that re-evaluate the thresholds and steps that reuse them,
 timed separately); with ``--repeats R`` each P is launched R times and every number is the
 median over the launches (on this 2-core machine the CPU-bound cells move by up to a third
-from one launch to the next).  Next to it: :func:`~tfsparse.collectives.simulate.simulate` of the same
+from one launch to the next).  Next to it: :func:`~tfsparse.timing.simulate` of the same
 step with the measured α and β and γ = 0 (the papers' α-β model), and with γ -- seconds per
 element of the local work the schedule counts -- fitted per algorithm on the smallest P and
 used to predict the others.  All ranks of a launch share this machine's cores; the model is
@@ -107,7 +107,7 @@ def worker(args) -> None:
 
 
 def launch(P: int, rate: str, args) -> dict:
-    from tfsparse.run import mpi_lock
+    from tests.mpi_jobs import mpi_lock
 
     cmd = [sys.executable, "-m", "tfsparse.run", "-np", str(P), "--net", rate]
     cmd += ["--mpi-args", FULL_DUPLEX if args.mpi_default else f"{RING} {FULL_DUPLEX}"]
@@ -141,8 +141,8 @@ def model(cell: dict, label: str, args, gamma: float = 0.0) -> float:
     the measured α and β, the token bucket of ``tfsparse-run --net`` (unless ``--no-burst``),
     ``cores`` and ``gamma``."""
     from tfsparse.collectives import AlphaBeta
-    from tfsparse.collectives.simulate import simulate
     from tfsparse.network import NetSpec
+    from tfsparse.timing import simulate
 
     name, options = SERIES[label]
     ab = AlphaBeta(cell["alpha_s"], cell["beta_bytes_per_s"],
