@@ -7,11 +7,12 @@
 TensorFlow is only imported when a TF-facing name (SparseStrategy, keras) is used;
 ``tfsparse.collectives`` works on numpy alone.
 
-``keras.models.load_model`` of a file with a ``tfsparse.keras.DistributedOptimizer`` works after a
-plain ``import tfsparse``: tfsparse's Keras classes register with Keras' serialization as soon as
-Keras is imported -- at once when it already is, otherwise through a one-shot import hook on the
-top-level ``keras`` module (:mod:`tfsparse._keras_registration`) -- so that ``import tfsparse``
-itself still imports neither Keras nor TensorFlow, and Keras is not patched.
+tfsparse's Keras classes register with Keras' serialization when :mod:`tfsparse.keras` is
+imported -- by ``import tfsparse.keras``, by any use of ``tfsparse.keras`` or of
+``tfsparse.SparseStrategy`` -- so ``keras.models.load_model`` of a file with a
+``tfsparse.keras.DistributedOptimizer`` needs one of them first (Keras itself never imports a
+module named in a model file outside its own packages); ``import tfsparse`` alone imports neither
+Keras nor TensorFlow.
 """
 from importlib import import_module
 
@@ -22,6 +23,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "SparseStrategy": ("tfsparse.strategies", "SparseStrategy"),
     "GradientExchange": ("tfsparse.exchange", "GradientExchange"),
+    "Pipelined": ("tfsparse.pipelined", "Pipelined"),
+    "Settings": ("tfsparse.settings", "Settings"),
     "keras": ("tfsparse.keras", None),
     "strategies": ("tfsparse.strategies", None),
     "collectives": ("tfsparse.collectives", None),
@@ -41,11 +44,4 @@ def __getattr__(name):
 
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "SparseStrategy", "GradientExchange",
-           "keras", "collectives", "data", "schedules", "WarmUp", "__version__"]
-
-
-# keras.models.load_model finds tfsparse's Keras classes after a plain `import tfsparse`: they are
-# registered as soon as Keras is imported (at once if it already is), without importing it here
-from ._keras_registration import install as _register_with_keras  # noqa: E402
-
-_register_with_keras()
+           "Pipelined", "Settings", "keras", "collectives", "data", "schedules", "WarmUp", "__version__"]
