@@ -16,7 +16,8 @@ from tfsparse.wire import FLOAT32, pack_sparse, unpack_sparse
 from tfsparse.aggregators.oktopk import balance_plan, local_boundaries
 from tfsparse.collectives import InProcessWorld
 from tfsparse.collectives.communicator import binomial_children
-from tfsparse.compressors import DGCSampledThreshold, GaussianKThreshold, threshold_select, topk_indices
+from tfsparse.compressors import (Compressor, DGCSampledThreshold, GaussianKThreshold, ReusedThreshold,
+                                  threshold_select, topk_indices, topk_with_values)
 from tfsparse.exchange import GradientExchange
 
 ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn")
@@ -632,3 +633,54 @@ def test_small_density_is_the_authors_fixed_density_for_small_tensors(name):
         assert 0 < big_idx.size < 3 * 140  # about the requested k = 140, not 1,400
     with pytest.raises(ValueError, match="small_density=2"):
         A.get_aggregator(name, small_density=2)
+
+
+# -- every local selection goes through a Compressor ------------------------------------------
+
+class _Counting(Compressor):
+    """The exact top-k, counting its calls."""
+
+    on_device = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def compress(self, acc, k):
+        self.calls += 1
+        return topk_with_values(acc, k)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "gaussiank", "dragonn", "gtopk"])
+def test_local_selection_goes_through_the_aggregators_compressor(name):
+    agg = A.get_aggregator(name)
+    assert isinstance(agg.compressor, Compressor) and agg.accepts_device == agg.compressor.on_device
+    agg.compressor = _Counting()
+    acc = make_acc(0, 0, 5000)
+    payload = agg.encode(NoTalk(), acc, 50, FLOAT32)
+    assert agg.compressor.calls == 1
+    sent = payload.local_idx if name == "gtopk" else payload.indices
+    np.testing.assert_array_equal(sent, refs.exact_topk(acc, 50))
+
+
+def test_oktopk_selects_through_its_reused_threshold():
+    """Ok-Topk's local selection (Alg. 1 lines 2-4) is a ReusedThreshold compressor whose state
+    is the local threshold: re-evaluated on a fresh step, reused (and adjusted) on the next."""
+    agg = A.get_aggregator("oktopk", tau_prime=2)
+    assert isinstance(agg.compressor, ReusedThreshold) and not agg.accepts_device
+    first, second = make_acc(0, 0, 5000), make_acc(0, 1, 5000)
+    comm = InProcessWorld(1).comms[0]
+    fresh = agg.encode(comm, first, 50, FLOAT32)
+    agg.exchange(comm, fresh)  # the global threshold, which a reuse step needs too
+    np.testing.assert_array_equal(fresh.local_idx, refs.exact_topk(first, 50))  # the exact k-th largest
+    np.testing.assert_array_equal(fresh.local_val, first[fresh.local_idx])
+    assert agg.get_state()["thresholds"][0] == agg.compressor.threshold
+    alone = ReusedThreshold()
+    alone.set_state(agg.compressor.get_state())
+    reused = agg.encode(comm, second, 50, FLOAT32)
+    assert not reused.fresh
+    idx, val = alone.compress(second, 50)
+    np.testing.assert_array_equal(reused.local_idx, idx)
+    np.testing.assert_array_equal(reused.local_val, val)
+    assert (reused.local_threshold, agg.compressor.threshold) == (alone.last_threshold, alone.threshold)
+    with pytest.raises(ValueError, match="local_raise=0.5"):
+        ReusedThreshold(local_raise=0.5)

@@ -49,6 +49,23 @@ def test_decisions_are_eq1(K, density, fuse_dense):
                                           for s in layout().specs]
 
 
+def test_cost_model_prices_the_aggregators_schedules():
+    """T_full is the dense aggregator's declared schedule, T_spr the allgather's of k entries,
+    each collective on the ring (tfsparse.timing's schedules): the paper's formulas where K
+    divides d, the ring's blocks of ceil(d/K) where it does not."""
+    from tfsparse.collectives import AlphaBeta
+    from tfsparse.timing import schedule
+
+    K, d, k = 4, 401408, 4015
+    ring = AlphaBeta(SLOW.alpha, SLOW.beta)
+    assert SLOW.t_full(d, K, 4) == schedule("dense", K, d, 1.0).seconds(ring, prefer="ring")
+    assert SLOW.t_full(d, K, 4) == pytest.approx(2 * (K - 1) * (SLOW.alpha + d * 4 / (K * SLOW.beta)), rel=1e-12)
+    assert SLOW.t_spr(d, K, k, 4) == schedule("topk", K, d, 0.01).seconds(ring, prefer="ring")
+    assert SLOW.t_spr(d, K, k, 2) == pytest.approx((K - 1) * (SLOW.alpha + k * 6 / SLOW.beta), rel=1e-12)
+    assert SLOW.t_full(10, 3, 4, latency=False) == pytest.approx(4 * 4 * 4 / SLOW.beta, rel=1e-12)
+    assert SLOW.t_full(d, 1, 4) == SLOW.t_spr(d, 1, k, 4) == 0.0
+
+
 def test_small_tensors_go_dense_large_ones_compress():
     got = {d.name: d.compress for d in decide(SLOW, layout(), 4, 0.01)}
     assert got == {"t0": True, "t1": False, "t2": True, "t3": False, "t4": True, "t5": False}

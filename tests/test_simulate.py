@@ -1,5 +1,6 @@
 """The α-β model (tfsparse.collectives.alphabeta) and the message-schedule simulator
-(tfsparse.collectives.simulate), fast and in-process.
+(tfsparse.timing: each aggregator's declared schedule, priced by tfsparse.collectives.simulate),
+fast and in-process.
 
 The fidelity tests run the **real** aggregators on :class:`InProcessWorld` (P = 2, 3, 4, 5, 8)
 with random N(0, 1) gradients and compare every rank's ``bytes_sent`` with the simulator's
@@ -22,8 +23,8 @@ import pytest
 from tfsparse import aggregators as A
 from tfsparse.collectives import AlphaBeta, InProcessWorld, measure_alpha_beta
 from tfsparse.collectives.alphabeta import fit_alpha_beta, parse_rate, parse_time
-from tfsparse.collectives.simulate import _ALGORITHMS as SIM_ALGORITHMS
-from tfsparse.collectives.simulate import ALGORITHMS, _Builder, period, schedule, simulate
+from tfsparse.collectives.simulate import Builder
+from tfsparse.timing import ALGORITHMS, period, schedule, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 N, DENSITY, K = 20000, 0.01, 200
@@ -52,16 +53,25 @@ def real_bytes(name, P, steps, options=None, seed=0) -> np.ndarray:
 
 
 def test_every_registered_aggregator_has_a_schedule():
-    assert set(A.available_aggregators()) <= set(ALGORITHMS)
+    assert set(A.available_aggregators()) == set(ALGORITHMS)
+    for name in ALGORITHMS:  # declared next to the aggregator's own code
+        assert type(A.get_aggregator(name)).schedule is not A.Aggregator.schedule, name
     assert schedule("topk", 4, N, DENSITY).k == K  # k = ceil(density * n), as the exchange
 
 
-@pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - {"topk"}))  # topk's option is a compressor object
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_simulator_takes_the_aggregators_options(name):
+    """The options are the aggregator's own: its defaults, and its checks' errors."""
     cls = type(A.get_aggregator(name))
-    params = {p.name for p in inspect.signature(cls).parameters.values()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    assert set(SIM_ALGORITHMS[name][1]) == params
+    defaults = {p.name: p.default for p in inspect.signature(cls).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
+    stated, plain = simulate(name, 5, N, DENSITY, AB, **defaults), simulate(name, 5, N, DENSITY, AB)
+    assert (stated.seconds, stated.bytes) == (plain.seconds, plain.bytes)
+    with pytest.raises(ValueError) as aggregator:
+        A.get_aggregator(name, bogus=1)
+    with pytest.raises(ValueError) as simulator:
+        simulate(name, 5, N, DENSITY, AB, bogus=1)
+    assert str(simulator.value) == str(aggregator.value) and "bogus" in str(simulator.value)
 
 
 # -- fidelity: the simulator's bytes are the Communicator's ---------------------------------------
@@ -169,7 +179,7 @@ def test_collectives_pick_the_faster_algorithm():
 def test_bruck_allgather_rounds_against_brute_force(P):
     rng = np.random.default_rng(P)
     blocks = rng.integers(0, 1000, size=P)
-    b = _Builder(P)
+    b = Builder(P)
     b.allgather("x", blocks)
     bruck = dict(b.phases[0].variants)["bruck"]
     held = [[r] for r in range(P)]  # rank r holds blocks r, r-1, ... (mod P), sends them to r + d
@@ -283,7 +293,7 @@ def test_token_bucket_lets_the_burst_through_after_idle_moments():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: simulate("sparse", 4, N, DENSITY, AB), r"algorithm='sparse'.*accepted: 'dense'"),
+    (lambda: simulate("sparse", 4, N, DENSITY, AB), r"algorithm='sparse'.*accepted: .*'dense'"),
     (lambda: simulate("topk", 4, N, DENSITY, AB, cores=0), r"cores=0.*accepted.*None"),
     (lambda: simulate("topk", 4, N, DENSITY, AB, cores=1.5), r"cores=1.5.*accepted"),
     (lambda: simulate("topk", 0, N, DENSITY, AB), r"workers=0.*accepted"),

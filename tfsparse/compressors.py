@@ -2,9 +2,14 @@
 accumulated gradient (GRACE's "compressor" part).
 
 Each compressor maps ``acc`` (float32, 1-D: gradient + residual) and a budget ``k``
-to ``(indices, values)`` with ``indices`` int64 and ascending.
+to ``(indices, values)`` with ``indices`` int64 and ascending, and says how many entries it
+expects to send (:meth:`Compressor.expected_count`: what the α-β schedule of an aggregator that
+sends its payload prices, :mod:`tfsparse.timing`).  Every aggregator that selects locally
+selects through one (``aggregator.compressor``).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -26,6 +31,10 @@ class Compressor(Stateful):
         """Returns (indices, values) of the entries to send."""
         raise TypeError(f"{type(self).__name__} does not define compress()")
 
+    def expected_count(self, n: int, k: int) -> float:
+        """The entries :meth:`compress` is expected to send of an ``n``-element vector for the
+        budget ``k`` (the α-β schedules price it): ``k`` for a compressor that keeps to its budget."""
+        return min(k, n)
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -90,11 +99,33 @@ class Identity(Compressor):
     def compress(self, acc, k):
         return np.arange(acc.size, dtype=np.int64), acc.copy()
 
+    def expected_count(self, n, k):
+        return n
+
 
 # -- threshold compressors (approximate top-k) ------------------------------------------
 
 def check_small_density(small_density) -> float | None:
     return None if small_density is None else _checks.real("small_density", small_density, 0.0, 1.0, lo_open=True)
+
+
+def sample_sizes(n: int, k: int, sample_ratio: float, min_samples: int) -> tuple[int, int]:
+    """DGC's sample of an ``n``-element vector: ``s = max(ceil(sample_ratio·n), min(n, min_samples))``
+    positions, and ``ks = ceil(k·s/n)`` (in ``[1, s]``), the rank among them of the estimate of the
+    k-th largest magnitude."""
+    s = int(max(math.ceil(sample_ratio * n), min(n, min_samples)))
+    return s, int(min(s, max(1, math.ceil(k * s / n))))
+
+
+def sampled_count(n: int, k: int, sample_ratio: float, min_samples: int, strict: bool) -> float:
+    """Expected entries that pass the ``ks``-th largest of ``s`` uniform samples
+    (:func:`sample_sizes`): with every element sampled exactly ``ks - 1`` strictly above it
+    (``strict``, no ties) or ``k`` at or above it; otherwise the fraction of the vector above
+    the ``ks``-th largest of ``s`` uniform samples is ``Beta(ks, s-ks+1)``, of mean ``ks / (s + 1)``."""
+    s, ks = sample_sizes(n, k, sample_ratio, min_samples)
+    if s >= n:
+        return float(ks - 1) if strict else float(k)
+    return n * ks / (s + 1)
 
 
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
@@ -209,12 +240,11 @@ class DGCSampledThreshold(Compressor):
         n = acc.size
         if k <= 0 or n == 0:
             return float("inf")
-        s = int(max(np.ceil(self.sample_ratio * n), min(n, self.min_samples)))
+        s, ks = sample_sizes(n, k, self.sample_ratio, self.min_samples)
         if s >= n:
             sample = np.abs(acc)
         else:
             sample = np.abs(acc[self._rng.integers(0, n, size=s)])
-        ks = int(min(s, max(1, np.ceil(k * s / n))))
         return float(np.partition(sample, s - ks)[s - ks])
 
     def compress(self, acc, k):
@@ -245,6 +275,21 @@ class DGCSampledThreshold(Compressor):
         if self.truncate is not None and idx.size > k:
             idx = idx[:k] if self.truncate == "first" else idx[topk_indices(acc[idx], k)]
         return idx, acc[idx]
+
+    def expected_count(self, n, k):
+        """The exact top-k (``k``) for tensors of at most ``exact_below`` elements; otherwise the
+        sampled threshold's expected count (:func:`sampled_count`, strictly above it), moved into
+        ``[lower k, upper k]`` by the adaptation (assumed to succeed when ``adapt_iters > 0``) and
+        cut to ``k`` by the truncation -- ``k`` with the defaults."""
+        k = small_tensor_k(n, int(k), self.small_density)
+        if n <= self.exact_below or k >= n:
+            return float(min(k, n))
+        count = sampled_count(n, k, self.sample_ratio, self.min_samples, strict=True)
+        if self.adapt_iters > 0:
+            count = min(max(count, self.lower * k), self.upper * k)
+        if self.truncate is not None:
+            count = min(count, k)
+        return float(count)
 
     def __repr__(self):
         return (f"{type(self).__name__}(sample_ratio={self.sample_ratio}, min_samples={self.min_samples}, "
@@ -326,6 +371,17 @@ class HashedThreshold(Compressor):
             table, values = table.copy_to_host(), values.copy_to_host()
         full = table >= 0
         return table[full], values[full]
+
+    def expected_count(self, n, k):
+        """The occupied slots: the sampled threshold passes ``l`` elements (:func:`sampled_count`,
+        at or above it), hashed into ``m = capacity_factor·k`` slots, of which ``m(1 - (1 - 1/m)^l)``
+        keep one (balls into bins; dragonn-wang2022 App. A.2) -- about ``0.89 k`` for ``m = 4k``."""
+        k = small_tensor_k(n, int(k), self.small_density)
+        if k >= n:
+            return float(n)
+        passed = sampled_count(n, k, self.sample_ratio, self.min_samples, strict=False)
+        m = self.capacity_factor * k
+        return float(m * -math.expm1(passed * math.log1p(-1.0 / m))) if m > 1 else min(1.0, passed)
 
     def get_state(self):
         return {"step": np.array([self.step], np.int64)}
@@ -424,6 +480,118 @@ class GaussianKThreshold(Compressor):
 
     def __repr__(self):
         return f"{type(self).__name__}(scale={self.scale}, max_adjust={self.max_adjust})"
+
+
+# -- Ok-Topk's reused local threshold (oktopk-li2022 §3.1.3) --------------------------------
+
+def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
+    """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
+    are at most k values (then every non-zero value passes, also on the steps that reuse it)."""
+    from . import ops
+
+    m = values.size
+    if k <= 0:
+        return float("inf")
+    if m <= k:
+        return 0.0
+    return float(ops.kth_largest_abs(values, k))  # one radix select, no sort (NaN > Inf > finite)
+
+
+def select_local(acc: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, values)`` of ``|acc| >= threshold``, indices ascending (NaN entries always
+    pass); a non-positive threshold selects the non-zero entries.  One pass, no temporaries, for
+    a positive one."""
+    from . import ops
+
+    if threshold > 0.0:
+        return ops.select_threshold(acc, threshold)
+    idx = threshold_select(acc, threshold, strict=False)
+    return idx, acc[idx]
+
+
+def check_factor(name, value, default) -> float:
+    """One of the Ok-Topk authors' threshold adjustment factors (>= 1)."""
+    return _checks.real(name, value, 1.0, hint=(
+        f" (the authors' threshold adjustment factor; default {default}, 1.0 turns it off)"))
+
+
+def adjusted_threshold(threshold, count, k, high, factor):
+    """The next step's threshold: ÷ ``factor`` below ``2k/3`` entries, × above ``high * k``."""
+    if factor == 1.0 or k <= 0 or threshold is None or not 0.0 < threshold < np.inf:
+        return threshold
+    if count < 2 * k / 3:
+        return threshold / factor
+    if count > high * k:
+        return threshold * factor
+    return threshold
+
+
+class ReusedThreshold(Compressor):
+    """Ok-Topk's local selection (oktopk-li2022 §3.1.3; Alg. 1 lines 2-4): the entries with
+    ``|acc| >= threshold``, where the threshold is re-evaluated -- the exact k-th largest
+    ``|acc|`` -- when :attr:`threshold` is None and reused otherwise.  Its aggregator
+    (:class:`~tfsparse.aggregators.oktopk.OkTopkAllreduce`) decides when: it clears
+    :attr:`threshold` every ``tau_prime`` steps and whenever ``k`` or the layout changes.
+
+    Between re-evaluations the Ok-Topk authors' adjustment (not in the paper) keeps the count
+    near ``k``: ``local_raise`` (1.03) -- on a reuse step the threshold is multiplied by it while
+    more than ``4k/3`` entries pass (evaluated over the entries passing the unraised threshold,
+    no extra pass over the gradient); ``local_adjust`` (1.012) -- the threshold kept for the next
+    call is divided by it below ``2k/3`` entries and multiplied above ``5k/4``.  1.0 turns a rule
+    off.
+
+    State: :attr:`threshold`, the one the next call starts from (None: re-evaluate);
+    :attr:`last_threshold` is the one the last call used.
+    """
+
+    name = "oktopk"
+
+    def __init__(self, local_raise: float = 1.03, local_adjust: float = 1.012):
+        self.local_raise = check_factor("local_raise", local_raise, 1.03)
+        self.local_adjust = check_factor("local_adjust", local_adjust, 1.012)
+        self.threshold = None
+        self.last_threshold = None
+
+    def compress(self, acc, k):
+        fresh = self.threshold is None
+        if fresh:
+            self.threshold = kth_largest_magnitude(acc, k)
+        if k > 0:
+            idx, val = select_local(acc, self.threshold)
+        else:
+            idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
+        limit = 4 * k / 3
+        if not fresh and idx.size > limit and self.local_raise > 1.0 and self.threshold > 0.0:
+            self.threshold, idx, val = self._raised(idx, val, limit)
+        self.last_threshold = self.threshold
+        self.threshold = adjusted_threshold(self.threshold, idx.size, k, 5 / 4, self.local_adjust)
+        return idx, val
+
+    def _raised(self, idx, val, limit):
+        """The authors' ``threshold *= local_raise while count(|acc| >= threshold) > limit``,
+        evaluated over the selected ``(idx, val)`` (a raised threshold passes a subset).  NaN
+        entries always pass, so the loop also stops once the threshold exceeds every finite
+        magnitude.  Returns the raised threshold and the entries that pass it."""
+        threshold = self.threshold
+        mag = np.abs(val)
+        finite = mag[np.isfinite(mag)]
+        top = float(finite.max()) if finite.size else 0.0
+        passing = ~(mag < threshold)
+        while np.count_nonzero(passing) > limit and threshold <= top:
+            threshold *= self.local_raise
+            passing = ~(mag < threshold)
+        return threshold, idx[passing], val[passing]
+
+    def get_state(self):
+        return {"threshold": np.array([np.nan if self.threshold is None else self.threshold], np.float64)}
+
+    def set_state(self, state):
+        super().set_state(state)
+        t = float(np.asarray(state["threshold"], np.float64).reshape(-1)[0]) if state else float("nan")
+        self.threshold = None if np.isnan(t) else t
+
+    def __repr__(self):
+        return f"{type(self).__name__}(local_raise={self.local_raise}, local_adjust={self.local_adjust})"
 
 
 def compressors_by_name() -> dict:

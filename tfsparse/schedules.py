@@ -34,6 +34,13 @@ def check_density(density, name: str = "density") -> float:
                         hint=f" (the fraction of gradient elements each rank sends), e.g. {name}=0.01")
 
 
+def k_from_density(n: int, density: float) -> int:
+    """``k = ceil(density · n)``, at least 1 and at most ``n``: the entries a bucket of ``n``
+    elements sends at ``density`` -- what the exchange asks of its aggregators, and what the α-β
+    simulator (:mod:`tfsparse.timing`) and the cost model (:mod:`tfsparse.selection`) price."""
+    return int(min(n, max(1, math.ceil(density * n))))
+
+
 def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
     """``k``, or -- with ``small_density`` (the authors' 0.01) for a tensor of at most
     :data:`SMALL_TENSOR` elements -- their ``int(n * small_density)`` (at least 1).  What the

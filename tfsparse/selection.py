@@ -13,7 +13,12 @@ with, for ``K`` workers, a latency ``α``, a bandwidth ``B`` and ``A`` bytes per
 where ``γdA`` "is the tensor size after compression" -- here the ``k = ceil(density·d)``
 entries of index and value bytes each rank sends (``tfsparse.wire``), so the index bytes
 count too.  (The paper simplifies the difference to ``(K-1)(α + (1/K - γ)dA/B)``; the two
-formulas above give ``(K-1)(α + (2/K - γ)dA/B)``, which is what is computed here.)
+formulas above give ``(K-1)(α + (2/K - γ)dA/B)``, which is what is computed here.)  Both are
+the price of the aggregators' own declared schedules (the one timing model,
+:meth:`tfsparse.aggregators.Aggregator.schedule`), every collective taken as the paper's ring:
+``T_full`` is the dense aggregator's schedule of the ``d`` values (ring blocks of ``⌈d/K⌉``, so
+``d/K`` rounded up where ``K`` does not divide ``d``), ``T_spr`` the chosen algorithm's allgather
+of ``k`` entries (:meth:`~tfsparse.aggregators.topk.AllgatherAggregator.gather_schedule`).
 Dense tensors are not exchanged one by one here: every run of consecutive dense tensors is
 fused into one allreduce (as Horovod, which the authors run on, fuses them), so a dense
 tensor adds only its bytes to a message that is sent anyway -- its ``T_full`` has no ``α``
@@ -55,10 +60,11 @@ from dataclasses import fields as dataclass_fields
 import numpy as np
 
 from . import _checks
-from .aggregators import get_aggregator
+from .aggregators import Aggregator, get_aggregator
 from .collectives.alphabeta import AlphaBeta, format_rate, format_time, measure_alpha_beta
+from .collectives.simulate import Builder
 from .plan import Bucket, Layout, Plan, _bucket
-from .wire import index_dtype
+from .schedules import k_from_density
 
 #: algorithms whose exchange is an allgather of the compressed tensors (what Eq. 1 prices)
 ALLGATHER_ALGORITHMS = ("dgc", "dragonn", "gaussiank", "topk")
@@ -91,15 +97,26 @@ class CostModel:
     def t_comp(self, d: int) -> float:
         return self.comp_fixed + self.comp_per_element * d
 
-    def t_full(self, d: int, workers: int, value_bytes: int, latency: bool = True) -> float:
-        """Ring allreduce of ``d`` values: ``2(K-1)(α + dA/(KB))``; without the ``α`` term when
+    def t_full(self, d: int, workers: int, value_bytes: int, latency: bool = True,
+               dense: Aggregator | None = None) -> float:
+        """The dense aggregator's schedule of ``d`` values (``dense``, default a new
+        ``"dense"``) on the ring: ``2(K-1)(α + ⌈d/K⌉A/B)``; without the ``α`` term when
         ``latency`` is False (the tensor rides in a fused allreduce sent anyway)."""
-        K = workers
-        return 2 * (K - 1) * ((self.alpha if latency else 0.0) + d * value_bytes / (K * self.beta))
+        b = Builder(workers, value_bytes)
+        (dense or get_aggregator("dense")).schedule(b, d, d, 1)
+        return self._ring_seconds(b, latency)
 
-    def t_spr(self, d: int, workers: int, k: int, entry: int) -> float:
-        """Allgather of ``k`` (index, value) entries of ``entry`` bytes: ``(K-1)(α + γdA/B)``."""
-        return (workers - 1) * (self.alpha + k * entry / self.beta)
+    def t_spr(self, d: int, workers: int, k: int, value_bytes: int, sparse: Aggregator | None = None) -> float:
+        """The allgather of ``k`` (index, value) entries declared by ``sparse`` (an allgather
+        aggregator, default a new ``"topk"``): ``(K-1)(α + γdA/B)``."""
+        b = Builder(workers, value_bytes)
+        (sparse or get_aggregator("topk")).gather_schedule(b, d, k)
+        return self._ring_seconds(b)
+
+    def _ring_seconds(self, b: Builder, latency: bool = True) -> float:
+        """What ``b`` declared, priced with every collective on the ring (γ = 0: ``T_comp`` is the
+        local work)."""
+        return b.seconds(AlphaBeta(self.alpha if latency else 0.0, self.beta), prefer="ring")
 
     def as_dict(self) -> dict:
         """The four numbers (``selection=`` takes this dict back)."""
@@ -133,18 +150,21 @@ class Decision:
 
 
 def decide(model: CostModel, layout: Layout, workers: int, density: float, value_bytes: int = 4,
-           fuse_dense: bool = True) -> list[Decision]:
+           fuse_dense: bool = True, algorithm: str = "topk", options: dict | None = None) -> list[Decision]:
     """Eq. 1 for every tensor of ``layout`` (in layout order): compress iff
     ``T_comp(d) < T_full(d) - T_spr(d)``, ``k = ceil(density·d)`` (a tensor with ``k = d``
-    never is); ``fuse_dense``: ``T_full`` without ``α`` (see the module docstring).  Pure
+    never is); ``fuse_dense``: ``T_full`` without ``α`` (see the module docstring);
+    ``algorithm``, ``options``: the allgather algorithm whose schedule ``T_spr`` prices.  Pure
     arithmetic: the same inputs give the same decisions on every rank."""
+    if algorithm not in ALLGATHER_ALGORITHMS:
+        raise ValueError(_algorithm_error(algorithm))
+    dense, sparse = get_aggregator("dense"), get_aggregator(algorithm, **(options or {}))
     out = []
     for spec in layout.specs:
         d = spec.size
-        k = int(min(d, max(1, math.ceil(density * d))))
-        entry = np.dtype(index_dtype(d)).itemsize + value_bytes
-        t_comp, t_full, t_spr = model.t_comp(d), model.t_full(d, workers, value_bytes, not fuse_dense), \
-            model.t_spr(d, workers, k, entry)
+        k = k_from_density(d, density)
+        t_comp, t_full, t_spr = model.t_comp(d), model.t_full(d, workers, value_bytes, not fuse_dense, dense), \
+            model.t_spr(d, workers, k, value_bytes, sparse)
         out.append(Decision(spec.name, d, k, bool(k < d and t_comp < t_full - t_spr), t_comp, t_full, t_spr))
     return out
 
@@ -169,7 +189,7 @@ def profile_compression(comm, algorithm: str, options: dict, density: float, wir
     times = []
     for d in sizes:
         x = rng.standard_normal(d).astype(np.float32)
-        k = int(min(d, max(1, math.ceil(density * d))))
+        k = k_from_density(d, density)
         agg = get_aggregator(algorithm, **options)
         payload = agg.encode(comm, x, k, wire)
         t_enc = best_time(lambda: agg.encode(comm, x, k, wire))
@@ -237,13 +257,14 @@ class CostModelPlan(Plan):
         model = self.model
         if model is None:
             model = measure_cost_model(comm, exchange.algorithm, exchange.options, exchange.density, exchange.wire)
-        self._context = (model, comm.size, exchange.density, exchange.wire.value_bytes, comm.rank)
+        self._context = (model, comm.size, exchange.density, exchange.wire.value_bytes, comm.rank,
+                         exchange.algorithm, exchange.options)
 
     def buckets(self, layout: Layout) -> list[Bucket]:
         if self._context is None:
             raise RuntimeError("CostModelPlan.buckets() before prepare(): the exchange prepares the plan")
-        model, workers, density, value_bytes, rank = self._context
-        self.decisions = decide(model, layout, workers, density, value_bytes, self.fuse_dense)
+        model, workers, density, value_bytes, rank, algorithm, options = self._context
+        self.decisions = decide(model, layout, workers, density, value_bytes, self.fuse_dense, algorithm, options)
         out = []
         i = len(layout) - 1
         while i >= 0:

@@ -9,7 +9,10 @@ launch) and predicts every run's step time from measured parts:
 * per run, the compression on the training thread (``encode_ms``) and the allreduce
   ``l_comm``, either **measured** (the communication thread's time per step: ``comm_ms +
   decode_ms``) or from the **α-β ring model** of Eq. 5: ``2(p-1)·α + bytes/bandwidth``, where
-  ``bytes`` (what one rank sends per step, ``2(p-1)/p`` of the wire's gradient bytes) was counted.
+  ``bytes`` (what one rank sends per step, ``2(p-1)/p`` of the wire's gradient bytes) was counted
+  -- the ring of the dense aggregator's schedule (:mod:`tfsparse.timing`), given the measured
+  bytes of whatever wire and buckets the run used.  The link is a
+  :class:`tfsparse.collectives.AlphaBeta` (``--bandwidth``, ``--latency`` as it parses them).
 
 D-Sync (``pipeline=1``, Eq. 2): ``l_compute + encode + l_comm``;
 Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)``.
@@ -23,28 +26,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import sys
+from pathlib import Path
 
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def parse_rate(text: str) -> float:
-    """``"1gbit"``, ``"10Gbit"``, ``"100mbit"`` -> bytes per second."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)bit\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"--bandwidth {text!r}: expected a rate such as 1gbit, 10gbit or 100mbit")
-    return float(m.group(1)) * _UNITS[m.group(2)] / 8
+from tfsparse.collectives.alphabeta import AlphaBeta  # noqa: E402
 
 
-def parse_time(text: str) -> float:
-    """``"50us"``, ``"1ms"``, ``"0"`` -> seconds."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"--latency {text!r}: expected a time such as 0, 50us or 1ms")
-    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6, None: 1.0}[m.group(2)]
+def ring_seconds(ab: AlphaBeta, processes: int, nbytes: float) -> float:
+    """Eq. 5: the ring allreduce's ``2(p-1)`` messages and the ``nbytes`` one rank sends in them."""
+    return 2 * (processes - 1) * ab.alpha + nbytes / ab.beta
 
 
-def predict(results: dict, bandwidth: float, latency: float) -> dict:
+def predict(results: dict, ab: AlphaBeta) -> dict:
     runs, p = results["runs"], int(results["processes"])
     base = next((r for r in runs if r.get("algorithm") == "dense" and int(r.get("pipeline", 1)) == 1
                  and r.get("wire_dtype", "float32") == "float32"), None)
@@ -55,7 +50,7 @@ def predict(results: dict, bandwidth: float, latency: float) -> dict:
     for r in runs:
         pipelined = int(r.get("pipeline", 1)) == 2
         measured_comm = r["comm_ms"] + r["decode_ms"]
-        ab_comm = 1e3 * (2 * (p - 1) * latency + r["mb_per_step"] * 1e6 / bandwidth)
+        ab_comm = 1e3 * ring_seconds(ab, p, r["mb_per_step"] * 1e6)
 
         def model(l_comm):
             busy = l_compute + r["encode_ms"]
@@ -66,8 +61,8 @@ def predict(results: dict, bandwidth: float, latency: float) -> dict:
                      "model_alpha_beta_ms": round(model(ab_comm), 1),
                      "l_comm_measured_ms": round(measured_comm, 1), "l_comm_alpha_beta_ms": round(ab_comm, 1),
                      "encode_ms": round(r["encode_ms"], 1), "speedup_vs_dsync": round(base["step_ms"] / r["step_ms"], 2)})
-    return {"processes": p, "network": results.get("network"), "bandwidth_bytes_per_s": bandwidth,
-            "latency_s": latency, "l_compute_ms": round(l_compute, 1), "runs": rows}
+    return {"processes": p, "network": results.get("network"), "bandwidth_bytes_per_s": ab.beta,
+            "latency_s": ab.alpha, "l_compute_ms": round(l_compute, 1), "runs": rows}
 
 
 def plot(model: dict, path: str) -> None:
@@ -95,13 +90,18 @@ def plot(model: dict, path: str) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a tools/bench_fit_step.py JSON")
-    parser.add_argument("--bandwidth", default="1gbit", help="link rate, e.g. 1gbit (default)")
-    parser.add_argument("--latency", default="0", help="α per message, e.g. 50us (default 0)")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="link rate: bit, kbit, mbit, gbit, tbit, e.g. 1gbit (default)")
+    parser.add_argument("--latency", default="0", help="α per message: s, ms, us, ns or 0, e.g. 50us (default 0)")
     parser.add_argument("--out", default="results/pipe_timing")
     args = parser.parse_args(argv)
+    try:  # tfsparse.collectives.alphabeta's parse_rate and parse_time
+        ab = AlphaBeta.from_strings(args.bandwidth, args.latency)
+    except ValueError as e:
+        parser.error(str(e))
     with open(args.results) as f:
         results = json.load(f)
-    model = predict(results, parse_rate(args.bandwidth), parse_time(args.latency))
+    model = predict(results, ab)
     with open(args.out + ".json", "w") as f:
         json.dump(model, f, indent=1)
     plot(model, args.out + ".png")

@@ -1,7 +1,7 @@
 """Predicted exchange time per step of each algorithm on a network, from the α-β-γ model.
 
-Replays an aggregator's message schedule (:mod:`tfsparse.collectives.simulate`: rounds, message
-sizes per rank -- gTop-k's tree and broadcasts, Ok-Topk's rotation rounds, threshold
+Replays an aggregator's own message schedule (:func:`tfsparse.timing.simulate`, priced by
+:mod:`tfsparse.collectives.simulate`: rounds, message sizes per rank -- gTop-k's tree and broadcasts, Ok-Topk's rotation rounds, threshold
 re-evaluations and allgathers, ...) on a link of the given bandwidth and latency:
 
     python tools/simulate_network.py --algorithm gtopk --workers 32 --n 25200000 --density 0.001 \\
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tfsparse.collectives.alphabeta import AlphaBeta, parse_rate, parse_time  # noqa: E402
-from tfsparse.collectives.simulate import ALGORITHMS, simulate  # noqa: E402
+from tfsparse.timing import ALGORITHMS, simulate  # noqa: E402
 
 # powers of two, as the papers scale (a non-power-of-two P adds fold rounds -- gTop-k's tree, the
 # halving-doubling allreduce -- and would zigzag the curves; the CLI takes any P)
@@ -172,7 +172,7 @@ def sweep(args) -> dict:
             c = curves[bw][algorithm]
             c["speedup_over_dense"] = [d / s if s > 0 else None for d, s in zip(dense, c["seconds"])]
     k = simulate("dense", 1, args.n, args.density, AlphaBeta(0.0, 1.0)).k
-    return {"model": "alpha-beta-gamma (tfsparse.collectives.simulate)", "n": args.n, "density": args.density,
+    return {"model": "alpha-beta-gamma (tfsparse.timing)", "n": args.n, "density": args.density,
             "k": k, "latency": args.latency, "gamma_s_per_element": args.gamma, "workers": list(SWEEP_WORKERS),
             "bandwidths": list(SWEEP_BANDWIDTHS), "curves": curves, "papers": list(PAPERS)}
 

@@ -7,6 +7,11 @@ happens between them) and returns the global result.  The exchange runs ``encode
 caller's thread and ``exchange`` on its communication thread, so the selection of bucket
 ``i + 1`` overlaps the wire time of bucket ``i``.  ``allreduce`` is both in a row.
 
+Timing: every aggregator declares the messages of one exchange step next to its code,
+``schedule(builder, n, k, step)`` (and ``period()``, the steps that differ): the α-β simulator
+(:mod:`tfsparse.timing`) and DRAGONN's cost model (:mod:`tfsparse.selection`) price that one
+schedule (:mod:`tfsparse.collectives.simulate`).
+
 State: what an aggregator carries from one call to the next (Ok-Topk's thresholds and
 boundaries, DGC's random generator) is explicit data, ``get_state()`` -> a dict of numpy
 arrays and ``set_state(state)``, so that checkpoints hold it and a resumed run continues
@@ -18,6 +23,7 @@ import numpy as np
 
 from .. import _checks
 from ..collectives.communicator import Communicator
+from ..collectives.simulate import Builder
 from ..state import Stateful
 from ..wire import FLOAT32, Wire, WireLoss
 
@@ -99,6 +105,18 @@ class Aggregator(Stateful):
     def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:
         """``exchange(comm, encode(comm, acc, k, wire))``."""
         return self.exchange(comm, self.encode(comm, acc, k, wire))
+
+    def schedule(self, b: Builder, n: int, k: int, step: int) -> None:
+        """Declares to ``b`` the messages exchange step ``step`` (from 1) sends for a bucket of
+        ``n`` elements and the budget ``k``: the collectives :meth:`exchange` calls, in order,
+        with the sizes it calls them with (their expectations where those depend on the data).
+        What the α-β simulator (:mod:`tfsparse.timing`) and the cost model price."""
+        raise TypeError(f"{type(self).__name__} does not declare its schedule()")
+
+    def period(self) -> tuple:
+        """``((step, weight), ...)``: the distinct steps of the steady period of :meth:`schedule`
+        and the fraction of steps like each; ``((1, 1.0),)``: every step alike."""
+        return ((1, 1.0),)
 
     def reset(self) -> None:
         """Forgets cached state (thresholds, boundaries)."""

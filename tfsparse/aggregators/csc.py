@@ -26,6 +26,15 @@ its AlexNet run, §4).
   step, and a step whose ``m`` changed, choose from their own norms as ``"current"`` does.
   The chosen set is explicit state (``chunks``), saved in checkpoints.
 
+Schedule (:meth:`CoarseSparseAllreduce.schedule`): the chunk-norm allreduce (``C`` float32) and
+the dense allreduce of the ``m`` chosen chunks, assumed full (exact unless the short last chunk
+is among them); ``"previous"`` moves the norm allreduce after the chunks, plus one before them
+on the first step (its :meth:`~CoarseSparseAllreduce.period` is step 2).
+
+The selection is collective -- every rank must pick the same chunks, from the *allreduced*
+norms -- so CSC selects in :meth:`~CoarseSparseAllreduce.exchange`, not through a local
+:class:`~tfsparse.compressors.Compressor`.
+
 GradientFlow pairs CSC with momentum correction and a dense warm-up (§3.2): use
 ``memory="momentum"`` and ``tfsparse.schedules.WarmUp``.
 """
@@ -141,6 +150,18 @@ class CoarseSparseAllreduce(Aggregator):
         held = acc.copy()
         held[elems] = summed / np.float32(comm.size)
         return top_chunks(comm.allreduce(ops.chunk_l1_norms(held, self.chunk_size), op="sum"), m)
+
+    def schedule(self, b, n, k, step):
+        chunks = math.ceil(n / self.chunk_size)
+        m = self.chunks_for(n, k)
+        if self.selection == "current" or step == 1:
+            b.allreduce("chunk norms", chunks, 4)
+        b.allreduce("chunks", n if m == chunks else m * self.chunk_size, b.value_bytes)
+        if self.selection == "previous":
+            b.allreduce("chunk norms (next step)", chunks, 4)
+
+    def period(self):
+        return ((2, 1.0),) if self.selection == "previous" else ((1, 1.0),)
 
     def reset(self):
         self._next = np.empty(0, np.int64)

@@ -1,6 +1,10 @@
 """Dense allreduce (DenseAllReduce, gtopk-ssgd-shi2019 §II-D): the lossless baseline, and the
 dense exchange over a 16/8-bit wire (GradientFlow's fp16 communication, gradientflow-sun2019
-§2.3; Pipe-SGD's truncation and quantization, pipe-sgd-li2018 §3.2)."""
+§2.3; Pipe-SGD's truncation and quantization, pipe-sgd-li2018 §3.2).
+
+Schedule (:meth:`DenseAllreduce.schedule`): one allreduce of the ``n`` values (Eq. 5), priced
+as the faster of the ring and recursive halving-doubling; a lossy wire's reduce-scatter (direct
+or ring) sends the ring's bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -158,6 +162,9 @@ class DenseAllreduce(Aggregator):
             partial += acc[into]
             req.wait()
         return partial
+
+    def schedule(self, b, n, k, step):
+        b.allreduce("allreduce", n, b.value_bytes)
 
     def __repr__(self):
         return f"{type(self).__name__}(reduce_scatter={self.reduce_scatter!r})"

@@ -30,6 +30,11 @@ threshold passes ``k`` elements into ``4k`` slots (``m(1-(1-1/m)^k)`` occupied) 
 threshold set too high leave out stays in the residual (error feedback; App. A.2 bounds the
 resulting error); the achieved density is reported like the other algorithms' (``sent_elements``).
 
+Schedule: topk's (:meth:`~tfsparse.aggregators.topk.AllgatherAggregator.schedule`) with the
+expected number of occupied slots, ``m(1-(1-1/m)^l)`` of ``m = 4k`` for the ``l ≈ k`` elements
+the threshold passes (:meth:`tfsparse.compressors.HashedThreshold.expected_count`), and one
+sparse decode of the ``P`` payloads.
+
 Differences from the authors' code: their table starts at 0 rather than -1, so index 0 can
 never be sent (here it can); their seed counter is shared by all tensors (here each bucket
 counts its own steps); their tensors of at most 131072 elements run at density 0.01 whatever
@@ -66,6 +71,7 @@ class DragonnAllgather(AllgatherAggregator):
     """
 
     OPTIONS = ("capacity_factor", "sample_ratio", "min_samples", "seed", "small_density")
+    DECODE = "sparse decode of the gathered pairs"
 
     def __init__(self, capacity_factor: int = 4, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0,
                  small_density: float | None = None, **unknown):

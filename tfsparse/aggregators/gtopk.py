@@ -32,8 +32,13 @@ receiver merges the decoded values with its own at full precision.  Each rank ke
 own encodings lost, for the indices that reach the result: a leaf on its local top-k, an
 inner node on the partial sums it forwards, rank 0 on the broadcast result.
 
-``encode`` is the local top-k (Alg. 4 lines 5-7); ``exchange`` is Alg. 3 (the tree and the
-broadcast).
+``encode`` is the local top-k (Alg. 4 lines 5-7, the :class:`~tfsparse.compressors.TopK`
+compressor); ``exchange`` is Alg. 3 (the tree and the broadcast).
+
+Schedule (:meth:`GTopKAllreduce.schedule`): the rounds of :func:`tree_schedule`, one ``k``-entry
+message per sender (a ⊤ merge always keeps exactly ``k`` entries) and a ``2k``-element merge per
+receiver; then rank 0's binomial broadcasts of the result's length (8 bytes) and of the
+``k``-entry result -- ``3⌈log2 P⌉`` rounds, Eq. 7's ``4k log2 P`` volume at rank 0.
 """
 from __future__ import annotations
 
@@ -41,7 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compressors import topk_indices, topk_with_values
+from ..collectives.simulate import Round
+from ..compressors import TopK, topk_indices
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
@@ -100,17 +106,32 @@ class GTopKAllreduce(Aggregator):
     ``received_bytes`` (bytes this rank received in the reduction) and ``local_count``.
     """
 
-    accepts_device = True  # the local top-k runs where acc lives; only the k entries come back
-
     def __init__(self, **unknown):
         reject_unknown_options("gtopk", unknown, ())
+        self.compressor = TopK()  # Alg. 4 lines 5-7: the exact local top-k
         self.last_info: dict = {}
+
+    @property
+    def accepts_device(self) -> bool:
+        """The local top-k runs where ``acc`` lives; only the k entries come back."""
+        return self.compressor.on_device
 
     def encode(self, comm, acc, k, wire):
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
-        local_idx, local_val = topk_with_values(acc, k)
+        local_idx, local_val = self.compressor.compress(acc, k)
         return _GTopKPayload(k, local_idx, local_val, index_dtype(acc.size), wire)
+
+    def schedule(self, b, n, k, step):
+        msg = k * b.entry(n)
+        tree = tree_schedule(b.P)  # the fold round (non-power-of-two P), then recursive doubling
+        sent = np.zeros(b.P)
+        for pairs in tree:  # the higher rank of a pair sends
+            sent[[sender for _, sender in pairs]] += msg
+        b.point_to_point("reduction tree", "tree",
+                         [Round("reduction tree", "tree", 1, msg, 2 * k, busy=len(pairs)) for pairs in tree], sent)
+        b.bcast("broadcast length", 8)       # Alg. 3 line 19: the result's length first (int64) ...
+        b.bcast("broadcast result", msg)     # ... then the k-entry result
 
     def exchange(self, comm, payload):
         k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire

@@ -71,19 +71,33 @@ An owner adds the decoded parts to its own region's entries (full precision); wh
 a value that reaches the result keeps what the encoding lost (a sender for its local entries,
 a region's holder for the reduced sums it all-gathers).
 
-Phases: ``encode`` is lines 2-4 (local threshold and selection) and advances the iteration
-counter; ``exchange`` is lines 5-14.  State (``get_state``/``set_state``): the counter, the
-cached thresholds, the boundaries, and the ``(n, P)`` and ``k`` they belong to, so a run
-resumed between two re-evaluations reuses exactly the thresholds it would have reused.
+Phases: ``encode`` is lines 2-4 (local threshold and selection, by the
+:class:`~tfsparse.compressors.ReusedThreshold` compressor, which holds the local threshold) and
+advances the iteration counter; ``exchange`` is lines 5-14. State (``get_state``/``set_state``):
+the counter, the cached thresholds, the boundaries, and the ``(n, P)`` and ``k`` they belong to,
+so a run resumed between two re-evaluations reuses exactly the thresholds it would have reused.
+
+Schedule (:meth:`OkTopkAllreduce.schedule`), with the *expected* counts under uniformly spread,
+independent selections (density ``ρ = k/n`` on every rank) and balanced regions: every rank
+selects ``k``; the boundary allreduce (``P-1`` float64) on repartition steps; the alltoall of
+message lengths; ``P-1`` destination-rotation rounds of ``k/P`` entries (Eq. 1; buckets only
+overlap them); on re-evaluation steps the allgather of every region's reduced values,
+``(n/P)(1-(1-ρ)^P)`` each (the union of the ranks' selections in a region), and the k-th largest
+of them; the allgather of the global top-k counts; the allgatherv of ``k/P`` entries per rank.
+Data balancing runs only when the largest buffer exceeds ``balance_factor`` times the mean, which
+equal expected buffers never do, so it is not in the expected schedule.  Its period
+(:meth:`OkTopkAllreduce.period`) is ``lcm(tau, tau_prime)`` steps.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _checks, ops
-from ..compressors import threshold_select
+from .. import _checks
+from ..collectives.simulate import Round
+from ..compressors import ReusedThreshold, adjusted_threshold, check_factor, kth_largest_magnitude
 from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
@@ -97,34 +111,16 @@ _OPTIONS = ("tau", "tau_prime", "bucket_size", "balance_factor", "local_raise", 
 
 @dataclass
 class _OkTopkPayload:
-    acc: np.ndarray
+    n: int
     k: int
     t: int
     fresh: bool
     repartition: bool
     local_idx: np.ndarray
+    local_val: np.ndarray
     itype: type
     wire: Wire
-    local_threshold: float   # the one used (the cache already holds the next step's)
-
-
-def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
-    """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
-    are at most k values (then every non-zero value passes, also on the steps that reuse it)."""
-    m = values.size
-    if k <= 0:
-        return float("inf")
-    if m <= k:
-        return 0.0
-    return float(ops.kth_largest_abs(values, k))  # one radix select, no sort (NaN > Inf > finite)
-
-
-def select_local(acc: np.ndarray, threshold: float) -> np.ndarray:
-    """Indices (ascending) of ``|acc| >= threshold`` (NaN entries always pass); a non-positive
-    threshold selects the non-zero entries.  One pass, no temporaries, for a positive one."""
-    if threshold > 0.0:
-        return ops.select_threshold(acc, threshold)[0]
-    return threshold_select(acc, threshold, strict=False)
+    local_threshold: float   # the one used (the compressor already holds the next step's)
 
 
 def local_boundaries(sel: np.ndarray, n: int, size: int) -> np.ndarray:
@@ -188,16 +184,16 @@ class OkTopkAllreduce(Aggregator):
         self.bucket_size = _positive_int("bucket_size", bucket_size)
         self.balance_factor = _checks.real("balance_factor", balance_factor, 1.0, hint=(
             " (data balancing runs when the largest buffer exceeds balance_factor times the mean; default 4)"))
-        self.local_raise = _factor("local_raise", local_raise, 1.03)
-        self.local_adjust = _factor("local_adjust", local_adjust, 1.012)
-        self.global_adjust = _factor("global_adjust", global_adjust, 1.008)
+        #: the local selection, lines 2-4: the reused local threshold is its state
+        self.compressor = ReusedThreshold(local_raise=local_raise, local_adjust=local_adjust)
+        self.global_adjust = check_factor("global_adjust", global_adjust, 1.008)
         self.reset()
 
     def reset(self) -> None:
         self._t = 0
         self._layout = None  # (n, size) the cached state belongs to
         self._k = None
-        self.local_threshold = None
+        self.compressor.threshold = None
         self.global_threshold = None
         self.boundaries = None
         self.last_info: dict = {}
@@ -206,11 +202,11 @@ class OkTopkAllreduce(Aggregator):
     def get_state(self):
         """``t`` (the iteration counter), the layout and ``k`` the cache belongs to, the two
         thresholds (NaN: none yet) and the region boundaries (empty: none yet)."""
-        none = float("nan")
+        none, local = float("nan"), self.compressor.threshold
         return {"t": np.array([self._t], np.int64),
                 "layout": np.array(self._layout if self._layout is not None else (-1, -1), np.int64),
                 "k": np.array([-1 if self._k is None else self._k], np.int64),
-                "thresholds": np.array([none if self.local_threshold is None else self.local_threshold,
+                "thresholds": np.array([none if local is None else local,
                                         none if self.global_threshold is None else self.global_threshold],
                                        np.float64),
                 "boundaries": (np.empty(0, np.int64) if self.boundaries is None
@@ -227,42 +223,77 @@ class OkTopkAllreduce(Aggregator):
         k = int(np.asarray(state["k"]).reshape(-1)[0])
         self._k = None if k < 0 else k
         local, glob = (float(v) for v in np.asarray(state["thresholds"], np.float64).reshape(-1))
-        self.local_threshold = None if np.isnan(local) else local
+        self.compressor.threshold = None if np.isnan(local) else local
         self.global_threshold = None if np.isnan(glob) else glob
         bounds = np.asarray(state["boundaries"], np.int64).reshape(-1)
         self.boundaries = bounds.copy() if bounds.size else None
 
+    def due(self, t: int) -> tuple[bool, bool]:
+        """Whether step ``t`` (from 1) re-evaluates the thresholds (every ``tau_prime`` steps,
+        §3.1.3) and repartitions the space (every ``tau``, §3.1.1) by the period alone."""
+        return (t - 1) % self.tau_prime == 0, (t - 1) % self.tau == 0
+
+    # -- timing (module docstring) ------------------------------------------------------------
+    def schedule(self, b, n, k, step):
+        P = b.P
+        fresh, repartition = self.due(step)
+        entry = b.entry(n)
+        share = k / P                                    # expected entries per (rank, region)
+        if repartition:                                  # Alg. 1 lines 5-7
+            b.allreduce("space repartition (boundaries)", P - 1, 8)
+        b.alltoall("split and reduce: message lengths", 8)
+        rotation = [Round("split and reduce", "rotation", 1, int(round(share * entry)), int(round(share)), busy=P)
+                    for _ in range(P - 1)]              # Alg. 1 line 8, Eq. 1
+        b.point_to_point("split and reduce", "rotation", rotation, np.full(P, (P - 1) * share * entry))
+        b.local("split and reduce: own region", share)
+        if fresh:                                        # Alg. 1 lines 9-12
+            union = (n / P) * (1.0 - (1.0 - k / n) ** P)
+            b.allgather("global threshold (reduced values)", union * b.value_bytes)
+            b.local("global threshold: k-th largest", P * union)
+        if P > 1:                                        # Alg. 1 line 13
+            b.allgather("balance: buffer sizes", 8)
+            b.allgather("allgatherv (global top-k)", share * entry)
+            b.local("allgatherv: concatenate", k)
+
+    def period(self):
+        """One period of ``lcm(tau, tau_prime)`` steps: step 1 repartitions and re-evaluates,
+        ``1 + tau_prime·j`` re-evaluate, the rest reuse."""
+        length = math.lcm(self.tau, self.tau_prime)
+        kinds: dict = {}
+        for t in range(1, length + 1):
+            first, count = kinds.get(self.due(t), (t, 0))
+            kinds[self.due(t)] = (first, count + 1)
+        return tuple((first, count / length) for first, count in sorted(kinds.values()))
+
     # -- Alg. 1 ---------------------------------------------------------------------------
     def encode(self, comm, acc, k, wire):
-        """Lines 2-4 (local threshold, local top-k by threshold) and the step's schedule."""
+        """Lines 2-4 (local threshold, local top-k by threshold: :attr:`compressor`) and the
+        step's schedule."""
         acc, k = check_acc(acc, k)
         n, size = acc.size, comm.size
+        selection = self.compressor
         if self._layout != (n, size):
             self.boundaries = None
-            self.local_threshold = self.global_threshold = None
+            selection.threshold = self.global_threshold = None
             self._layout = (n, size)
         if self._k != k:
-            self.local_threshold = self.global_threshold = None
+            selection.threshold = self.global_threshold = None
             self._k = k
         self._t += 1
         t = self._t
-        fresh = (t - 1) % self.tau_prime == 0 or self.local_threshold is None or self.global_threshold is None
-        repartition = (t - 1) % self.tau == 0 or self.boundaries is None
+        fresh, repartition = self.due(t)
+        fresh = fresh or selection.threshold is None or self.global_threshold is None
+        repartition = repartition or self.boundaries is None
         if fresh:
-            self.local_threshold = kth_largest_magnitude(acc, k)
-        local_idx = select_local(acc, self.local_threshold) if k > 0 else np.empty(0, np.int64)
-        if not fresh and local_idx.size > 4 * k / 3 and self.local_raise > 1.0 and self.local_threshold > 0.0:
-            self.local_threshold, local_idx = _raise_threshold(acc, local_idx, self.local_threshold,
-                                                               self.local_raise, 4 * k / 3)
-        payload = _OkTopkPayload(acc, k, t, fresh, repartition, local_idx, index_dtype(n), wire,
-                                 self.local_threshold)
-        self.local_threshold = _adjusted(self.local_threshold, local_idx.size, k, 5 / 4, self.local_adjust)
-        return payload
+            selection.threshold = None  # line 3: re-evaluated by the selection
+        local_idx, local_val = selection.compress(acc, k)
+        return _OkTopkPayload(n, k, t, fresh, repartition, local_idx, local_val, index_dtype(n), wire,
+                              selection.last_threshold)
 
     def exchange(self, comm, payload):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
-        acc, k, local_idx, itype, wire = payload.acc, payload.k, payload.local_idx, payload.itype, payload.wire
-        n, size = acc.size, comm.size
+        k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
+        n, size = payload.n, comm.size
         loss = WireLoss()
 
         # lines 5-7: space repartition (consensus = average of the local boundary vectors)
@@ -274,7 +305,7 @@ class OkTopkAllreduce(Aggregator):
         bounds = self.boundaries
 
         # line 8: split and reduce
-        red_idx, red_val = self._split_and_reduce(comm, acc, local_idx, bounds, itype, wire, loss)
+        red_idx, red_val = self._split_and_reduce(comm, local_idx, payload.local_val, bounds, itype, wire, loss)
 
         # lines 9-12: global threshold (all-gather of the reduced values on re-evaluation steps)
         if payload.fresh:
@@ -299,12 +330,12 @@ class OkTopkAllreduce(Aggregator):
                           "local_threshold": float(payload.local_threshold),
                           "global_threshold": float(self.global_threshold), "boundaries": bounds.copy()}
         # the authors' adjustment toward k (u_idx.size is the same on every rank)
-        self.global_threshold = _adjusted(self.global_threshold, u_idx.size, k, 4 / 3, self.global_adjust)
+        self.global_threshold = adjusted_threshold(self.global_threshold, u_idx.size, k, 4 / 3, self.global_adjust)
         return AllreduceResult(indices=u_idx, values=u_val, contributed=contributed,
                                sent_elements=int(local_idx.size), loss=loss.restrict(u_idx))
 
     # -- §3.1.1 ---------------------------------------------------------------------------
-    def _split_and_reduce(self, comm, acc, local_idx, bounds, itype, wire, loss):
+    def _split_and_reduce(self, comm, local_idx, local_val, bounds, itype, wire, loss):
         """Returns this rank's region's reduced local top-k entries (ascending indices).  The
         own region's entries go in at full precision, the others' decoded from the wire."""
         rank, size = comm.rank, comm.size
@@ -314,7 +345,7 @@ class OkTopkAllreduce(Aggregator):
             c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
             if dst != rank and c1 > c0:
                 part = local_idx[c0:c1]
-                messages[dst], lost = pack_sparse(part, acc[part], itype, wire)
+                messages[dst], lost = pack_sparse(part, local_val[c0:c1], itype, wire)
                 loss.add(part, lost)
         send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
         if size > 1:  # message lengths first, so that every receive can be posted at once
@@ -334,7 +365,7 @@ class OkTopkAllreduce(Aggregator):
         buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
         sends = []
         pending = None  # (list of (source, request)) of the bucket in flight
-        own = local_idx[cuts[rank]:cuts[rank + 1]]
+        own = slice(int(cuts[rank]), int(cuts[rank + 1]))
         own_reduced = False
         for bucket in buckets:
             posted = []
@@ -346,14 +377,14 @@ class OkTopkAllreduce(Aggregator):
                     sends.append(comm.isend(messages[dst], dst, tag=TAG_REDUCE))
             # overlap: reduce what is already here while this bucket is in flight
             if not own_reduced:
-                reduce_part(own, acc[own])
+                reduce_part(local_idx[own], local_val[own])
                 own_reduced = True
             if pending is not None:
                 for _src, req in pending:
                     reduce_part(*unpack_sparse(req.wait(), itype, wire))
             pending = posted
         if not own_reduced:
-            reduce_part(own, acc[own])
+            reduce_part(local_idx[own], local_val[own])
         if pending is not None:
             for _src, req in pending:
                 reduce_part(*unpack_sparse(req.wait(), itype, wire))
@@ -411,39 +442,8 @@ class OkTopkAllreduce(Aggregator):
     def __repr__(self):
         return (f"{type(self).__name__}(tau={self.tau}, tau_prime={self.tau_prime}, "
                 f"bucket_size={self.bucket_size}, balance_factor={self.balance_factor}, "
-                f"local_raise={self.local_raise}, local_adjust={self.local_adjust}, "
+                f"local_raise={self.compressor.local_raise}, local_adjust={self.compressor.local_adjust}, "
                 f"global_adjust={self.global_adjust})")
-
-
-def _raise_threshold(acc, idx, threshold, factor, limit):
-    """The authors' ``threshold *= factor while count(|acc| >= threshold) > limit``, evaluated
-    over ``idx`` (the entries passing the unraised threshold: a raised one passes a subset).
-    NaN entries always pass, so the loop also stops once the threshold exceeds every finite
-    magnitude.  Returns the raised threshold and the entries that pass it."""
-    mag = np.abs(acc[idx])
-    finite = mag[np.isfinite(mag)]
-    top = float(finite.max()) if finite.size else 0.0
-    passing = ~(mag < threshold)
-    while np.count_nonzero(passing) > limit and threshold <= top:
-        threshold *= factor
-        passing = ~(mag < threshold)
-    return threshold, idx[passing]
-
-
-def _adjusted(threshold, count, k, high, factor):
-    """The next step's threshold: ÷ ``factor`` below ``2k/3`` entries, × above ``high * k``."""
-    if factor == 1.0 or k <= 0 or threshold is None or not 0.0 < threshold < np.inf:
-        return threshold
-    if count < 2 * k / 3:
-        return threshold / factor
-    if count > high * k:
-        return threshold * factor
-    return threshold
-
-
-def _factor(name, value, default) -> float:
-    return _checks.real(name, value, 1.0, hint=(
-        f" (the authors' threshold adjustment factor; default {default}, 1.0 turns it off)"))
 
 
 def _positive_int(name, value) -> int:

@@ -8,6 +8,13 @@ Table 1): the payload is chosen by an *estimated* threshold instead of an exact 
 * ``gaussiank`` -- Gaussian-k (oktopk-li2022 §2, threshold adjustment of §5.4):
   :class:`~tfsparse.compressors.GaussianKThreshold`.
 
+Schedule: topk's (:meth:`~tfsparse.aggregators.topk.AllgatherAggregator.schedule`) with the
+compressor's *expected* selection size: DGC's sampled threshold (the ``ks``-th largest of ``s``
+samples leaves a fraction ``ks/(s+1)`` of the gradient above it; exact -- ``k-1`` strictly above
+-- when every element is sampled), moved into ``[k, 1.3k]`` by the adaptation and cut to ``k``
+(so ``k`` with the defaults); Gaussian-k's ``k`` (its threshold is the Gaussian quantile of
+density ``k/n``).
+
 ``contributed`` is the selected payload: every selected value goes into the global sum, so
 ``applied + residuals == raw gradients``.
 """

@@ -7,6 +7,10 @@ payloads (dragonn-wang2022 §4.3, :func:`~tfsparse.aggregators.base.sparse_decod
 dense; a device-resident exchange decodes them on the GPU).  With a compressor that selects on
 the device (exact top-k, DRAGONN's hashing) a device vector is encoded where it lives and only
 the payload comes to the host.  Volume per rank ``2k(P-1)`` elements (Eq. 6), values as ``wire_dtype``.
+
+Schedule (:meth:`AllgatherAggregator.schedule`): one allgather of every rank's payload -- the
+compressor's expected count (:meth:`~tfsparse.compressors.Compressor.expected_count`: ``k`` for
+the exact top-k; gtopk §II-E, oktopk Table 1 "TopkA") -- then the sum of the ``P`` payloads.
 """
 from __future__ import annotations
 
@@ -63,6 +67,18 @@ class AllgatherAggregator(Aggregator):
         pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in messages]
         return AllreduceResult(indices=None, pieces=pieces, n=payload.n, contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)
+
+    #: the local phase after the allgather (its γ term)
+    DECODE = "sum of the gathered pairs"
+
+    def schedule(self, b, n, k, step):
+        self.gather_schedule(b, n, self.compressor.expected_count(n, k))
+
+    def gather_schedule(self, b, n, count) -> None:
+        """The exchange of ``count`` entries per rank: their allgather and the sum of the ``P``
+        payloads (what the cost model prices for the ``k`` entries of dragonn-wang2022 Eq. 1)."""
+        b.allgather("allgather (index, value)", count * b.entry(n))
+        b.local(self.DECODE, b.P * count)
 
     def get_state(self):
         return self.compressor.get_state()

@@ -4,7 +4,7 @@
 >>> comm = C.MPICommunicator()               # counts bytes
 >>> comm.allreduce(x); comm.allgather(x); comm.bytes_sent
 >>> ab = C.measure_alpha_beta(comm)          # the link's α-β model, by ping-pong
->>> from tfsparse.collectives.simulate import simulate    # each aggregator's schedule, α-β-γ priced
+>>> from tfsparse.timing import simulate       # each aggregator's declared schedule, α-β-γ priced
 >>> simulate("oktopk", 256, 25_200_000, 0.001, ab).seconds   # an exchange step at P = 256
 
 The sparse allreduce algorithms built on top live in :mod:`tfsparse.aggregators`.

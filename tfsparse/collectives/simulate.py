@@ -1,10 +1,12 @@
-"""Message-schedule simulator: each aggregator's rounds under the α-β-γ model, to 1024 workers.
+"""Message-schedule simulator: the machinery that prices each aggregator's rounds under the α-β-γ
+model, to 1024 workers.
 
-Pure numpy, no MPI.  For an algorithm of the aggregator registry, ``P`` workers, ``n`` gradient
-elements and a density (``k = ceil(density * n)``, as the exchange computes it), :func:`schedule`
-builds the messages one exchange step sends -- the collectives each aggregator calls, with the
-sizes it calls them with (float32 values, int32 indices below 2**31 elements: the float32 wire's
-``[indices | values]`` messages) -- and :func:`simulate` prices them:
+Pure numpy, no MPI.  For ``P`` workers, a bucket of ``n`` gradient elements and ``k`` of them to
+send (``k = ceil(density * n)``, :func:`tfsparse.schedules.k_from_density`, as the exchange
+computes it), an aggregator declares the messages one exchange step sends to a :class:`Builder`
+-- the collectives it calls, with the sizes it calls them with (float32 values by default,
+int32 indices below 2**31 elements: the float32 wire's ``[indices | values]`` messages) -- into
+a :class:`Schedule`, and :func:`price` prices it:
 
     seconds = Σ_rounds (alpha · messages + (bytes - free) / beta) + gamma · elements
 
@@ -48,42 +50,18 @@ a logarithmic-depth one with the same or more bytes in fewer rounds --
 ``bcast``       binomial tree, ``⌈log2 P⌉`` rounds    (the same; gtopk-ssgd-shi2019 §III-D)
 ==============  ===================================  ===========================================
 
-The bytes counted (``bytes``) are always the first column's, as the Communicator counts them.
+The bytes counted (``bytes``) are always the first column's, as the Communicator counts them;
+``prefer="ring"`` (:meth:`Schedule.seconds`) prices the first column where a phase has it (the
+ring that DRAGONN's cost model, dragonn-wang2022 §4.2, assumes).
 
-Per algorithm (the schedules mirror the aggregators in :mod:`tfsparse.aggregators`; the
-collectives layer may not import them, the fidelity test ties the two together):
-
-* ``dense`` -- one float32 allreduce of the ``n`` values (DenseAllReduce, gtopk §II-D, Eq. 5).
-* ``topk`` -- one allgather of every rank's ``k`` (index, value) pairs, then the sum of the
-  ``P·k`` pairs (TopKAllReduce, gtopk §II-E, Eq. 6; oktopk Table 1 "TopkA").  ``dgc`` and
-  ``gaussiank`` are the same schedule with their *expected* selection size: DGC's sampled
-  threshold (the ``ks``-th largest of ``s`` samples leaves a fraction ``ks/(s+1)`` of the
-  gradient above it; exact -- ``k-1`` strictly above -- when every element is sampled),
-  moved into ``[k, 1.3k]`` by the published adaptation and cut to ``k`` (so ``k`` with the
-  defaults), Gaussian-k's ``k`` (its threshold is the Gaussian quantile of density ``k/n``; oktopk §2).
-* ``dragonn`` -- the same allgather with the expected number of occupied hash slots: the
-  threshold passes about ``k`` elements, ``m(1-(1-1/m)^l)`` of the ``m = 4k`` slots keep one
-  (dragonn-wang2022 §3.2, App. A.2), and one sparse decode of the ``P`` payloads (§4.3).
-* ``gtopk`` -- the reduction tree of Alg. 3 (gtopk §III): a fold round for the ranks above the
-  largest power of two, then ``log2`` recursive-doubling rounds, one ``k``-entry message per
-  sender (a ⊤ merge always keeps exactly ``k`` entries) and a ``2k``-element merge per
-  receiver; then rank 0's binomial broadcast of the result's length (8 bytes) and of the
-  ``k``-entry result -- ``3⌈log2 P⌉`` rounds, Eq. 7's ``4k log2 P`` volume at rank 0.
-* ``oktopk`` -- Alg. 1 (oktopk §3) with the *expected* counts under uniformly spread,
-  independent selections (density ``ρ = k/n`` on every rank) and balanced regions (§3.1.1):
-  every rank selects ``k``; the boundary allreduce (``P-1`` float64) on repartition steps
-  (every ``tau``); the alltoall of message lengths; ``P-1`` destination-rotation rounds of
-  ``k/P`` entries (Eq. 1; buckets only overlap them); on re-evaluation steps (every
-  ``tau_prime``) the allgather of every region's reduced values, ``(n/P)(1-(1-ρ)^P)`` each (the
-  union of the ranks' selections in a region), and the k-th largest of them; the allgather of
-  the global top-k counts; the allgatherv of ``k/P`` entries per rank.  Data balancing
-  (§3.1.2) runs only when the largest buffer exceeds ``balance_factor`` times the mean, which
-  equal expected buffers never do, so it is not in the expected schedule.
-  Without ``step`` the result is the mean over one period of ``lcm(tau, tau_prime)`` steps.
-* ``csc`` -- the chunk-norm allreduce (``⌈n/chunk_size⌉`` float32) and the dense allreduce of
-  the ``m = ⌈k/chunk_size⌉`` chosen chunks (gradientflow-sun2019 §3.2), assumed full chunks
-  (exact unless the short last chunk is among them); ``chunk_selection="previous"`` moves the norm
-  allreduce after the chunks (plus one before them on the first step).
+Per algorithm: each aggregator declares the schedule of its own exchange step next to its
+code -- ``Aggregator.schedule(builder, n, k, step)`` calls the :class:`Builder` with the
+collectives it runs, in order, and ``Aggregator.period()`` names its distinct steps (Ok-Topk's
+re-evaluation and repartition steps, CSC's first step) -- see each module of
+:mod:`tfsparse.aggregators`.  This layer knows only collectives; :mod:`tfsparse.timing` looks an
+aggregator up by name, has it declare its schedule here and prices it (:func:`price`), and the
+cost model (:mod:`tfsparse.selection`) prices the same schedules.  The fidelity test
+(``tests/test_simulate.py``) runs the real aggregators and checks the bytes.
 
 Left out: overlap with back-propagation and between buckets (one fused bucket is priced), the
 local selection before the exchange, contention inside the switch (every rank has its own
@@ -92,30 +70,23 @@ the data-dependent algorithms, how real gradients differ from uniformly spread s
 (ranks' top-k overlap shrinks Ok-Topk's reduced regions; hot regions trigger its balancing).
 
 >>> from tfsparse.collectives import AlphaBeta
->>> from tfsparse.collectives.simulate import simulate
+>>> from tfsparse.timing import simulate
 >>> r = simulate("gtopk", 32, 25_200_000, 0.001, AlphaBeta.from_strings("1gbit", "50us"))
 >>> r.seconds, r.bytes          # 0.0169 s, 1,008,040 bytes (rank 0's broadcasts)
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .. import _checks
-from ..schedules import small_tensor_k
+from ..wire import index_dtype
 from .alphabeta import AlphaBeta
 from .communicator import binomial_children, split_counts
 
-ALGORITHMS = ("dense", "topk", "dgc", "gaussiank", "dragonn", "gtopk", "oktopk", "csc")
 VALUE_BYTES = 4          # float32 wire
-
-
-def index_bytes(n: int) -> int:
-    """Bytes of one index on the wire: int32 below 2**31 elements, else int64 (as the aggregators)."""
-    return 4 if n < 2**31 else 8
 
 
 # -- the model's parts -------------------------------------------------------------------------
@@ -184,11 +155,14 @@ class Phase:
     name: str
     variants: tuple
 
-    def best(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, tokens: float | None = None) -> tuple:
-        """``(rounds, tokens)``: the fastest variant's rounds under the model, starting with
-        ``tokens`` in the link's token bucket (None: full), and the tokens left
-        (:func:`through_bucket`)."""
-        priced = [through_bucket(rounds, ab, gamma, cores, tokens) for _, rounds in self.variants]
+    def best(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, tokens: float | None = None,
+             prefer: str | None = None) -> tuple:
+        """``(rounds, tokens)``: the fastest variant's rounds under the model -- the variant named
+        ``prefer`` where the phase has one -- starting with ``tokens`` in the link's token bucket
+        (None: full), and the tokens left (:func:`through_bucket`)."""
+        variants = [rounds for method, rounds in self.variants if method == prefer] or \
+            [rounds for _, rounds in self.variants]
+        priced = [through_bucket(rounds, ab, gamma, cores, tokens) for rounds in variants]
         return min(priced, key=lambda p: sum(r.seconds(ab, gamma, cores) for r in p[0]))
 
 
@@ -217,18 +191,31 @@ class Schedule:
         """The most bytes one rank sends in the step (rounded to whole bytes)."""
         return int(round(float(self.sent.max()))) if self.sent.size else 0
 
-    def rounds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> tuple:
-        """The rounds of the fastest variant of every phase under the model, in order; the step
-        starts with a full token bucket (the link idle during the backward pass and the local
-        selection before the exchange)."""
-        out, tokens = [], None
-        for phase in self.phases:
-            rounds, tokens = phase.best(ab, gamma, cores, tokens)
-            out += rounds
-        return tuple(out)
+    def rounds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> tuple:
+        """The rounds of the fastest variant of every phase under the model (``prefer``: the
+        variant of that name where a phase has one, e.g. ``"ring"``), in order; the step starts
+        with a full token bucket (the link idle during the backward pass and the local selection
+        before the exchange)."""
+        return priced_rounds(self.phases, ab, gamma, cores, prefer)
 
-    def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
-        return float(sum(r.seconds(ab, gamma, cores) for r in self.rounds(ab, gamma, cores)))
+    def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> float:
+        return seconds_of(self.phases, ab, gamma, cores, prefer)
+
+
+def priced_rounds(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None,
+                  prefer: str | None = None) -> tuple:
+    """The rounds of ``phases`` as :meth:`Schedule.rounds` prices them."""
+    out, tokens = [], None
+    for phase in phases:
+        rounds, tokens = phase.best(ab, gamma, cores, tokens, prefer)
+        out += rounds
+    return tuple(out)
+
+
+def seconds_of(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None,
+               prefer: str | None = None) -> float:
+    """The seconds of :func:`priced_rounds`."""
+    return float(sum(r.seconds(ab, gamma, cores) for r in priced_rounds(phases, ab, gamma, cores, prefer)))
 
 
 @dataclass(frozen=True)
@@ -285,13 +272,34 @@ def _log2_ceil(p: int) -> int:
     return (int(p) - 1).bit_length()
 
 
-class _Builder:
-    """Accumulates one step's phases and the per-rank bytes the Communicator would count."""
+class Builder:
+    """Accumulates one step's phases and the per-rank bytes the Communicator would count: what
+    an aggregator's ``schedule(builder, n, k, step)`` calls, one method per collective.
 
-    def __init__(self, workers: int):
+    Attributes:
+      P: the workers.
+      value_bytes: bytes of one value on the wire (4: float32; the cost model prices 16-bit
+        wires' 2).
+    """
+
+    def __init__(self, workers: int, value_bytes: int = VALUE_BYTES):
         self.P = int(workers)
+        self.value_bytes = int(value_bytes)
         self.sent = np.zeros(self.P, dtype=np.float64)
         self.phases: list = []
+
+    def entry(self, n: int) -> int:
+        """Bytes of one ``(index, value)`` entry of an ``n``-element vector on the wire: an int32
+        index below 2**31 elements, else int64 (:func:`tfsparse.wire.index_dtype`), and a value."""
+        return np.dtype(index_dtype(n)).itemsize + self.value_bytes
+
+    def finish(self, algorithm: str, n: int, density: float, k: int, step: int) -> "Schedule":
+        """The :class:`Schedule` of what was declared."""
+        return Schedule(algorithm, self.P, n, density, k, step, tuple(self.phases), self.sent)
+
+    def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> float:
+        """The price of what was declared so far (:meth:`Schedule.seconds`)."""
+        return seconds_of(self.phases, ab, gamma, cores, prefer)
 
     def _phase(self, name, *variants):
         self.phases.append(Phase(name, tuple((method, tuple(rounds)) for method, rounds in variants)))
@@ -368,290 +376,26 @@ class _Builder:
         self._phase(name, (method, rounds))
 
 
-# -- the algorithms -----------------------------------------------------------------------------
+# -- pricing -----------------------------------------------------------------------------------
 
-def _dense(b: _Builder, n, k, step, opts) -> None:
-    b.allreduce("allreduce", n, VALUE_BYTES)
-
-
-def _allgather_sparse(b: _Builder, n, count) -> None:
-    b.allgather("allgather (index, value)", count * (index_bytes(n) + VALUE_BYTES))
-    b.local("sum of the gathered pairs", b.P * count)
-
-
-def _topk(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, k)
-
-
-def dgc_expected_count(n: int, k: int, sample_ratio: float = 0.01, min_samples: int = 1024) -> float:
-    """Expected entries DGC's sampled threshold selects (tfsparse.compressors.DGCSampledThreshold):
-    ``s`` samples, threshold = their ``ks``-th largest, entries strictly above it are sent.
-    With every element sampled that is exactly ``ks - 1`` (no ties); otherwise the fraction of
-    the gradient above the ``ks``-th largest of ``s`` uniform samples is ``Beta(ks, s-ks+1)``,
-    of mean ``ks / (s + 1)``."""
-    if k >= n:
-        return float(n)
-    s = int(max(math.ceil(sample_ratio * n), min(n, min_samples)))
-    ks = int(min(s, max(1, math.ceil(k * s / n))))
-    return float(ks - 1) if s >= n else n * ks / (s + 1)
-
-
-def dgc_adapted_count(n: int, k: int, opts: dict) -> float:
-    """Expected entries of DGC as published (tfsparse.compressors.DGCSampledThreshold): the exact
-    top-k (``k``) for tensors of at most ``exact_below`` elements; otherwise the sampled
-    estimate's count, moved into ``[lower k, upper k]`` by the adaptation (assumed to succeed
-    when ``adapt_iters > 0``) and cut to ``k`` by the truncation."""
-    if n <= opts["exact_below"] or k >= n:
-        return float(min(k, n))
-    count = dgc_expected_count(n, k, opts["sample_ratio"], opts["min_samples"])
-    if opts["adapt_iters"] > 0:
-        count = min(max(count, opts["lower"] * k), opts["upper"] * k)
-    if opts["truncate"] is not None:
-        count = min(count, k)
-    return float(count)
-
-
-def _dgc(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, dgc_adapted_count(n, small_tensor_k(n, k, opts["small_density"]), opts))
-
-
-def dragonn_expected_count(n: int, k: int, capacity_factor: int = 4, sample_ratio: float = 0.01,
-                           min_samples: int = 1024) -> float:
-    """Expected entries DRAGONN sends (tfsparse.aggregators.dragonn): its sampled threshold
-    passes ``l`` elements (``>=``: ``k`` when every element is sampled, else DGC's ``n·ks/(s+1)``
-    plus the one at the threshold), hashed into ``m = capacity_factor·k`` slots, of which
-    ``m(1 - (1 - 1/m)^l)`` are occupied (balls into bins; dragonn-wang2022 App. A.2)."""
-    if k >= n:
-        return float(n)
-    s = int(max(math.ceil(sample_ratio * n), min(n, min_samples)))
-    ks = int(min(s, max(1, math.ceil(k * s / n))))
-    passed = float(k) if s >= n else n * ks / (s + 1)
-    m = capacity_factor * k
-    return float(m * -math.expm1(passed * math.log1p(-1.0 / m))) if m > 1 else min(1.0, passed)
-
-
-def _dragonn(b, n, k, step, opts) -> None:
-    count = dragonn_expected_count(n, small_tensor_k(n, k, opts["small_density"]), opts["capacity_factor"],
-                                   opts["sample_ratio"], opts["min_samples"])
-    b.allgather("allgather (index, value)", count * (index_bytes(n) + VALUE_BYTES))
-    b.local("sparse decode of the gathered pairs", b.P * count)
-
-
-def _gaussiank(b, n, k, step, opts) -> None:
-    _allgather_sparse(b, n, k)
-
-
-def _gtopk(b: _Builder, n, k, step, opts) -> None:
-    P = b.P
-    msg = k * (index_bytes(n) + VALUE_BYTES)
-    p2 = 1 << (P.bit_length() - 1)
-    senders = [list(range(p2, P))] if P > p2 else []  # the fold round (non-power-of-two P)
-    dist = 1
-    while dist < p2:  # Alg. 3 lines 4-18: recursive doubling, the higher rank of a pair sends
-        senders.append(list(range(dist, p2, 2 * dist)))
-        dist *= 2
-    sent = np.zeros(P)
-    for group in senders:
-        sent[group] += msg
-    rounds = [Round("reduction tree", "tree", 1, msg, 2 * k, busy=len(group)) for group in senders]
-    b.point_to_point("reduction tree", "tree", rounds, sent)
-    b.bcast("broadcast length", 8)       # Alg. 3 line 19: the result's length first (int64) ...
-    b.bcast("broadcast result", msg)     # ... then the k-entry result
-
-
-def _oktopk(b: _Builder, n, k, step, opts) -> None:
-    P = b.P
-    tau, tau_prime = opts["tau"], opts["tau_prime"]
-    fresh = (step - 1) % tau_prime == 0
-    repartition = (step - 1) % tau == 0
-    entry = index_bytes(n) + VALUE_BYTES
-    share = k / P                                    # expected entries per (rank, region)
-    if repartition:                                  # Alg. 1 lines 5-7
-        b.allreduce("space repartition (boundaries)", P - 1, 8)
-    b.alltoall("split and reduce: message lengths", 8)
-    rotation = [Round("split and reduce", "rotation", 1, int(round(share * entry)), int(round(share)), busy=P)
-                for _ in range(P - 1)]              # Alg. 1 line 8, Eq. 1
-    b.point_to_point("split and reduce", "rotation", rotation, np.full(P, (P - 1) * share * entry))
-    b.local("split and reduce: own region", share)
-    if fresh:                                        # Alg. 1 lines 9-12
-        union = (n / P) * (1.0 - (1.0 - k / n) ** P)
-        b.allgather("global threshold (reduced values)", union * VALUE_BYTES)
-        b.local("global threshold: k-th largest", P * union)
-    if P > 1:                                        # Alg. 1 line 13
-        b.allgather("balance: buffer sizes", 8)
-        b.allgather("allgatherv (global top-k)", share * entry)
-        b.local("allgatherv: concatenate", k)
-
-
-def _csc(b: _Builder, n, k, step, opts) -> None:
-    cs = opts["chunk_size"]
-    chunks = math.ceil(n / cs)
-    m = min(chunks, math.ceil(k / cs))
-    elements = n if m == chunks else m * cs
-    if opts["chunk_selection"] == "current":
-        b.allreduce("chunk norms", chunks, 4)
-        b.allreduce("chunks", elements, VALUE_BYTES)
-    else:
-        if step == 1:
-            b.allreduce("chunk norms", chunks, 4)
-        b.allreduce("chunks", elements, VALUE_BYTES)
-        b.allreduce("chunk norms (next step)", chunks, 4)
-
-
-def _int_at_least(minimum):
-    return functools.partial(_checks.integer, minimum=minimum)
-
-
-_positive_int = _int_at_least(1)
-
-
-def _number(lo, hi=None, lo_open=False, hi_open=False):
-    """A validator ``check(name, value)`` of a finite number from ``lo`` to ``hi`` (None: unbounded)."""
-    return functools.partial(_checks.real, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
-
-
-def _selection(name, value):
-    if value not in ("current", "previous"):
-        raise ValueError(f"{name}={value!r} is not valid; accepted: 'current', 'previous'")
-    return value
-
-
-def _reduce_scatter(name, value):
-    if value not in ("direct", "ring"):
-        raise ValueError(f"{name}={value!r} is not valid; accepted: 'direct', 'ring'")
-    return value
-
-
-def _truncate(name, value):
-    if value not in ("largest", "first", None):
-        raise ValueError(f"{name}={value!r} is not valid; accepted: 'largest', 'first', None")
-    return value
-
-
-def _optional_fraction(name, value):
-    return None if value is None else _number(0.0, 1.0, lo_open=True)(name, value)
-
-
-def _any(name, value):
-    return value
-
-
-# name -> (schedule builder, {option: (default, validator)}).  The options are the aggregator's;
-# those that do not change the expected schedule are accepted (and validated) for parity.
-_ALGORITHMS = {
-    # the ring reduce-scatter of a lossy wire sends the same bytes (the model prices the allreduce)
-    "dense": (_dense, {"reduce_scatter": ("direct", _reduce_scatter)}),
-    "topk": (_topk, {}),
-    "dgc": (_dgc, {"sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
-                   "min_samples": (1024, _positive_int), "seed": (None, _any),
-                   "adapt_iters": (10, _int_at_least(0)), "lower": (1.0, _number(0.0, lo_open=True)),
-                   "upper": (1.3, _number(0.0, lo_open=True)),
-                   "adapt_factor": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
-                   "truncate": ("largest", _truncate), "exact_below": (16384, _int_at_least(0)),
-                   "small_density": (None, _optional_fraction)}),
-    "gaussiank": (_gaussiank, {"scale": (0.9, _number(0.0, 1.0, lo_open=True, hi_open=True)),
-                               "max_adjust": (50, _int_at_least(0))}),
-    "dragonn": (_dragonn, {"capacity_factor": (4, _positive_int),
-                           "sample_ratio": (0.01, _number(0.0, 1.0, lo_open=True)),
-                           "min_samples": (1024, _positive_int), "seed": (0, _int_at_least(0)),
-                           "small_density": (None, _optional_fraction)}),
-    "gtopk": (_gtopk, {}),
-    "oktopk": (_oktopk, {"tau": (64, _positive_int), "tau_prime": (32, _positive_int),
-                         "bucket_size": (4, _positive_int), "balance_factor": (4.0, _number(1.0)),
-                         # the authors' threshold adjustment between re-evaluations: it keeps the
-                         # counts near k, which is what the expected schedule assumes
-                         "local_raise": (1.03, _number(1.0)), "local_adjust": (1.012, _number(1.0)),
-                         "global_adjust": (1.008, _number(1.0))}),
-    "csc": (_csc, {"chunk_size": (32768, _positive_int), "chunk_selection": ("current", _selection)}),
-}
-assert set(_ALGORITHMS) == set(ALGORITHMS)
-
-
-def _check_case(algorithm, workers, n, density, options) -> tuple:
-    if not isinstance(algorithm, str) or algorithm not in _ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
-                         f"{', '.join(repr(a) for a in ALGORITHMS)}")
-    for name, value in (("workers", workers), ("n", n)):
-        _checks.integer(name, value, 1)
-    _checks.real("density", density, 0.0, 1.0, lo_open=True)
-    accepted = _ALGORITHMS[algorithm][1]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(f'{u}={options[u]!r}' for u in unknown)} for "
-                         f"algorithm={algorithm!r}; accepted: {', '.join(accepted) or '(none)'}")
-    opts = {name: check(name, options[name]) if name in options else default
-            for name, (default, check) in accepted.items()}
-    n = int(n)
-    k = int(min(n, max(1, math.ceil(float(density) * n))))   # GradientExchange.k_for
-    return int(workers), n, float(density), k, opts
-
-
-def schedule(algorithm: str, workers: int, n: int, density: float, *, step: int = 1, **options) -> Schedule:
-    """The messages of exchange step ``step`` (counted from 1) of ``algorithm`` on ``workers``
-    ranks for a bucket of ``n`` float32 elements at ``density``.  ``options`` are the
-    aggregator's (``tau``, ``tau_prime`` for Ok-Topk, ``chunk_size``, ``chunk_selection`` for CSC,
-    ``sample_ratio``, ``min_samples`` for DGC; the others are accepted and change nothing).
-    ValueError naming the argument and the accepted values on bad input."""
-    workers, n, density, k, opts = _check_case(algorithm, workers, n, density, options)
-    step = _positive_int("step", step)
-    b = _Builder(workers)
-    _ALGORITHMS[algorithm][0](b, n, k, step, opts)
-    return Schedule(algorithm, workers, n, density, k, step, tuple(b.phases), b.sent)
-
-
-def period(algorithm: str, **options) -> tuple:
-    """``((step, weight), ...)``: the distinct steps of the algorithm's steady period and the
-    fraction of steps like each.  Ok-Topk: one period of ``lcm(tau, tau_prime)`` steps
-    (step 1 repartitions and re-evaluates, ``1 + tau_prime·j`` re-evaluate, the rest reuse);
-    CSC with ``chunk_selection="previous"``: step 2 (the first step alone differs); others: step 1."""
-    if algorithm not in _ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
-                         f"{', '.join(repr(a) for a in ALGORITHMS)}")
-    *_, opts = _check_case(algorithm, 1, 1, 1.0, options)
-    if algorithm == "oktopk":
-        tau, tau_prime = opts["tau"], opts["tau_prime"]
-        length = math.lcm(tau, tau_prime)
-        kinds: dict = {}
-        for t in range(1, length + 1):
-            key = ((t - 1) % tau_prime == 0, (t - 1) % tau == 0)
-            first, count = kinds.get(key, (t, 0))
-            kinds[key] = (first, count + 1)
-        return tuple((first, count / length) for first, count in sorted(kinds.values()))
-    if algorithm == "csc" and opts["chunk_selection"] == "previous":
-        return ((2, 1.0),)
-    return ((1, 1.0),)
-
-
-def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta, gamma: float = 0.0, *,
-             step: int | None = None, cores: int | None = None, **options) -> SimResult:
-    """Predicted time and bytes of one exchange step under the α-β-γ model.
-
-    Args:
-      algorithm: one of :data:`ALGORITHMS` (the aggregator registry's names).
-      workers: P (>= 1).  n: elements of the (one, fused) bucket.  density: in (0, 1].
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`; its ``burst``, a token bucket's
-        depth, lets the first bytes after an idle moment through at once).
-      gamma: seconds per element of local work inside the exchange (>= 0; default 0, the pure
-        α-β model).
-      cores: the cores all ``workers`` ranks share on one node (>= 1); None (default): every
-        rank has cores of its own.  Local work that more ranks than cores do at once is slowed
-        by ``busy / cores``.
-      step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
-      options: the aggregator's options (see :func:`schedule`).
-
-    Returns a :class:`SimResult` (``seconds``, ``bytes`` -- max bytes sent by one rank --,
-    ``rounds``).  One rank (``workers=1``) communicates nothing: 0 seconds, 0 bytes.
-    """
+def check_model(ab, gamma, cores) -> tuple:
+    """``(ab, gamma, cores)`` validated: an :class:`AlphaBeta`, ``gamma >= 0``, ``cores`` None or
+    an integer >= 1 (ValueError naming the argument and the accepted values otherwise)."""
     if not isinstance(ab, AlphaBeta):
         raise ValueError(f"ab={ab!r} is not valid; accepted: a tfsparse.collectives.AlphaBeta, e.g. "
                          f"AlphaBeta.from_strings('1gbit', '50us')")
-    gamma = _number(0.0)("gamma", gamma)
+    gamma = _checks.real("gamma", gamma, 0.0)
     if cores is not None:
         cores = _checks.integer("cores", cores, 1, hint=" (or None: every rank has its own)")
-    steps = ((step, 1.0),) if step is not None else period(algorithm, **options)
+    return ab, gamma, cores
+
+
+def price(steps, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> SimResult:
+    """The :class:`SimResult` of ``steps``, ``((schedule, weight), ...)``: one exchange step's
+    :class:`Schedule` (weight 1.0) or the distinct steps of an aggregator's period with the
+    fraction of steps like each; ``seconds`` and ``bytes`` are the weighted sums."""
     rounds, sent, case = [], None, None
-    for t, weight in steps:
-        s = schedule(algorithm, workers, n, density, step=t, **options)
+    for s, weight in steps:
         case = s
         rounds += [replace(r, weight=r.weight * weight) for r in s.rounds(ab, gamma, cores)]
         sent = s.sent * weight if sent is None else sent + s.sent * weight

@@ -1,0 +1,93 @@
+"""One timing model: every aggregator's own schedule, looked up by name and priced under α-β-γ.
+
+Each aggregator declares the messages of one exchange step next to its code
+(:meth:`tfsparse.aggregators.Aggregator.schedule`, and :meth:`~tfsparse.aggregators.Aggregator.period`
+for the steps that differ); :mod:`tfsparse.collectives.simulate` is the machinery that records
+and prices them (rounds, collectives' variants, token bucket, shared cores: its docstring has
+the model).  This module builds the aggregator from the registry with the options given -- so
+its own defaults and validation apply -- has it declare its schedule and prices it:
+:func:`schedule`, :func:`period`, :func:`simulate`.  DRAGONN's cost model
+(:mod:`tfsparse.selection`) prices the same declared schedules; ``tools/simulate_network.py``
+and ``tools/validate_network_model.py`` run this one.
+
+>>> from tfsparse.collectives import AlphaBeta
+>>> from tfsparse.timing import simulate
+>>> r = simulate("gtopk", 32, 25_200_000, 0.001, AlphaBeta.from_strings("1gbit", "50us"))
+>>> r.seconds, r.bytes          # 0.0169 s, 1,008,040 bytes (rank 0's broadcasts)
+"""
+from __future__ import annotations
+
+from . import _checks
+from .aggregators import Aggregator, available_aggregators, get_aggregator
+from .collectives.alphabeta import AlphaBeta
+from .collectives.simulate import VALUE_BYTES, Builder, Schedule, SimResult, check_model, price
+from .schedules import k_from_density
+
+#: the aggregator registry's algorithms (each declares its schedule)
+ALGORITHMS = available_aggregators()
+
+
+def declared(aggregator: Aggregator, workers: int, n: int, density: float, step: int = 1,
+             value_bytes: int = VALUE_BYTES) -> Schedule:
+    """The :class:`~tfsparse.collectives.simulate.Schedule` ``aggregator`` declares for step
+    ``step`` on ``workers`` ranks, a bucket of ``n`` elements at ``density`` (``k`` by
+    :func:`~tfsparse.schedules.k_from_density`, as the exchange) and ``value_bytes`` per value."""
+    b = Builder(workers, value_bytes)
+    k = k_from_density(n, density)
+    aggregator.schedule(b, n, k, step)
+    return b.finish(aggregator.name, n, density, k, step)
+
+
+def _case(algorithm, workers, n, density, options) -> tuple:
+    aggregator = get_aggregator(algorithm, **options)  # the algorithm's own options and checks
+    workers = _checks.integer("workers", workers, 1)
+    n = _checks.integer("n", n, 1)
+    density = _checks.real("density", density, 0.0, 1.0, lo_open=True)
+    return aggregator, workers, n, density
+
+
+def schedule(algorithm: str, workers: int, n: int, density: float, *, step: int = 1, **options) -> Schedule:
+    """The messages of exchange step ``step`` (counted from 1) of ``algorithm`` on ``workers``
+    ranks for a bucket of ``n`` float32 elements at ``density``.  ``options`` are the
+    aggregator's (``tfsparse.aggregators.get_aggregator(algorithm, **options)``: ``tau``,
+    ``tau_prime`` for Ok-Topk, ``chunk_size``, ``chunk_selection`` for CSC, ``sample_ratio``,
+    ``min_samples`` for DGC; those that do not change the expected schedule change nothing).
+    ValueError naming the argument and the accepted values on bad input."""
+    aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
+    return declared(aggregator, workers, n, density, _checks.integer("step", step, 1))
+
+
+def period(algorithm: str, **options) -> tuple:
+    """``((step, weight), ...)``: the distinct steps of the algorithm's steady period and the
+    fraction of steps like each (the aggregator's ``period()``).  Ok-Topk: one period of
+    ``lcm(tau, tau_prime)`` steps (step 1 repartitions and re-evaluates, ``1 + tau_prime·j``
+    re-evaluate, the rest reuse); CSC with ``chunk_selection="previous"``: step 2 (the first
+    step alone differs); others: step 1."""
+    return get_aggregator(algorithm, **options).period()
+
+
+def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta, gamma: float = 0.0, *,
+             step: int | None = None, cores: int | None = None, **options) -> SimResult:
+    """Predicted time and bytes of one exchange step under the α-β-γ model.
+
+    Args:
+      algorithm: one of :data:`ALGORITHMS` (the aggregator registry's names).
+      workers: P (>= 1).  n: elements of the (one, fused) bucket.  density: in (0, 1].
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`; its ``burst``, a token bucket's
+        depth, lets the first bytes after an idle moment through at once).
+      gamma: seconds per element of local work inside the exchange (>= 0; default 0, the pure
+        α-β model).
+      cores: the cores all ``workers`` ranks share on one node (>= 1); None (default): every
+        rank has cores of its own.  Local work that more ranks than cores do at once is slowed
+        by ``busy / cores``.
+      step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
+      options: the aggregator's options (see :func:`schedule`).
+
+    Returns a :class:`~tfsparse.collectives.simulate.SimResult` (``seconds``, ``bytes`` -- max
+    bytes sent by one rank --, ``rounds``).  One rank (``workers=1``) communicates nothing:
+    0 seconds, 0 bytes.
+    """
+    ab, gamma, cores = check_model(ab, gamma, cores)
+    aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
+    steps = ((_checks.integer("step", step, 1), 1.0),) if step is not None else aggregator.period()
+    return price([(declared(aggregator, workers, n, density, t), weight) for t, weight in steps], ab, gamma, cores)
