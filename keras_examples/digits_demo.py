@@ -138,10 +138,10 @@ def main():
         if algorithm == "csc":
             options = {k: v for k, v in (("chunk_size", args.chunk_size), ("chunk_selection", args.csc_selection)) if v}
         strategy = tfsparse.SparseStrategy(algorithm=algorithm, density=args.density, wire_dtype=args.wire,
-                                           bucket_bytes=args.bucket_bytes, memory=args.memory,
+                                           plan=args.selection if args.selection and algorithm != "dense"
+                                           else args.bucket_bytes, memory=args.memory,
                                            momentum=args.momentum if correction else None,
-                                           pipeline=args.pipeline, clip_norm=args.clip_norm,
-                                           selection=args.selection if algorithm != "dense" else None, **options)
+                                           pipeline=args.pipeline, clip_norm=args.clip_norm, **options)
         with strategy.scope():
             model = build_model(args.seed)
             # momentum correction: the exchange applies the momentum, the optimizer must not

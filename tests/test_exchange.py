@@ -5,7 +5,8 @@ import pytest
 from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import InProcessWorld
 from tfsparse.compressors import TopK, topk_indices
-from tfsparse.exchange import GradientExchange, validate_config
+from tfsparse.exchange import GradientExchange
+from tfsparse.settings import Settings
 
 
 def reference_topk_step(accs, k):
@@ -104,7 +105,7 @@ def test_topk_indices_edge_cases():
 ])
 def test_bad_config_is_rejected(algorithm, density, match):
     with pytest.raises(ValueError, match=match):
-        validate_config(algorithm, density)
+        Settings(algorithm, density)
 
 
 def test_get_aggregator_rejects_bad_options():

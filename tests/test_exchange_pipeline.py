@@ -14,11 +14,12 @@ from exchange_ref import reference_run
 from fakes import NoTalk
 from tfsparse.aggregators import get_aggregator
 from tfsparse.collectives import CommThread, Communicator, InProcessWorld
+from tfsparse.checkpoint import Checkpointer
 from tfsparse.exchange import GradientExchange
 
 ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "csc", "dragonn")
 WIRES = ("float32", "float16", "bfloat16", "int8")
-PLANS = {"fused": {}, "buckets": {"bucket_bytes": 2000}, "per_tensor": {"plan": "per_tensor"}}
+PLANS = {"fused": {}, "buckets": {"plan": 2000}, "per_tensor": {"plan": "per_tensor"}}
 # Ok-Topk with the paper's plain threshold reuse (§3.1.3), which exchange_ref models; the
 # authors' per-step adjustment (the default) is tested rule by rule in test_aggregators.py
 PLAIN_REUSE = {"local_raise": 1.0, "local_adjust": 1.0, "global_adjust": 1.0}
@@ -147,11 +148,11 @@ def test_state_resume_is_bit_identical(algorithm, wire):
     opts = {"dgc": {"seed": None}, "oktopk": {"tau": 3, "tau_prime": 4}}.get(algorithm, {})
 
     def fn(comm):
-        live = GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, communicator=comm, **opts)
+        live = GradientExchange(algorithm, 0.05, wire_dtype=wire, plan=2000, communicator=comm, **opts)
         for s in range(3):
             live.exchange_numpy(grads_of(comm.rank, s))
         state = live.get_state()
-        resumed = GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, communicator=comm, **opts)
+        resumed = GradientExchange(algorithm, 0.05, wire_dtype=wire, plan=2000, communicator=comm, **opts)
         resumed.set_state(state)  # before the first round: applied when the layout is known
         a = [flat(live.exchange_numpy(grads_of(comm.rank, s))) for s in range(3, 7)]
         b = [flat(resumed.exchange_numpy(grads_of(comm.rank, s))) for s in range(3, 7)]
@@ -179,7 +180,7 @@ def test_state_rejects_another_layout_or_plan():
         ex.set_state({"sizes": np.array([4]), "residual": np.zeros(4, np.float32)})
     with pytest.raises(ValueError, match="was built for gradients"):
         ex.exchange_numpy([np.ones(4, np.float32)])
-    per_tensor = GradientExchange("topk", 0.1, bucket_bytes=0, communicator=InProcessWorld(1).comms[0])
+    per_tensor = GradientExchange("topk", 0.1, plan=0, communicator=InProcessWorld(1).comms[0])
     per_tensor.exchange_numpy([np.ones(5, np.float32), np.ones(3, np.float32)])
     with pytest.raises(ValueError, match=r"belongs to buckets \[\[0, 8\]\].*makes \[\[5, 8\], \[0, 5\]\]"):
         per_tensor.set_state(ex.get_state())
@@ -190,7 +191,7 @@ def test_no_state_while_a_round_is_in_flight():
         ex = GradientExchange("oktopk", 0.1, communicator=comm)
         ex.exchange_numpy(grads_of(comm.rank, 0))
         rnd = ex.start(grads_of(comm.rank, 1))
-        for call in (ex.get_state, lambda: ex.set_state({}), ex.gather_state):
+        for call in (ex.get_state, lambda: ex.set_state({}), Checkpointer(ex).gather):
             with pytest.raises(RuntimeError, match="while a round is in flight"):
                 call()
         rnd.wait()
@@ -204,10 +205,11 @@ def test_no_state_while_a_round_is_in_flight():
 def test_a_gather_older_than_the_last_round_is_not_saved():
     def fn(comm):
         ex = GradientExchange("topk", 0.1, communicator=comm)
+        checkpointer = Checkpointer(ex)
         ex.exchange_numpy(grads_of(comm.rank, 0))
-        ex.gather_state()
+        checkpointer.gather()
         ex.exchange_numpy(grads_of(comm.rank, 1))  # e.g. ModelCheckpoint(save_best_only) did not save
-        entries = ex.checkpoint_entries()
+        entries = checkpointer.entries()
         ex.close()
         return entries, ex.residual
 
@@ -220,11 +222,11 @@ def test_restoring_a_file_without_every_ranks_state_warns():
     def fn(comm):
         ex = GradientExchange("topk", 0.1, communicator=comm)
         ex.exchange_numpy(grads_of(comm.rank, 0))
-        entries = ex.checkpoint_entries()  # no gather: this rank's row only (a plain model.save)
+        entries = Checkpointer(ex).entries()  # no gather: this rank's row only (a plain model.save)
         fresh = GradientExchange("topk", 0.1, communicator=comm)
         if comm.rank == 0:
             with pytest.warns(RuntimeWarning, match=r"ranks \[0\], this job has 2 ranks"):
-                fresh.restore_checkpoint(entries)
+                Checkpointer(fresh).restore(entries)
         ex.close()
         return ex.residual, fresh.residual
 
@@ -238,10 +240,11 @@ def test_gather_and_checkpoint_entries():
     def fn(comm):
         ex = GradientExchange("oktopk", 0.1, communicator=comm)
         ex.exchange_numpy(grads_of(comm.rank, 0))
-        stacked = ex.gather_state()
-        entries = ex.checkpoint_entries()
+        checkpointer = Checkpointer(ex)
+        stacked = checkpointer.gather()
+        entries = checkpointer.entries()
         fresh = GradientExchange("oktopk", 0.1, communicator=comm)
-        assert fresh.restore_checkpoint({k: v for k, v in entries.items()}) if comm.rank == 0 else True
+        assert Checkpointer(fresh).restore({k: v for k, v in entries.items()}) if comm.rank == 0 else True
         ex.close()
         return stacked, entries, ex.get_state(), fresh.get_state()
 
@@ -275,12 +278,12 @@ def test_comm_thread_runs_in_submission_order_and_reports_errors():
 def test_buckets_start_in_bucket_order():
     """Collectives must run in the same order on every rank, so buckets are started in bucket
     order (TensorFlow runs the per-bucket start ops in program order); out of order is refused."""
-    ex = GradientExchange("topk", 0.1, bucket_bytes=0, communicator=InProcessWorld(1).comms[0])
+    ex = GradientExchange("topk", 0.1, plan=0, communicator=InProcessWorld(1).comms[0])
     grads = grads_of(0, 0)
     ex.exchange_numpy(grads)  # builds
-    second = ex._buckets[1]
+    second = ex.bucket_states[1]
     with pytest.raises(RuntimeError, match="bucket 1 was started before bucket 0 of the same round"):
-        ex._start_bucket(second, grads[second.spec.first:second.spec.last])
+        ex.begin(second, grads[second.spec.first:second.spec.last])
 
 
 def test_encoding_overlaps_the_wire():
@@ -312,10 +315,10 @@ def test_encoding_overlaps_the_wire():
             time.sleep(0.05)
             return super().encode(comm, acc, k, wire)
 
-    ex = GradientExchange("dense", 1.0, bucket_bytes=0, communicator=Slow())
+    ex = GradientExchange("dense", 1.0, plan=0, communicator=Slow())
     grads = [np.ones(10, np.float32) for _ in range(6)]
     ex.exchange_numpy(grads)
-    for b in ex._buckets:
+    for b in ex.bucket_states:
         b.aggregator = SlowEncode()
     events.clear()
     out = ex.exchange_numpy(grads)
@@ -369,7 +372,7 @@ def test_without_thread_support_the_collectives_run_inline():
     gets no communication thread: the same results, without the overlap."""
     def fn(comm, threads):
         comm.thread_safe = threads
-        ex = GradientExchange("gtopk", 0.1, bucket_bytes=2000, communicator=comm)
+        ex = GradientExchange("gtopk", 0.1, plan=2000, communicator=comm)
         out = [flat(ex.exchange_numpy(grads_of(comm.rank, s))) for s in range(2)]
         kind = type(ex._runner).__name__
         ex.close()

@@ -227,12 +227,14 @@ def test_momentum_options_are_validated():
 def test_momentum_twice_is_refused():
     import keras
 
+    from tfsparse.keras.ownership import check_optimizer
+
     ex = GradientExchange("topk", 0.01, memory="momentum")
     for opt, attr in ((keras.optimizers.SGD(0.1, momentum=0.9), "momentum"), (keras.optimizers.Adam(), "beta_1")):
         with pytest.raises(ValueError, match=rf"applied twice.*{attr}="):
-            ex.check_optimizer(opt)
-    ex.check_optimizer(keras.optimizers.SGD(0.1))
-    GradientExchange("topk", 0.01).check_optimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+            check_optimizer(ex, opt)
+    check_optimizer(ex, keras.optimizers.SGD(0.1))
+    check_optimizer(GradientExchange("topk", 0.01), keras.optimizers.SGD(0.1, momentum=0.9))
 
 
 # -- dense warm-up -------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ def test_strategy_trains_in_graph_mode_without_retracing():
     strategy = tfsparse.SparseStrategy("topk", 0.2, communicator=solo())
     assert strategy.num_replicas_in_sync == 1
     traces = []
-    original = strategy.exchange.__call__
-    strategy.exchange.__class__ = type("Spy", (type(strategy.exchange),),
-                                       {"__call__": lambda self, *a, **k: traces.append(1) or original(*a, **k)})
+    engine = strategy.exchange.engine
+    original = engine.build  # called by the TF glue once per trace of the exchange
+    engine.__class__ = type("Spy", (type(engine),), {"build": lambda self, *a, **k: traces.append(1) or original(*a, **k)})
     with strategy:  # `with strategy:` works like strategy.scope()
         model = small_model()
         model.compile(keras.optimizers.SGD(0.1), LOSS)
@@ -96,10 +96,10 @@ def test_optimizer_config_roundtrip_and_delegation():
 @pytest.mark.parametrize("selection", ["cost_model", {"alpha": 2e-4, "beta": 12.5e6, "comp_fixed": 1e-4,
                                                        "comp_per_element": 2e-9}])
 def test_optimizer_config_keeps_selection_and_clip_norm(selection):
-    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), algorithm="dragonn", density=0.01, selection=selection,
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), algorithm="dragonn", density=0.01, plan=selection,
                                clip_norm=2.5, communicator=solo())
     cfg = opt.get_config()
-    assert cfg["selection"] == selection and cfg["plan"] is None and cfg["clip_norm"] == 2.5
+    assert cfg["plan"] == selection and cfg["clip_norm"] == 2.5
     clone = DistributedOptimizer.from_config(cfg)
     assert clone.exchange.plan == opt.exchange.plan and clone.exchange.clip_norm == 2.5
 
@@ -169,25 +169,28 @@ def test_same_options_everywhere_validated_before_communication(kwargs, words):
 
 
 def test_distributed_optimizer_shares_or_brings_the_one_exchange():
-    strategy = tfsparse.SparseStrategy("topk", 0.2, wire_dtype="float16", bucket_bytes=0, communicator=solo())
+    strategy = tfsparse.SparseStrategy("topk", 0.2, wire_dtype="float16", plan=0, communicator=solo())
     with strategy.scope():
         shared = DistributedOptimizer(keras.optimizers.SGD(0.1))
+        assert shared.exchange is strategy.exchange and strategy.extended.saved_by_optimizer
+        original = strategy.exchange
         own = DistributedOptimizer(keras.optimizers.SGD(0.1), "dense", 1.0, wire_dtype="bfloat16",
                                    communicator=solo())
-    assert shared.exchange is strategy.exchange and shared.exchange.owner == "optimizer"
     assert shared.algorithm == "topk" and shared.exchange.wire_dtype == "float16"
-    assert own.exchange is not strategy.exchange and own.exchange.wire_dtype == "bfloat16"
+    # settings of its own: decided when the wrapper is built -- the strategy adopts its exchange
+    assert own.exchange is not original and own.exchange.wire_dtype == "bfloat16"
+    assert strategy.exchange is own.exchange
     x, y = data()
     with strategy.scope():
         model = small_model()
         model.compile(own, LOSS)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert own.exchange.total.steps == 4 and strategy.exchange.total.steps == 0  # the model's one exchange
+    assert own.exchange.total.steps == 4 and original.total.steps == 0  # the model's one exchange
     assert [s.name for s in own.exchange.layout.specs] == [v.path for v in model.trainable_variables]
 
 
 def test_layout_plan_and_names_captured_at_trace_time():
-    strategy = tfsparse.SparseStrategy("topk", 0.2, bucket_bytes=64, communicator=solo())
+    strategy = tfsparse.SparseStrategy("topk", 0.2, plan=64, communicator=solo())
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6), keras.layers.Dense(3)])
         model.compile(keras.optimizers.SGD(0.1), LOSS)
@@ -237,11 +240,11 @@ def test_momentum_correction_and_warmup_in_fit():
 
 
 def test_optimizer_config_carries_every_option():
-    opt = DistributedOptimizer(keras.optimizers.SGD(0.25), "oktopk", 0.05, wire_dtype="int8", bucket_bytes=4096,
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.25), "oktopk", 0.05, wire_dtype="int8", plan=4096,
                                tau=16, communicator=solo())
     cfg = opt.get_config()
-    assert {k: cfg[k] for k in ("algorithm", "density", "wire_dtype", "bucket_bytes", "plan")} == \
-        {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "bucket_bytes": 4096, "plan": "buckets"}
+    assert {k: cfg[k] for k in ("algorithm", "density", "wire_dtype", "plan")} == \
+        {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "plan": 4096}
     assert cfg["algorithm_options"] == {"tau": 16}
     assert cfg["memory"] == "residual" and cfg["momentum"] is None
     mc = DistributedOptimizer(keras.optimizers.SGD(0.25), "csc", 0.1, memory="momentum", momentum=0.8, chunk_size=64,
@@ -253,10 +256,10 @@ def test_optimizer_config_carries_every_option():
     assert again.exchange.config() == opt.exchange.config()
 
 
-def test_load_model_after_a_plain_import_tfsparse(tmp_path):
+def test_load_model_after_import_tfsparse_keras(tmp_path):
     """A model file with a DistributedOptimizer loads in a fresh process that only did
-    ``import tfsparse, keras`` (tfsparse's Keras classes register themselves when Keras is
-    imported); Keras' own loader stays in place."""
+    ``import keras, tfsparse.keras`` (tfsparse's Keras classes register themselves at import of
+    tfsparse.keras, the documented way)."""
     import json
     import subprocess
     import sys
@@ -269,14 +272,12 @@ def test_load_model_after_a_plain_import_tfsparse(tmp_path):
     model.save(path)
     np.save(tmp_path / "weights.npy", np.concatenate([w.ravel() for w in model.get_weights()]))
     code = ("import json, sys, numpy as np\n"
-            "import tfsparse, keras\n"
+            "import keras, tfsparse.keras\n"
             f"m = keras.models.load_model({str(path)!r})\n"
             "w = np.concatenate([v.ravel() for v in m.get_weights()])\n"
             "print(json.dumps({'cls': type(m.optimizer).__module__ + '.' + type(m.optimizer).__name__,\n"
             "  'algorithm': m.optimizer.algorithm, 'density': m.optimizer.get_config()['density'],\n"
-            "  'inner': type(m.optimizer.inner_optimizer).__name__, 'weights': w.tolist(),\n"
-            "  'keras_loader': type(keras.__spec__.loader).__name__,\n"
-            "  'finders': [type(f).__name__ for f in sys.meta_path]}))\n")
+            "  'inner': type(m.optimizer.inner_optimizer).__name__, 'weights': w.tolist()}))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -284,8 +285,6 @@ def test_load_model_after_a_plain_import_tfsparse(tmp_path):
     assert got["cls"] == "tfsparse.keras.optimizer.DistributedOptimizer"
     assert (got["algorithm"], got["density"], got["inner"]) == ("topk", 0.25, "SGD")
     np.testing.assert_array_equal(np.float32(got["weights"]), np.load(tmp_path / "weights.npy"))
-    assert got["keras_loader"] == "SourceFileLoader"  # not tfsparse's wrapper
-    assert "_RegisterAfterKeras" not in got["finders"]  # the one-shot finder is gone
 
 
 def test_mixed_precision_keeps_the_wrapper_and_the_callbacks_find_its_exchange():
@@ -308,6 +307,6 @@ def test_mixed_precision_keeps_the_wrapper_and_the_callbacks_find_its_exchange()
         outer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
         outer.inner_optimizer.exchange = opt.exchange  # any wrapper chain exposing inner_optimizer
         holder = type("M", (), {"optimizer": outer})()
-        assert tfsparse.keras.callbacks.find_exchange(holder) is opt.exchange
+        assert tfsparse.keras.ownership.exchange_of(holder) is opt.exchange
     finally:
         keras.mixed_precision.set_global_policy(previous)

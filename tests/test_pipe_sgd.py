@@ -14,13 +14,14 @@ from fakes import NoTalk
 from test_exchange_pipeline import ALGOS, OPTIONS, WIRES, flat, grads_of
 from tfsparse.collectives import InProcessWorld
 from tfsparse.exchange import GradientExchange
+from tfsparse.pipelined import Pipelined
 
 STEPS = 4
 
 
 def exchanges(comm, pipeline, algorithm="dense", wire="float32", **kw):
-    return GradientExchange(algorithm, 0.05, wire_dtype=wire, bucket_bytes=2000, pipeline=pipeline,
-                            communicator=comm, **OPTIONS.get(algorithm, {}), **kw)
+    return Pipelined(GradientExchange(algorithm, 0.05, wire_dtype=wire, plan=2000, pipeline=pipeline,
+                                      communicator=comm, **OPTIONS.get(algorithm, {}), **kw))
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
@@ -73,7 +74,7 @@ def test_pipelined_steps_are_the_synchronous_ones_one_step_late(algorithm, wire)
         sync, pipe = exchanges(comm, 1, algorithm, wire), exchanges(comm, 2, algorithm, wire)
         a = [flat(sync.step(grads_of(comm.rank, s))) for s in range(STEPS)]
         b = [flat(pipe.step(grads_of(comm.rank, s))) for s in range(STEPS)]
-        in_flight = pipe.pending and any(bk.next_owed is not None for bk in pipe._buckets)
+        in_flight = pipe.pending and pipe.in_flight
         state = pipe.get_state()  # finishes the round owed to the next step
         for ex in (sync, pipe):
             ex.close()
@@ -117,7 +118,7 @@ def test_dsync_rounds_then_pipelined_and_back_lose_nothing():
     n = 4096 * 3
 
     def fn(comm):
-        ex = GradientExchange("dense", 1.0, wire_dtype="int8", pipeline=2, communicator=comm)
+        ex = Pipelined(GradientExchange("dense", 1.0, wire_dtype="int8", pipeline=2, communicator=comm))
         rng = np.random.default_rng(comm.rank)
         grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
         applied, sent = [], []
@@ -155,7 +156,7 @@ def test_epoch_ends_leave_nothing_in_flight():
         flights = []
         for s in range(6):
             ex.step(grads_of(comm.rank, s))
-            flights.append(any(b.futures for b in ex._buckets))
+            flights.append(any(b.futures for b in ex.bucket_states))
         ex.close()
         return flights
 

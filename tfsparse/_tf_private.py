@@ -2,9 +2,10 @@
 
 SparseStrategy subclasses ``OneDeviceStrategy``/``OneDeviceExtended`` (one device
 per process) and overrides a handful of hooks; it is a Keras ``KerasSaveable`` so that
-Keras model files hold the exchange's state; the exchange refuses XLA and reads, at trace
-time, which variables Keras' optimizer is reducing.  Those are private APIs, so they are
-imported here alone, behind a version check.
+Keras model files hold the exchange's state; the exchange refuses XLA; and when Keras
+distributes a dataset, the strategy reads how many steps its epoch iterator will run and for
+which model method.  Those are private APIs, so they are imported here alone, behind a version
+check.
 """
 from __future__ import annotations
 
@@ -58,25 +59,6 @@ def _caller_frames(max_depth: int):
             return
         yield frame
         frame = frame.f_back
-
-
-def keras_optimizer_apply(count: int, max_depth: int = 40):
-    """``(optimizers, names)`` for the gradient all-reduce Keras is running right now: the
-    optimizers whose ``apply`` is on the call stack (innermost first: a wrapper such as
-    DistributedOptimizer comes after the optimizer it wraps), and the paths of the ``count``
-    variables being applied (None if not found).  Read-only stack inspection: Keras'
-    ``all_reduce`` passes the gradients alone."""
-    optimizers, names = [], None
-    for frame in _caller_frames(max_depth):
-        if frame.f_code.co_name == "apply":
-            owner = frame.f_locals.get("self")
-            variables = frame.f_locals.get("trainable_variables")
-            if hasattr(owner, "iterations"):
-                optimizers.append(owner)
-            if names is None and isinstance(variables, (list, tuple)) and len(variables) == count \
-                    and all(hasattr(v, "path") for v in variables):
-                names = [str(v.path) for v in variables]
-    return optimizers, names
 
 
 try:  # Keras' base class of everything its saving library walks (private in Keras 3)

@@ -1,9 +1,10 @@
 """Memory: error feedback, and momentum correction (GRACE's "memory" part).
 
-A memory turns a rank's gradient into what it offers to the exchange (``compensate``) and
-keeps what was not sent (``update``).  One instance per bucket; the residual itself is held
-by the exchange (one float32 vector per bucket, saved in checkpoints), anything else a memory
-keeps (the momentum velocity) is its explicit state (:class:`~tfsparse.state.Stateful`).
+A memory turns a rank's gradient into what it offers to the exchange (``compensate``, into
+its buffer :attr:`acc`) and keeps what was not sent (``update``).  One instance per bucket; it
+owns its vectors -- the offered buffer ``acc``, the ``residual`` (one float32 vector per
+bucket) and, for momentum correction, the ``velocity`` -- and its explicit state
+(:class:`~tfsparse.state.Stateful`: ``residual`` and ``velocity``, saved in checkpoints).
 
 * :class:`ResidualMemory` (``memory="residual"``, the default) -- gtopk-ssgd-shi2019 Alg. 1
   line 4 and line 8: ``acc = residual + grad``; after the exchange, every entry of ``acc``
@@ -57,7 +58,7 @@ def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST):
     (:mod:`tfsparse.space`)."""
     cls = _MEMORIES[memory]
     if not needed and not cls.always:
-        return NoMemory(space=space)
+        return NoMemory(size, space=space)
     return cls(size, **options, space=space)
 
 
@@ -83,18 +84,20 @@ class NoMemory(Stateful):
 
     def __init__(self, size: int = 0, space=HOST):
         self.space = space
+        self.acc = space.empty(int(size))  # what the bucket offers to the exchange this round
+        self.residual = None
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
         return _without_momentum(cls.name, momentum)
 
-    def compensate(self, grad: np.ndarray, residual, out: np.ndarray, span: slice) -> np.ndarray:
-        """``out[:] = grad`` (the gradient travels as it is)."""
-        self.space.copy(out, grad)
-        return out
+    def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
+        """``acc[span] = grad`` (the gradient travels as it is)."""
+        self.space.copy(self.acc[span], grad)
+        return self.acc
 
-    def update(self, acc: np.ndarray, result) -> None:
-        return None
+    def update(self, result) -> None:
+        """Nothing is kept."""
 
     def drop_nonfinite(self) -> None:
         """After a skipped round (a non-finite gradient): nothing is kept, nothing to clean."""
@@ -117,27 +120,37 @@ class ResidualMemory(Stateful):
 
     def __init__(self, size: int = 0, space=HOST):
         self.space = space
+        self.acc = space.empty(int(size))
+        self.residual = space.zeros(int(size))
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
         return _without_momentum(cls.name, momentum)
 
-    def compensate(self, grad: np.ndarray, residual: np.ndarray, out: np.ndarray, span: slice) -> np.ndarray:
-        """``out[:] = grad + residual`` (float32, in one pass)."""
-        self.space.add(grad, residual, out)
-        return out
+    def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
+        """``acc[span] = grad + residual[span]`` (float32, in one pass)."""
+        self.space.add(grad, self.residual[span], self.acc[span])
+        return self.acc
 
     def drop_nonfinite(self) -> None:
-        """After a skipped round (a non-finite gradient): the residual is the exchange's and
-        was not touched by the round; nothing else is kept."""
+        """After a skipped round (a non-finite gradient): the residual was not touched by the
+        round; nothing else is kept."""
 
-    def update(self, acc: np.ndarray, result) -> np.ndarray:
-        """The new residual, in place of ``acc``: the contributed entries removed
-        (``result.contributed``; ``None`` means everything), plus what the wire lost
-        (``result.loss``)."""
+    def update(self, result) -> None:
+        """The new residual, built in place of ``acc`` (the two buffers then swap): the
+        contributed entries removed (``result.contributed``; ``None`` means everything), plus
+        what the wire lost (``result.loss``)."""
+        acc = self.acc
         _clear_contributed(self.space, acc, result)
         result.loss.apply_to(acc, self.space)
-        return acc
+        self.acc, self.residual = self.residual, acc
+
+    def get_state(self):
+        return {"residual": np.array(self.space.to_host(self.residual), np.float32)}
+
+    def set_state(self, state):
+        super().set_state(state)
+        self.space.load(self.residual, state.get("residual"))
 
 
 @register_memory
@@ -165,18 +178,18 @@ class MomentumMemory(ResidualMemory):
             return {"momentum": MomentumMemory.DEFAULT_MOMENTUM}
         return {"momentum": _checks.real("momentum", momentum, 0.0, 1.0, hi_open=True, hint=", e.g. momentum=0.9")}
 
-    def compensate(self, grad, residual, out, span):
-        """``u = m·u + grad; out = residual + u`` over ``span`` of the bucket."""
-        self.space.momentum(self.velocity[span], self.momentum, grad, residual, out)
-        return out
+    def compensate(self, grad, span):
+        """``u = m·u + grad; acc = residual + u`` over ``span`` of the bucket."""
+        self.space.momentum(self.velocity[span], self.momentum, grad, self.residual[span], self.acc[span])
+        return self.acc
 
-    def update(self, acc, result):
+    def update(self, result):
         """The residual as :class:`ResidualMemory` keeps it; the velocity is cleared where
         values were contributed (momentum factor masking) -- unless everything was (a dense
         exchange: plain momentum SGD)."""
         if result.contributed is not None:
             self.space.zero_at(self.velocity, result.contributed)
-        return super().update(acc, result)
+        super().update(result)
 
     def drop_nonfinite(self) -> None:
         """After a skipped round: the velocity took the round's gradient in ``compensate``;
@@ -184,7 +197,7 @@ class MomentumMemory(ResidualMemory):
         self.space.zero_nonfinite(self.velocity)
 
     def get_state(self):
-        return {"velocity": np.array(self.space.to_host(self.velocity), np.float32)}
+        return {**super().get_state(), "velocity": np.array(self.space.to_host(self.velocity), np.float32)}
 
     def set_state(self, state):
         super().set_state(state)

@@ -7,10 +7,10 @@ rank's step time, the bytes one rank sends per step, and rank 0's exchange phase
     tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--out results/bench_fit_step] [--backend horovod]
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``
-(``wire_dtype``, ``bucket_bytes``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
+(``wire_dtype``, ``plan``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
 
     '[{"label": "dense f32 fused", "algorithm": "dense"},
-      {"label": "dense f16, θ=4MB", "algorithm": "dense", "wire_dtype": "float16", "bucket_bytes": 4194304}]'
+      {"label": "dense f16, θ=4MB", "algorithm": "dense", "wire_dtype": "float16", "plan": 4194304}]'
 
 Launch it under an emulated network (network namespaces + ``tc tbf``) to measure a slow link.
 Rank 0 writes ``<out>.json`` and ``<out>.png`` (step time and MB per step, per setting).

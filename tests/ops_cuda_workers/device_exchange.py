@@ -7,6 +7,7 @@ ever run at once (the simulator swaps module globals per launch).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -51,8 +52,10 @@ def _grads(step, nonfinite=False):
 
 def _pair(algorithm, options, density=0.1):
     from tfsparse.exchange import GradientExchange
+    from tfsparse.pipelined import Pipelined
 
-    return GradientExchange(algorithm, density, **options), GradientExchange(algorithm, density, **options)
+    return Pipelined(GradientExchange(algorithm, density, **options)), \
+        Pipelined(GradientExchange(algorithm, density, **options))
 
 
 def _same_list(host, dev):
@@ -201,11 +204,12 @@ def _tf_pair(algorithm, options):
     import tensorflow as tf
 
     from tfsparse.ops import tf as ops_tf
+    from tfsparse.tf_glue import exchange_tensors
 
     out = []
     for path, ex in zip(("cpu", "cuda"), _pair(algorithm, options)):
         ops_tf.set_path(path)  # read when the exchange is built (its first trace)
-        fn = tf.function(ex, autograph=False)
+        fn = tf.function(functools.partial(exchange_tensors, ex), autograph=False)
         fn([tf.constant(g) for g in _grads(0)])
         out.append((ex, fn))
     ops_tf.set_path(None)

@@ -6,6 +6,7 @@ tests/test_exchange_device.py.
 
 argv: algorithm:wire [...]
 """
+import functools
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from mpi_harness import save_result  # noqa: E402
 from test_exchange_pipeline import DENSITY, OPTIONS, STEPS, flat, grads_of  # noqa: E402
 from tfsparse.collectives import MPICommunicator  # noqa: E402
 from tfsparse.exchange import GradientExchange  # noqa: E402
+from tfsparse.pipelined import Pipelined  # noqa: E402
+from tfsparse.tf_glue import exchange_tensors  # noqa: E402
 from tfsparse.ops import cuda as kc  # noqa: E402
 from tfsparse.ops import tf as ops_tf  # noqa: E402
 
@@ -28,9 +31,9 @@ for case in sys.argv[1:]:
     algorithm, wire = case.split(":")
     for path, key in (("cuda", "dev"), ("cpu", "host")):
         ops_tf.set_path(path)  # read when the exchange is built (its first trace)
-        ex = GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm,
-                              **OPTIONS.get(algorithm, {}))
-        step = tf.function(ex, autograph=False)
+        ex = Pipelined(GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm,
+                                        **OPTIONS.get(algorithm, {})))
+        step = tf.function(functools.partial(exchange_tensors, ex), autograph=False)
         for s in range(STEPS):
             got = step([tf.constant(g) for g in grads_of(comm.rank, s)])
             out[f"{case}/{key}{s}"] = flat([g.numpy() for g in got])

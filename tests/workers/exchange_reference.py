@@ -10,6 +10,9 @@ import tensorflow as tf
 
 import tfsparse
 from tfsparse.exchange import GradientExchange
+from tfsparse.pipelined import Pipelined
+from tfsparse.schedules import k_from_density
+from tfsparse.tf_glue import exchange_tensors
 from mpi_harness import save_result
 
 backend, density, steps, algorithms = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
@@ -26,12 +29,12 @@ def grads_of(r, step):
 
 results = {}
 for algorithm in algorithms:
-    ex = GradientExchange(algorithm, density, communicator=comm)
+    ex = Pipelined(GradientExchange(algorithm, density, communicator=comm))
     n = sum(int(np.prod(s)) for s in SHAPES)
 
     @tf.function
     def step_fn(g0, g1, g2):
-        return ex([g0, g1, g2])
+        return exchange_tensors(ex, [g0, g1, g2])
 
     outs, residuals, nbytes = [], [], []
     for s in range(steps):
@@ -41,5 +44,6 @@ for algorithm in algorithms:
         outs.append(np.concatenate([r.numpy().ravel() for r in res]))
         residuals.append(ex.residual if ex.uses_memory else np.zeros(n, np.float32))
     results.update({f"{algorithm}/outs": np.stack(outs), f"{algorithm}/residuals": np.stack(residuals),
-                    f"{algorithm}/nbytes": nbytes, f"{algorithm}/k": ex.k_for(n)})
+                    f"{algorithm}/nbytes": nbytes,
+                    f"{algorithm}/k": k_from_density(n, density) if ex.uses_memory else n})
 save_result(rank, n=n, size=comm.size, backend=tfsparse.runtime.backend(), **results)

@@ -25,7 +25,8 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse.keras.callbacks import (BroadcastInitialState, CommunicationStats, DensitySchedule,  # noqa: E402
-                                      MetricAverage, find_exchange)
+                                      MetricAverage)
+from tfsparse.keras.ownership import exchange_of  # noqa: E402
 from mpi_harness import save_result  # noqa: E402
 
 runs = json.loads(sys.argv[1])
@@ -49,13 +50,13 @@ class RecordDensity(keras.callbacks.Callback):
         self.seen = []
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.seen.append(float(find_exchange(self.model).density))
+        self.seen.append(float(exchange_of(self.model).density))
 
 
 out = {}
 for run in runs:
     algo, route, epochs, density = run["algo"], run["route"], int(run["epochs"]), float(run["density"])
-    options = {"wire_dtype": run.get("wire", "float32"), "bucket_bytes": run.get("bucket_bytes"),
+    options = {"wire_dtype": run.get("wire", "float32"), "plan": run.get("bucket_bytes"),
                "memory": run.get("memory", "residual"), **run.get("options", {})}
     momentum = 0.0 if options["memory"] == "momentum" else 0.9  # momentum correction: not twice
     t0 = time.time()
@@ -88,7 +89,7 @@ for run in runs:
                 "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
                 "densities": [float(d) for d in hist.history["density"]],
                 "seconds": time.time() - t0,
-                "buckets": [[b.first, b.last, b.algorithm or algo] for b in find_exchange(model).buckets]}
+                "buckets": [[b.first, b.last, b.algorithm or algo] for b in exchange_of(model).buckets]}
     if comm.rank == 0:
         print(key, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out[key].items()
                     if k != "densities_set"}, flush=True)

@@ -37,7 +37,7 @@ else:  # the strategy with a plain optimizer, or with the wrapper inside its sco
     strategy = tfsparse.SparseStrategy(algorithm, 0.5)
     with strategy.scope():
         model = build()
-    exchange = tfsparse.keras.callbacks.find_exchange(model)
+    exchange = tfsparse.keras.ownership.exchange_of(model)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)

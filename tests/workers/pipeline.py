@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
-from tfsparse.keras.callbacks import CommunicationStats, DSyncWarmUp, find_exchange  # noqa: E402
+from tfsparse.keras.callbacks import CommunicationStats, DSyncWarmUp  # noqa: E402
+from tfsparse.keras.ownership import exchange_of  # noqa: E402
 from mpi_harness import save_result  # noqa: E402
 
 STEPS, BATCH, EPOCHS, LR = 3, 4, 2, 0.1
@@ -70,8 +71,8 @@ else:
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
 w0 = [v.numpy().copy() for v in model.trainable_weights]
 model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, callbacks=callbacks, verbose=0)
-exchange = find_exchange(model)
-in_flight = any(b.futures for b in exchange._buckets)
+exchange = exchange_of(model)
+in_flight = any(b.futures for b in exchange.bucket_states)
 state = exchange.get_state()
 save_result(comm.rank, x=x, y=y, w0=w0[0], b0=w0[1], w=model.trainable_weights[0].numpy(),
             b=model.trainable_weights[1].numpy(), pending=state["pending"], in_flight=np.array(in_flight),

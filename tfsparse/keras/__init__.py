@@ -1,5 +1,5 @@
 """Keras integration: :class:`DistributedOptimizer` and :mod:`tfsparse.keras.callbacks`."""
-from . import callbacks
+from . import callbacks, ownership
 from .optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "callbacks"]
+__all__ = ["DistributedOptimizer", "callbacks", "ownership"]

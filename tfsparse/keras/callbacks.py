@@ -16,18 +16,7 @@ import keras
 
 from .. import _checks, runtime
 from ..collectives.agreement import check_agreement
-
-
-def find_exchange(model):
-    """The GradientExchange that trains ``model`` -- its optimizer's (looking through wrappers
-    that expose ``inner_optimizer``, such as LossScaleOptimizer), else its strategy's -- or None."""
-    opt = getattr(model, "optimizer", None)
-    while opt is not None:
-        if hasattr(opt, "exchange"):
-            return opt.exchange
-        opt = getattr(opt, "inner_optimizer", None)
-    strategy = getattr(model, "distribute_strategy", None)
-    return getattr(strategy, "exchange", None)
+from .ownership import checkpointer_of, exchange_of, require_exchange
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
@@ -95,12 +84,12 @@ class CommunicationStats(keras.callbacks.Callback):
     KEYS = ("comm_bytes", "density", *(f"{phase}_ms" for phase in PHASES))
 
     def on_epoch_begin(self, epoch, logs=None):
-        ex = find_exchange(self.model)
+        ex = exchange_of(self.model)
         if ex is not None:
             ex.stats.reset()
 
     def on_epoch_end(self, epoch, logs=None):
-        ex = find_exchange(self.model)
+        ex = exchange_of(self.model)
         if ex is None or logs is None:
             return
         st = ex.stats
@@ -138,7 +127,7 @@ class MetricAverage(keras.callbacks.Callback):
         (``None``: nothing to agree on)."""
         comm = runtime.communicator()
         flat = np.concatenate([np.asarray(values, np.float64).reshape(-1), [1.0 if stop else 0.0]])
-        exchange = find_exchange(self.model)
+        exchange = exchange_of(self.model)
         total = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
         if stop is not None and total[-1] > 0:
             self.model.stop_training = True
@@ -273,9 +262,9 @@ class ModelCheckpoint(_RankZeroOnly):
         self._batches = 0
 
     def _gather(self):
-        exchange = find_exchange(self.model)
-        if exchange is not None:
-            exchange.gather_state()
+        checkpointer = checkpointer_of(self.model)
+        if checkpointer is not None:
+            checkpointer.gather()
 
     def on_train_batch_end(self, batch, logs=None):
         if isinstance(self.save_freq, int):
@@ -310,11 +299,7 @@ class DSyncWarmUp(keras.callbacks.Callback):
             " (the number of synchronous float32 epochs before the pipelined, compressed ones)"))
 
     def on_epoch_begin(self, epoch, logs=None):
-        exchange = find_exchange(self.model)
-        if exchange is None:
-            raise ValueError("DSyncWarmUp needs a model trained through tfsparse.SparseStrategy or "
-                             "tfsparse.keras.DistributedOptimizer (no gradient exchange found)")
-        exchange.dsync = epoch < self.epochs
+        require_exchange(self.model, "DSyncWarmUp").dsync = epoch < self.epochs
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 
 from ..schedules import WarmUp, check_density
+from .ownership import require_exchange
 
 #: gtopk-ssgd-shi2019 §IV-B: "the first 4 epochs use the dynamic densities of
 #: [0.25, 0.0725, 0.015, 0.004] ... the remaining epochs adopt a density of 0.001 or 0.005".
@@ -18,7 +19,8 @@ GTOPK_WARMUP = (0.25, 0.0725, 0.015, 0.004)
 
 
 class DensitySchedule(keras.callbacks.Callback):
-    """Sets ``find_exchange(model).density`` at each epoch's beginning.
+    """Sets the density of the model's exchange (:mod:`tfsparse.keras.ownership`) at each epoch's
+    beginning.
 
     Args:
       schedule: ``None`` (default) -- gTop-k's warm-up: epochs 1-4 (Keras epochs 0-3) at
@@ -59,13 +61,7 @@ class DensitySchedule(keras.callbacks.Callback):
         self.history: list[float] = []
 
     def _exchange(self):
-        from .callbacks import find_exchange
-
-        ex = find_exchange(self.model)
-        if ex is None:
-            raise ValueError("DensitySchedule needs a model trained through tfsparse.SparseStrategy or "
-                             "tfsparse.keras.DistributedOptimizer (no gradient exchange found)")
-        return ex
+        return require_exchange(self.model, "DensitySchedule")
 
     def density_at(self, epoch: int) -> float:
         """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun)."""

@@ -31,20 +31,26 @@ import keras
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
-from ..exchange import GradientExchange, check_float_variables
+from ..checkpoint import Checkpointer, is_entry
+from ..exchange import GradientExchange
+from ..pipelined import Pipelined
+from ..settings import Settings
+from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from .callbacks import broadcast_variables
+from .ownership import check_optimizer
 
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
-_DEFAULTS = {"algorithm": "topk", "density": 0.01, "wire_dtype": "float32", "bucket_bytes": None, "plan": None,
-             "memory": "residual", "pipeline": 1, "selection": None, "clip_norm": None}
+
+_SETTING_NAMES = frozenset({"wire_dtype", "plan", "memory", "momentum", "pipeline", "clip_norm", "bucket_bytes",
+                            "selection"})
 
 
-
-def _strategy_exchange():
-    """The exchange of the tf.distribute strategy in scope, when it has one (SparseStrategy)."""
-    return getattr(tf.distribute.get_strategy(), "exchange", None)
+def _sparse_strategy():
+    """The tf.distribute strategy in scope when it is a SparseStrategy (it has an exchange), else None."""
+    strategy = tf.distribute.get_strategy()
+    return strategy if getattr(strategy, "exchange", None) is not None else None
 
 
 @keras.saving.register_keras_serializable(package="tfsparse")
@@ -53,43 +59,32 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
       inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the update.
-      algorithm: aggregator name (``"dense"``, ``"topk"``, ...); default ``"topk"``, or the
-        strategy's inside a SparseStrategy scope.
-      density: fraction of gradient elements each rank sends, in (0, 1]; default 0.01 (or
-        the strategy's).
-      wire_dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`).
-      bucket_bytes: ``None`` (one fused bucket), θ bytes, or 0 (:mod:`tfsparse.plan`).
-      plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
-      memory: ``"residual"`` (error feedback, default) or ``"momentum"`` (momentum correction,
-        DGC §3.2 / GradientFlow Alg. 1: the exchange accumulates the velocity, so
-        ``inner_optimizer`` must have no momentum -- ``SGD(lr)``; ValueError otherwise).
-      momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
-      pipeline: ``1`` (synchronous, default) or ``2`` (Pipe-SGD, pipe-sgd-li2018 §3.1: each
-        step applies the previous step's aggregated gradient while its own is on the wire;
-        the first step applies zeros; momentum β is then stable only for ``lr·h < 1 − β``
-        on a curvature h, see ``SparseStrategy``).  At the end of ``fit``
-        (``finalize_variable_values``) the round in flight is finished and held for the next
-        step.
-      selection: ``None`` or ``"cost_model"`` (DRAGONN's per-tensor choice by Eq. 1,
-        :mod:`tfsparse.selection`).
-      clip_norm: DGC's local gradient clipping to ``clip_norm / sqrt(P)`` (default None: off).
+      algorithm, density: the aggregator and the fraction of elements each rank sends (default
+        ``"topk"`` at 0.01, or the strategy's inside a SparseStrategy scope).
+      settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
+        (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``;
+        ``algorithm_options`` or any other keyword: the algorithm's options) -- each is described
+        once, in :mod:`tfsparse.settings`.  ``memory="momentum"`` needs an ``inner_optimizer``
+        without momentum (``SGD(lr)``; ValueError otherwise).  With ``pipeline=2``, at the end of
+        ``fit`` (``finalize_variable_values``) the round in flight is finished and held for the
+        next step.
       communicator: transport (default: ``tfsparse.init()``'s world).
       loss_scale: dynamic loss scaling (Keras' ``LossScaleOptimizer`` rules, applied to the
         exchanged gradient): ``None`` (default) -- on when the global dtype policy is
         ``mixed_float16`` as the wrapper is created (what Keras' ``compile`` would add); ``True``
         or ``False``.
       initial_scale, dynamic_growth_steps: as in ``keras.optimizers.LossScaleOptimizer``.
-      **algorithm_options: options of the algorithm (``tau=...`` for ``oktopk``, ...).
 
-    Every argument is validated here, before any communication.
+    Built inside a SparseStrategy scope without settings of its own, the wrapper takes the
+    strategy's exchange; with settings of its own, the strategy adopts the wrapper's.  Either way
+    the wrapper owns it and saves its state (:mod:`tfsparse.keras.ownership`).  Every argument is
+    validated here, before any communication.
     """
 
     def __init__(self, inner_optimizer, algorithm: str | None = None, density: float | None = None, *,
-                 wire_dtype: str | None = None, bucket_bytes: int | None = None, plan=None, memory: str | None = None,
-                 momentum: float | None = None, pipeline: int | None = None, selection=None,
-                 clip_norm: float | None = None, communicator=None, name: str | None = None,
+                 settings: Settings | None = None, communicator=None, name: str | None = None,
                  loss_scale: bool | None = None, initial_scale: float = 2.0 ** 15, dynamic_growth_steps: int = 2000,
-                 algorithm_options: dict | None = None, **kwargs):
+                 **kwargs):
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"inner_optimizer must be a keras.optimizers.Optimizer instance, got "
                              f"{type(inner_optimizer).__name__}; e.g. DistributedOptimizer(keras.optimizers.SGD(0.1))")
@@ -103,18 +98,20 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         for arg, default in _BASE_DEFAULTS.items():
             if arg in kwargs and kwargs.pop(arg) != default:
                 raise ValueError(f"DistributedOptimizer does not take `{arg}`; set it on the inner optimizer")
-        options = {**(algorithm_options or {}), **kwargs}
-        given = {k: v for k, v in (("algorithm", algorithm), ("density", density), ("wire_dtype", wire_dtype),
-                                   ("bucket_bytes", bucket_bytes), ("plan", plan), ("memory", memory),
-                                   ("momentum", momentum), ("pipeline", pipeline), ("selection", selection),
-                                   ("clip_norm", clip_norm)) if v is not None}
-        shared = _strategy_exchange()
-        if shared is not None and not given and not options and communicator is None:
-            exchange = shared  # inside a SparseStrategy, no settings of its own: the strategy's exchange
+        # what a config saved with every key (None: the default) or a plain call gives of its own
+        given = {k: v for k, v in kwargs.items()
+                 if not (k in _SETTING_NAMES and v is None) and not (k == "algorithm_options" and not v)}
+        strategy = _sparse_strategy()
+        if strategy is not None and not given and algorithm is None and density is None and settings is None \
+                and communicator is None:
+            exchange, checkpointer = strategy.exchange, strategy.checkpointer  # no settings of its own
         else:
-            exchange = GradientExchange(**{**_DEFAULTS, **given}, communicator=communicator, **options)
-        exchange.check_optimizer(inner_optimizer)
-        exchange.owner = "optimizer"  # saved with the optimizer, not with the strategy
+            engine = GradientExchange(algorithm, density, settings=settings, communicator=communicator, **given)
+            exchange = Pipelined(engine)
+            checkpointer = Checkpointer(exchange)
+        check_optimizer(exchange, inner_optimizer)
+        if strategy is not None:
+            strategy.adopt_exchange(exchange, checkpointer)  # this wrapper owns it and saves its state
         if loss_scale is None:
             loss_scale = keras.config.dtype_policy().name == "mixed_float16"
         factor = inner_optimizer.loss_scale_factor
@@ -124,6 +121,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             inner_optimizer.loss_scale_factor = factor  # LossScaleOptimizer turned it off: no scaling here
         self.loss_scale = bool(loss_scale)
         self.exchange = exchange
+        self.checkpointer = checkpointer
         self._started_from_root = False
 
     @property
@@ -154,9 +152,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             missing = [getattr(v, "path", v.name) for g, v in zip(grads, variables) if g is None]
             raise ValueError(f"gradients are missing for {missing}: every rank must send the same "
                              f"gradients each step; mark unused variables trainable=False")
-        if _strategy_exchange() is not None:
-            # under SparseStrategy its all-reduce runs this optimizer's exchange (found on the
-            # call stack), and Keras scales the loss by 1/P; with loss scaling, Keras' own
+        if _sparse_strategy() is not None:
+            # under SparseStrategy its all-reduce runs this optimizer's exchange (adopted by the
+            # strategy when this wrapper was built), and Keras scales the loss by 1/P; with loss scaling, Keras' own
             # LossScaleOptimizer logic, whose finite test the strategy runs on the exchanged sum
             if self.loss_scale:
                 self._tf_apply(grads, trainable_variables)
@@ -167,10 +165,10 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         names = [getattr(v, "path", v.name) for _, v in pairs]
         p = float(self.exchange.comm.size)
         if not self.loss_scale:
-            summed = self.exchange([g for g, _ in pairs], names=names)
+            summed = exchange_tensors(self.exchange, [g for g, _ in pairs], names=names)
             self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
             return
-        summed = self.exchange.loss_scaled([g for g, _ in pairs], self.dynamic_scale, names)
+        summed = loss_scaled(self.exchange, [g for g, _ in pairs], self.dynamic_scale, names)
 
         def finite():
             self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
@@ -231,44 +229,21 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- checkpoints: every rank's exchange state ---------------------------
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        for key, value in self.exchange.checkpoint_entries().items():
+        for key, value in self.checkpointer.entries().items():
             store[key] = value
 
     def load_own_variables(self, store):
         keys = list(store.keys())
-        plain = {k: store[k] for k in keys if not self._is_exchange_key(k)}
-        super().load_own_variables(plain)
-        self.exchange.restore_checkpoint({k: store[k] for k in keys if self._is_exchange_key(k)})
-
-    @staticmethod
-    def _is_exchange_key(key) -> bool:
-        from ..exchange import CHECKPOINT_PREFIX
-
-        return str(key).startswith(CHECKPOINT_PREFIX)
+        super().load_own_variables({k: store[k] for k in keys if not is_entry(k)})
+        self.checkpointer.restore({k: store[k] for k in keys if is_entry(k)})
 
     def get_config(self):
-        ex = self.exchange
-        plan = ex.plan.config()
-        return {
-            "name": self.name,
-            "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
-            "algorithm": ex.algorithm,
-            "density": ex.density,
-            "wire_dtype": ex.wire.name,
-            "bucket_bytes": plan.get("bucket_bytes"),
-            # a PerTensorPlan's assign function is code: not part of the config; the cost model's
-            # plan is re-made from ``selection`` ("cost_model": measured again; a CostModel's numbers)
-            "plan": None if ex.selection is not None else plan["plan"],
-            "selection": ex.selection.as_dict() if hasattr(ex.selection, "as_dict") else ex.selection,
-            "clip_norm": ex.clip_norm,
-            "memory": ex.memory,
-            "momentum": ex.momentum,
-            "pipeline": ex.pipeline,
-            "loss_scale": self.loss_scale,
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "algorithm_options": dict(ex.options),
-        }
+        """The settings' serialisation (:meth:`tfsparse.settings.Settings.config`, with the current
+        density) and the wrapper's own arguments."""
+        return {"name": self.name,
+                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+                **self.exchange.config(), "loss_scale": self.loss_scale, "initial_scale": self.initial_scale,
+                "dynamic_growth_steps": self.dynamic_growth_steps}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

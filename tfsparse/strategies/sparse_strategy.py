@@ -7,9 +7,10 @@ one call.  :class:`SparseExtended` overrides
 
 * ``_num_replicas_in_sync`` — the world size, so Keras scales the loss by 1/P and
   the SUM of the exchange is the mean gradient;
-* ``_batch_reduce_to`` — the :class:`~tfsparse.exchange.GradientExchange` (the model's one
-  exchange: that of the ``DistributedOptimizer`` applying the gradients, else the
-  strategy's own);
+* ``_batch_reduce_to`` — the exchange (:mod:`tfsparse.tf_glue` over a
+  :class:`~tfsparse.pipelined.Pipelined` :class:`~tfsparse.exchange.GradientExchange`): the
+  strategy's own, or the one it adopted from a ``DistributedOptimizer`` with settings of its
+  own built in its scope (:mod:`tfsparse.keras.ownership`);
 * ``_create_variable`` — every variable created in the scope starts from rank 0's
   value (a broadcast: variable creation in the scope is a collective);
 * ``_experimental_distribute_dataset`` — returns the dataset unchanged (each rank
@@ -22,9 +23,9 @@ one call.  :class:`SparseExtended` overrides
   same communicator, fused with the first step's step-count agreement into one allreduce.
 
 The strategy is also a Keras saveable: a model built in its scope saves the exchange's state
-(every rank's residual, the aggregators' state) in its ``.keras`` file, and loading the file
-in the scope restores it -- unless a ``DistributedOptimizer`` owns the exchange, which then
-saves it itself.
+(every rank's residual, the aggregators' state; :mod:`tfsparse.checkpoint`) in its ``.keras``
+file, and loading the file in the scope restores it -- unless a ``DistributedOptimizer`` owns
+the exchange, which then saves it itself.
 """
 from __future__ import annotations
 
@@ -32,20 +33,27 @@ import numpy as np
 import tensorflow as tf
 
 from .. import runtime
-from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps,
-                           keras_optimizer_apply, keras_running, reject_xla)
+from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps, keras_running,
+                           reject_xla)
+from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
-from ..exchange import GradientExchange, check_float_variables
+from ..exchange import GradientExchange
+from ..pipelined import Pipelined
+from ..settings import Settings
+from ..keras.ownership import check_optimizer
+from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from ..runtime import StepCountMismatch, check_step_counts  # noqa: F401  (StepCountMismatch: public here too)
 
 _SYNCED_STEPS = ("train_step", "test_step")
 
 
 class SparseExtended(OneDeviceExtended):
-    def __init__(self, container, device, exchange: GradientExchange):
+    def __init__(self, container, device, exchange: Pipelined):
         super().__init__(container, device)
         self.exchange = exchange
-        self._active = exchange  # the exchange the last traced step ran (the model's one)
+        self.checkpointer = Checkpointer(exchange)
+        self.saved_by_optimizer = False  # a DistributedOptimizer owns the exchange (and saves its state)
+        self._names = None  # the variable paths of the model whose train step was traced last
         self._metric_vars: list = []
         self._pending_steps = None
         self._reduced = None  # a LossScaleOptimizer step's exchanged gradients (see _agreed_finite)
@@ -76,30 +84,26 @@ class SparseExtended(OneDeviceExtended):
             steps = card if card >= 0 else None
         self._pending_steps = steps
         if keras_running() == "fit":
-            for exchange in {self.exchange, self._active}:
-                exchange.sync_points = (exchange.rounds_started, steps) if steps else None
+            self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
         return dataset
 
     # -- gradient exchange ------------------------------------------------
-    def _model_exchange(self, values, optimizers=()):
-        """``(exchange, names)``: the model's one exchange -- that of a DistributedOptimizer
-        among the optimizers applying ``values`` (looking through wrappers), else the
-        strategy's -- checked against those optimizers."""
-        check_float_variables(values)
-        found, names = keras_optimizer_apply(len(values))
-        chain = []
-        for opt in [*optimizers, *found]:
-            while opt is not None and opt not in chain:
-                chain.append(opt)
-                opt = getattr(opt, "inner_optimizer", None)
-        exchange = next((o.exchange for o in chain if isinstance(getattr(o, "exchange", None), GradientExchange)),
-                        self.exchange)
-        for optimizer in chain:
-            exchange.check_optimizer(optimizer)
-        if exchange is not self.exchange and exchange.sync_points is None:
-            exchange.sync_points = self.exchange.sync_points
-        self._active = exchange
-        return exchange, names
+    def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
+        """A ``DistributedOptimizer`` built in this strategy's scope owns the exchange from now on:
+        its own (settings of its own: the strategy runs it) or the strategy's; it saves the state."""
+        self.exchange, self.checkpointer = exchange, checkpointer
+        self.saved_by_optimizer = True
+
+    def _trace_train_step(self, model) -> None:
+        """At the trace of ``model``'s train step: its optimizers are checked against the exchange
+        (``memory="momentum"`` with an optimizer's own momentum raises) and its trainable
+        variables name the gradients."""
+        check_optimizer(self.exchange, getattr(model, "optimizer", None))
+        self._names = [str(v.path) for v in model.trainable_variables]
+
+    def _names_for(self, values):
+        names = self._names
+        return names if names is not None and len(names) == len(values) else None
 
     def _agreed_finite(self, loss_scaler, grads):
         """Keras' ``LossScaleOptimizer.check_finite`` under this strategy: it would test each
@@ -111,8 +115,9 @@ class SparseExtended(OneDeviceExtended):
         all ranks apply the step, or all skip it and halve their loss scale.  The summed
         gradients are kept for the all-reduce that the finite branch then asks for."""
         values = [g for g in grads if g is not None]
-        exchange, names = self._model_exchange(values, [loss_scaler])
-        self._reduced = exchange.loss_scaled(values, loss_scaler.dynamic_scale, names)
+        check_float_variables(values)
+        check_optimizer(self.exchange, loss_scaler)
+        self._reduced = loss_scaled(self.exchange, values, loss_scaler.dynamic_scale, self._names_for(values))
         return loss_scaler.check_finite(self._reduced)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -121,8 +126,8 @@ class SparseExtended(OneDeviceExtended):
             # the unscaled gradients that _agreed_finite already exchanged in this step
             reduced, self._reduced = self._reduced, None
         else:
-            exchange, names = self._model_exchange(values)
-            reduced = exchange(values, names=names)
+            check_float_variables(values)
+            reduced = exchange_tensors(self.exchange, values, names=self._names_for(values))
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             p = float(self.exchange.comm.size)
             reduced = [r / tf.cast(p, r.dtype) for r in reduced]
@@ -150,6 +155,8 @@ class SparseExtended(OneDeviceExtended):
         owner, name = _bound_to(fn), getattr(fn, "__name__", "")
         if name == "check_finite" and hasattr(owner, "dynamic_scale"):
             return self._agreed_finite(owner, *args, **(kwargs or {}))
+        if name == "train_step" and owner is not None:
+            self._trace_train_step(owner)
         outputs = super()._call_for_each_replica(fn, args, kwargs)
         if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
@@ -194,7 +201,7 @@ class SparseExtended(OneDeviceExtended):
                 check_step_counts(comm, steps)
             return total[:-2] / comm.size
 
-        return self._active.run_collective(average)
+        return self.exchange.run_collective(average)
 
 
 def _bound_to(fn):
@@ -257,53 +264,28 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
     >>> model.fit(x_shard, y_shard, epochs=5)
 
     Args:
-      algorithm: aggregator name; ``tfsparse.aggregators.available_aggregators()``.
-      density: fraction of gradient elements each rank sends per step, in (0, 1].
-      wire_dtype: ``"float32"`` (default), ``"float16"``, ``"bfloat16"`` or ``"int8"``
-        (:mod:`tfsparse.wire`).
-      bucket_bytes: ``None`` (one fused bucket, default), θ bytes (GradientFlow's lazy
-        allreduce) or 0 (one bucket per tensor); see :mod:`tfsparse.plan`.
-      plan: ``"fused"``, ``"buckets"``, ``"per_tensor"`` or a :class:`tfsparse.plan.Plan`.
-      memory: ``"residual"`` (error feedback, default) or ``"momentum"`` (momentum correction
-        with momentum factor masking, DGC §3.2 / GradientFlow Alg. 1): the exchange keeps the
-        velocity and the model's optimizer must run without momentum (``SGD(lr)``); an
-        optimizer with ``momentum``/``beta_1`` > 0 raises ValueError when training starts.
-      momentum: the momentum factor of ``memory="momentum"`` (default 0.9).
-      pipeline: ``1`` (synchronous, default) or ``2``: Pipe-SGD (pipe-sgd-li2018 §3.1, Alg. 1)
-        -- the exchange of step t's gradient runs while step t+1 computes, and step t+1
-        applies it (one step stale); the first step applies a zero gradient.  Pair it with
-        ``algorithm="dense", wire_dtype="int8"`` (or ``"bfloat16"``) for the paper's
-        compressed pipelined training, and with ``tfsparse.keras.callbacks.DSyncWarmUp`` for
-        its synchronous warm-up.  A gradient one step late narrows the stable learning rates:
-        heavy-ball momentum β is stable for ``lr·h < 1 − β`` on a curvature h instead of
-        ``lr·h < 2(1 + β)`` (plain SGD, the paper's update: ``lr·h < 1`` instead of 2), so a
-        learning rate tuned for synchronous momentum SGD may need lowering (README, Pipe-SGD).
-      selection: ``None`` (every tensor compressed, default) or ``"cost_model"``: DRAGONN's
-        efficiency-aware tensor selection (dragonn-wang2022 §4.2, Eq. 1) -- α, β and the
-        compression cost are measured at the first step and only the tensors whose compression
-        saves time are compressed; the others (biases, norms) go dense.  See
-        :mod:`tfsparse.selection`.
-      clip_norm: DGC's local gradient clipping: each rank clips its gradient to the global L2
-        norm ``clip_norm / sqrt(P)`` before error feedback (default None: off).
+      algorithm, density: the aggregator and the fraction of elements each rank sends (default
+        ``"topk"`` at 0.01).
+      settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
+        (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``, and
+        the algorithm's options) -- each is described once, in :mod:`tfsparse.settings`.  With
+        ``memory="momentum"`` the model's optimizer must run without momentum (``SGD(lr)``): an
+        optimizer with ``momentum``/``beta_1`` > 0 raises ValueError when training starts.  With
+        ``pipeline=2`` pair ``tfsparse.keras.callbacks.DSyncWarmUp`` for Pipe-SGD's warm-up.
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
         when GPUs are visible, else ``/cpu:0``).  On a GPU, with ``numba.cuda`` usable, the
         exchange stays there: the gradients are viewed in place, only the payload crosses to
-        the host (:meth:`tfsparse.exchange.GradientExchange.__call__`).
+        the host (:mod:`tfsparse.tf_glue`).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
-      **algorithm_options: algorithm options (see each aggregator).
 
     Every argument is validated before any communication.  Use as ``with strategy.scope():``
     or directly ``with strategy:``.
     """
 
-    def __init__(self, algorithm: str = "topk", density: float = 0.01, *, wire_dtype: str = "float32",
-                 bucket_bytes: int | None = None, plan=None, memory: str = "residual", momentum: float | None = None,
-                 pipeline: int = 1, selection=None, clip_norm: float | None = None, device: str | None = None,
-                 communicator=None, **algorithm_options):
-        exchange = GradientExchange(algorithm, density, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
-                                    plan=plan, memory=memory, momentum=momentum, pipeline=pipeline,
-                                    selection=selection, clip_norm=clip_norm, communicator=communicator,
-                                    **algorithm_options)
+    def __init__(self, algorithm: str | None = None, density: float | None = None, *, settings: Settings | None = None,
+                 device: str | None = None, communicator=None, **kwargs):
+        engine = GradientExchange(algorithm, density, settings=settings, communicator=communicator, **kwargs)
+        exchange = Pipelined(engine)
         if communicator is None:
             runtime.init()  # after validation: nothing communicates before the arguments are checked
         if device is None:
@@ -313,10 +295,19 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         self._scope_stack: list = []
 
     @property
-    def exchange(self) -> GradientExchange:
-        """The strategy's gradient exchange: the one every model trained in its scope uses,
-        unless the model's optimizer is a ``DistributedOptimizer`` with settings of its own."""
+    def exchange(self) -> Pipelined:
+        """The gradient exchange every model trained in the scope uses (a :class:`Pipelined`
+        round engine): the strategy's own, or the one it adopted from a ``DistributedOptimizer``
+        with settings of its own (:mod:`tfsparse.keras.ownership`)."""
         return self.extended.exchange
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self.extended.checkpointer
+
+    def adopt_exchange(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
+        """Called by a ``DistributedOptimizer`` built in the scope: see :meth:`SparseExtended.adopt`."""
+        self.extended.adopt(exchange, checkpointer)
 
     @property
     def residual(self):
@@ -337,13 +328,13 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         return "Layer"  # Keras' saving walks this object's own attributes as it does a layer's
 
     def save_own_variables(self, store):
-        if self.exchange.owner is None:
-            for key, value in self.exchange.checkpoint_entries().items():
+        if not self.extended.saved_by_optimizer:
+            for key, value in self.checkpointer.entries().items():
                 store[key] = value
 
     def load_own_variables(self, store):
-        if self.exchange.owner is None:
-            self.exchange.restore_checkpoint(store)
+        if not self.extended.saved_by_optimizer:
+            self.checkpointer.restore(store)
 
     def scope(self):
         """Like ``tf.distribute.Strategy.scope()``, with a clear error for an optimizer

@@ -1,0 +1,108 @@
+"""Settings: defined once, validated once, serialised by config(); plan= is the one grouping
+argument (bucket_bytes= / selection= are deprecated aliases that warn)."""
+import warnings
+
+import numpy as np
+import pytest
+
+from tfsparse.collectives import InProcessWorld
+from tfsparse.exchange import GradientExchange
+from tfsparse.pipelined import Pipelined
+from tfsparse.plan import BucketPlan, FusedPlan, PerTensorPlan
+from tfsparse.selection import CostModel, CostModelPlan
+from tfsparse.settings import Settings
+
+MODEL = CostModel(alpha=2e-4, beta=12.5e6, comp_fixed=1e-4, comp_per_element=2e-9)
+
+
+@pytest.mark.parametrize("plan,expected,config", [
+    (None, FusedPlan(), None),
+    ("fused", FusedPlan(), None),
+    (4096, BucketPlan(4096), 4096),
+    (0, BucketPlan(0), 0),
+    ("per_tensor", PerTensorPlan(), "per_tensor"),
+    (BucketPlan(64), BucketPlan(64), 64),
+])
+def test_plan_takes_a_name_a_byte_threshold_or_a_plan(plan, expected, config):
+    s = Settings.of(plan=plan)
+    assert s.plan == expected and s.config()["plan"] == config
+    assert Settings.of(**s.config()) == s  # the config makes the same settings again
+
+
+@pytest.mark.parametrize("plan", ["cost_model", MODEL, MODEL.as_dict()])
+def test_plan_takes_the_cost_model(plan):
+    s = Settings.of(algorithm="dragonn", plan=plan)
+    assert isinstance(s.plan, CostModelPlan)
+    assert Settings.of(**s.config()).plan == s.plan
+
+
+@pytest.mark.parametrize("alias,value,plan", [("bucket_bytes", 2000, BucketPlan(2000)),
+                                              ("selection", "cost_model", CostModelPlan())])
+def test_the_old_spellings_warn_and_mean_the_same(alias, value, plan):
+    with pytest.warns(DeprecationWarning, match=rf"{alias}= is deprecated; use plan="):
+        s = Settings.of(algorithm="dragonn", **{alias: value})
+    assert s.plan == plan
+
+
+def test_plan_buckets_with_bucket_bytes_is_one_plan():
+    with pytest.warns(DeprecationWarning):
+        assert Settings.of(plan="buckets", bucket_bytes=512).plan == BucketPlan(512)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(plan=1024, bucket_bytes=2048), ["plan=1024", "bucket_bytes=2048", "give one plan="]),
+    (dict(algorithm="dragonn", selection="cost_model", bucket_bytes=64), ["selection='cost_model'", "bucket_bytes=64"]),
+    (dict(plan=1.5), ["plan=1.5 is not supported", "a number of bytes", "'cost_model'"]),
+    (dict(plan=-3), ["bucket_bytes=-3", "integer >= 0"]),
+    (dict(algorithm="gtopk", plan="cost_model"), ["algorithm='gtopk'"]),
+    (dict(pipeline=3), ["pipeline=3 is not supported", "1 (synchronous) or 2"]),
+    (dict(clip_norm=0), ["clip_norm=0"]),
+    (dict(memory="residual", momentum=0.5), ["momentum=0.5 needs memory='momentum'"]),
+    (dict(algorithm="oktopk", tau_prime=0), ["tau_prime=0"]),
+])
+def test_bad_settings_name_the_argument(kwargs, words):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError) as err:
+            Settings.of(**kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_one_settings_object_for_the_engine_and_its_keywords():
+    s = Settings.of(algorithm="oktopk", density=0.05, wire_dtype="int8", plan=4096, tau=16)
+    a = GradientExchange(settings=s)
+    b = GradientExchange("oktopk", 0.05, wire_dtype="int8", plan=4096, tau=16)
+    assert a.settings is s and b.settings == s and a.config() == b.config()
+    assert s.config() == {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "plan": 4096,
+                          "memory": "residual", "momentum": None, "pipeline": 1, "clip_norm": None,
+                          "algorithm_options": {"tau": 16}}
+    assert s.replace(density=0.1).density == 0.1 and s.density == 0.05
+    assert Settings.of(s, density=0.2).options == {"tau": 16}
+
+
+def test_momentum_defaults_with_momentum_correction_only():
+    assert Settings.of(memory="momentum").momentum == 0.9
+    assert Settings.of(memory="residual").momentum is None
+    assert Settings.of(memory="momentum", momentum=0.8).replace(memory="residual").momentum is None
+
+
+def test_pipelined_state_set_before_the_build_keeps_the_pending_result():
+    """A state with ``pending`` restored into a fresh Pipelined exchange before its first step:
+    the first step applies exactly the saved pending result (held, then taken)."""
+    def fn(comm):
+        grads = [np.full(6, comm.rank + 1.0, np.float32)]
+        live = Pipelined(GradientExchange("dense", 1.0, pipeline=2, communicator=comm))
+        live.step(grads)
+        state = live.get_state()
+        fresh = Pipelined(GradientExchange("dense", 1.0, pipeline=2, communicator=comm))
+        fresh.set_state(state)
+        assert fresh.get_state().keys() == state.keys()  # before the build: kept whole
+        applied = fresh.step(grads)[0]
+        live.close()
+        fresh.close()
+        return state["pending"], applied
+
+    for pending, applied in InProcessWorld(3).run(fn):
+        np.testing.assert_array_equal(pending, np.full(6, 6.0, np.float32))
+        np.testing.assert_array_equal(applied, pending)

@@ -1,0 +1,195 @@
+"""Pipelined: Pipe-SGD's pipelining (pipe-sgd-li2018 §3.1, Alg. 1) as a wrapper around the
+round engine.
+
+``Pipelined(engine, depth=2)``: a training step calls :meth:`Pipelined.step`, which starts this
+step's round and returns the *previous* round's result -- so the communication of step ``t``'s
+gradient runs on the communication thread while step ``t + 1`` computes, and the update applied
+at step ``t + 1`` is the aggregated gradient of step ``t`` (``w[t] = w[t-1] - lr * g[t-2]`` in
+the paper's indexing, iteration dependency K = 2).  The first pipelined step applies a zero
+gradient (Alg. 1 initialises ``g_sum`` of iterations ``1-K .. 0`` to zero).  ``depth=1`` is the
+synchronous exchange.
+
+The wrapper owns the pipelining state, per bucket: the round whose result the next step takes
+(*in flight*), or that result once finished (*held*), and what each started round's step returns
+instead of its own result (*owed*).  The held result is explicit state (``pending`` in
+:meth:`get_state`), so a checkpoint keeps it and a resumed run applies it.
+
+The Keras layer tells it, by explicit calls, what it cannot see:
+
+* :attr:`dsync` -- Pipe-SGD's D-Sync warm-up (pipe-sgd-li2018 §4): while True, rounds run
+  synchronous over a float32 wire (``tfsparse.keras.callbacks.DSyncWarmUp`` sets it per epoch);
+* :meth:`flush` -- finish the round in flight and hold its result: before evaluation, before a
+  checkpoint's state is read, at the end of ``fit``;
+* :attr:`sync_points` -- ``(first round, steps per epoch)``: an epoch's last pipelined round is
+  finished in its own step, so that nothing is in flight while the epoch's callbacks run.
+
+Everything else (density, statistics, settings, state of the stages) is the engine's: read
+through :attr:`engine` or as attributes of the wrapper.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .exchange import GradientExchange, in_space
+
+
+class Pipelined:
+    """Pipe-SGD's iteration dependency ``depth`` (1 or 2) around a :class:`GradientExchange`."""
+
+    def __init__(self, engine: GradientExchange, depth: int | None = None):
+        if not isinstance(engine, GradientExchange):
+            raise ValueError(f"engine={engine!r} is not valid; accepted: a tfsparse.exchange.GradientExchange")
+        self.engine = engine
+        self.depth = engine.pipeline if depth is None else depth
+        if self.depth not in (1, 2):
+            raise ValueError(f"depth={depth!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD)")
+        engine.side_channel = self.depth > 1
+        self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
+        self.sync_points: tuple | None = None  # (first round, steps): a pipelined round that ends an epoch is waited for
+        self._pipelined = False  # the mode of the round being started
+        self._owed: dict = {}       # bucket -> {round index: (carry, pipelined)}
+        self._next_owed: dict = {}  # bucket -> the round in flight whose result the next step takes
+        self._held: dict = {}       # bucket -> that result, finished
+        self._restored = None       # a restored ``pending`` not yet placed in the buckets (before the build)
+
+    def __getattr__(self, name):
+        # the engine's settings, statistics and stages (only reached for names not defined here)
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    @property
+    def space(self):
+        return self.engine.space
+
+    @property
+    def density(self) -> float:
+        return self.engine.density
+
+    @density.setter
+    def density(self, value) -> None:
+        self.engine.density = value
+
+    @property
+    def schedule(self):
+        return self.engine.schedule
+
+    @schedule.setter
+    def schedule(self, value) -> None:
+        self.engine.schedule = value
+
+    # -- steps ------------------------------------------------------------
+    def step(self, grads):
+        """One training step's exchange: starts this step's round and returns the gradient to
+        apply now -- this round's result (synchronous), or the previous round's (pipelined;
+        zeros when there is none, e.g. at the first step), in the form of ``grads`` (one flat
+        array or a list of arrays)."""
+        engine = self.engine
+        with engine.space_of(grads).active():
+            flat, arrays = engine.arrays(grads)
+            buckets = engine.bucket_states
+            tokens = [self.begin(b, arrays[b.spec.first:b.spec.last]) for b in buckets]
+            return engine.assemble({b.spec.index: self.finish(b, t) for b, t in zip(buckets, tokens)}, flat)
+
+    def begin(self, b, arrays) -> int:
+        """Starts bucket ``b``'s next round in the round's mode (decided at bucket 0); returns its
+        index, for :meth:`finish`."""
+        i = b.spec.index
+        if i == 0:
+            self._place_restored()
+            self._pipelined = self.depth > 1 and not self.dsync
+        carry = None
+        if self._pipelined or self._next_owed.get(i) is not None or self._held.get(i) is not None:
+            # pipelined: the previous round's result (the residual the new round starts from is
+            # then complete, too); synchronous after pipelined rounds: added to this round's,
+            # so that no gradient is lost
+            carry = self._take(b)
+        index = self.engine.begin(b, arrays, dsync=self.dsync)
+        if carry is not None:
+            self._owed.setdefault(i, {})[index] = (carry, self._pipelined)
+        return index
+
+    def finish(self, b, index: int):
+        """The gradient the step of round ``index`` applies (see :meth:`step`)."""
+        engine = self.engine
+        carry, pipelined = self._owed.get(b.spec.index, {}).pop(index, (None, False))
+        if not pipelined:
+            out = engine.finish(b, index)
+            return out if carry is None else engine.space.plus(out, carry)
+        first, steps = self.sync_points or (0, 0)
+        if steps and index >= first and (index - first + 1) % steps == 0:
+            self._held[b.spec.index] = engine.finish(b, index)  # an epoch's last step: nothing stays in flight
+        else:
+            self._next_owed[b.spec.index] = index
+        return carry
+
+    def _take(self, b):
+        """What the bucket owes the step being started: the previous round's result (waiting for
+        its communication), or zeros when nothing is owed."""
+        self._hold_owed(b)
+        out = self._held.pop(b.spec.index, None)
+        return self.engine.space.zeros(b.spec.size) if out is None else out
+
+    def _hold_owed(self, b) -> None:
+        index = self._next_owed.pop(b.spec.index, None)
+        if index is not None:
+            self._held[b.spec.index] = self.engine.finish(b, index)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a pipelined round's result is owed to the next step (in flight or held)."""
+        return any(v is not None for v in (*self._held.values(), *self._next_owed.values()))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a pipelined round owed to the next step is still on the wire."""
+        return any(v is not None for v in self._next_owed.values())
+
+    @in_space
+    def flush(self) -> None:
+        """Finishes the communication of the pipelined round owed to the next step and holds its
+        result (the next :meth:`step` applies it; :meth:`get_state` saves it).  Call it on every
+        rank at the same point; it waits for the communication thread, nothing else."""
+        self._place_restored()
+        for b in self.engine.bucket_states:
+            self._hold_owed(b)
+
+    # -- explicit state ---------------------------------------------------
+    @in_space
+    def get_state(self) -> dict:
+        """The engine's state (:meth:`GradientExchange.get_state`) and ``pending`` (the finished
+        result the next step applies, over the layout) when one is held.  A pipelined round owed
+        to the next step is finished first (:meth:`flush`); not while a synchronous round is in
+        flight."""
+        engine = self.engine
+        if not engine.bucket_states:
+            return engine.get_state()
+        self.flush()
+        state = engine.get_state()
+        if any(self._held.get(b.spec.index) is not None for b in engine.bucket_states):
+            state["pending"] = engine.over_layout(lambda b: self._held.get(b.spec.index))
+        return state
+
+    @in_space
+    def set_state(self, state: dict) -> None:
+        """Restores :meth:`get_state`'s output (before the engine is built, at its build)."""
+        engine = self.engine
+        if engine.bucket_states:
+            self.flush()
+        engine.set_state(state)  # before the build, kept whole (``pending`` included) until it
+        pending = state.get("pending")
+        self._restored = (None if pending is None else np.asarray(pending),)
+        self._place_restored()
+
+    def _place_restored(self) -> None:
+        """A restored ``pending`` placed in the buckets' held results, once they exist."""
+        engine = self.engine
+        if self._restored is None or not engine.bucket_states:
+            return
+        (pending,), self._restored = self._restored, None
+        for b in engine.bucket_states:
+            self._held[b.spec.index] = None if pending is None else \
+                engine.space.from_host(pending.reshape(-1)[b.spec.start:b.spec.stop])
+
+    def __repr__(self):
+        return f"Pipelined({self.engine!r}, depth={self.depth})"

@@ -1,0 +1,221 @@
+"""Settings: every option of a gradient exchange, defined once.
+
+:class:`Settings` is the one validated, serialisable description of an exchange that
+:class:`tfsparse.SparseStrategy`, :class:`tfsparse.keras.DistributedOptimizer` and the round
+engine (:class:`tfsparse.exchange.GradientExchange`) all take.  Each of them also accepts the
+same keyword arguments (``algorithm=``, ``density=``, ...), which become a :class:`Settings`
+through :meth:`Settings.of`; ``settings=`` passes one directly.
+
+=================  ===============================================================================
+``algorithm``      registered aggregator name (``tfsparse.aggregators.available_aggregators()``)
+``density``        fraction of elements each rank sends, in (0, 1]
+``wire_dtype``     ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`)
+``plan``           how gradients are grouped into buckets and priced: ``None``/``"fused"`` (one
+                   bucket), a byte threshold θ (GradientFlow's lazy allreduce; ``0``: one bucket
+                   per tensor), ``"per_tensor"``, ``"cost_model"`` or a
+                   :class:`~tfsparse.selection.CostModel` (DRAGONN's per-tensor choice, Eq. 1), or
+                   a :class:`tfsparse.plan.Plan`
+``memory``         ``"residual"`` (error feedback), ``"momentum"`` (momentum correction) or
+                   ``"none"`` (:mod:`tfsparse.memory`); ``momentum``: its factor
+``pipeline``       Pipe-SGD's iteration dependency K: 1 (synchronous) or 2 (each step applies the
+                   previous step's aggregate, :class:`tfsparse.pipelined.Pipelined`; see below)
+``clip_norm``      DGC's local gradient clipping (None: off)
+``options``        the algorithm's own options (``tau=`` for Ok-Topk, ...)
+=================  ===============================================================================
+
+``pipeline=2`` (pipe-sgd-li2018 §3.1, Alg. 1): the exchange of step t's gradient runs while
+step t+1 computes, and step t+1 applies it; the first step applies a zero gradient.  Pair it
+with ``algorithm="dense", wire_dtype="int8"`` (or ``"bfloat16"``) for the paper's compressed
+pipelined training, and with ``tfsparse.keras.callbacks.DSyncWarmUp`` for its synchronous
+warm-up.  A gradient one step late narrows the stable learning rates: heavy-ball momentum β is
+stable for ``lr·h < 1 − β`` on a curvature h instead of ``lr·h < 2(1 + β)`` (plain SGD, the
+paper's update: ``lr·h < 1`` instead of 2), so a learning rate tuned for synchronous momentum
+SGD may need lowering (README, Pipe-SGD).
+
+The old spellings of the grouping, ``bucket_bytes=θ`` and ``selection=...``, are deprecated
+aliases of ``plan=θ`` and ``plan=...``: they still work and warn (``DeprecationWarning``).
+
+:meth:`Settings.config` is the serialisation (plain values; ``Settings.of(**config)`` makes the
+same settings again) -- what ``DistributedOptimizer.get_config`` stores and what every rank
+compares at the first exchange.  Everything is validated when the settings are made, before any
+communication: a ``ValueError`` names the argument, the value and what is accepted.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from . import _checks
+from .aggregators import available_aggregators, get_aggregator
+from .memory import check_memory
+from .plan import BucketPlan, Plan, available_plans, make_plan
+from .schedules import check_density
+from .selection import CostModel, CostModelPlan, make_selection
+from .wire import get_wire
+
+PIPELINES = (1, 2)  # pipe-sgd-li2018 §3.1: K = 2 is optimal under limited resources, K > 2 only adds staleness
+#: the deprecated spellings of ``plan=``
+ALIASES = ("bucket_bytes", "selection")
+
+
+def check_clip_norm(clip_norm) -> float | None:
+    """``clip_norm``: None (no clipping) or a positive finite number."""
+    if clip_norm is None:
+        return None
+    return _checks.real("clip_norm", clip_norm, 0.0, lo_open=True, hint=(
+        " or None (no clipping); DGC's local gradient clipping: each rank clips its gradient to clip_norm / sqrt(P)"))
+
+
+def check_pipeline(pipeline) -> int:
+    """``pipeline`` (Pipe-SGD's iteration dependency K) must be 1 (synchronous) or 2."""
+    if isinstance(pipeline, bool) or not isinstance(pipeline, numbers.Integral) or int(pipeline) not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD, "
+                         f"the update of step t+1 applies step t's aggregated gradient; pipe-sgd-li2018 §3.1 "
+                         f"shows K > 2 only adds staleness)")
+    return int(pipeline)
+
+
+def check_algorithm(algorithm) -> str:
+    names = available_aggregators()
+    if not isinstance(algorithm, str) or algorithm not in names:
+        raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
+                         f"{', '.join(repr(a) for a in names)}")
+    return algorithm
+
+
+_ACCEPTED = ("None or 'fused' (one bucket), a number of bytes (GradientFlow's lazy allreduce threshold; 0: one "
+             "bucket per tensor), 'buckets' (with that number), 'per_tensor', 'cost_model' or a "
+             "tfsparse.selection.CostModel (DRAGONN's per-tensor choice), or a tfsparse.plan.Plan instance")
+
+
+def make_grouping(plan, algorithm: str) -> Plan:
+    """``plan=`` -> a :class:`~tfsparse.plan.Plan`: a plan name, a byte threshold (an integer:
+    :class:`~tfsparse.plan.BucketPlan`), DRAGONN's cost model (``"cost_model"``, a
+    :class:`~tfsparse.selection.CostModel` or a mapping of its fields) or a Plan."""
+    if isinstance(plan, Plan):
+        return plan
+    if plan == "cost_model" or isinstance(plan, (CostModel, Mapping)):
+        return make_selection(plan, algorithm)
+    if isinstance(plan, numbers.Integral) and not isinstance(plan, bool):
+        return BucketPlan(int(plan))
+    if plan is None or (isinstance(plan, str) and plan in available_plans()):
+        return make_plan(plan)
+    raise ValueError(f"plan={plan!r} is not supported; accepted: {_ACCEPTED}")
+
+
+def plan_config(plan: Plan):
+    """The serialisable form of a plan (what :func:`make_grouping` takes back): None for the fused
+    plan, the byte threshold of a bucket plan, the cost model's ``"cost_model"`` or fields, else the
+    plan's name (a per-tensor plan's ``assign`` function is code, not configuration)."""
+    if isinstance(plan, CostModelPlan):
+        return "cost_model" if plan.model is None else plan.model.as_dict()
+    if isinstance(plan, BucketPlan):
+        return plan.bucket_bytes
+    return None if plan.name == "fused" else plan.name
+
+
+def _merge_aliases(plan, bucket_bytes, selection, algorithm):
+    """``plan`` with the deprecated ``bucket_bytes=`` / ``selection=`` folded in (each warns; a bad
+    value is reported under the name it was given)."""
+    given = [(name, value) for name, value in (("bucket_bytes", bucket_bytes), ("selection", selection))
+             if value is not None]
+    for name, value in given:
+        warnings.warn(f"{name}= is deprecated; use plan={value!r} (one argument for how gradients are grouped)",
+                      DeprecationWarning, stacklevel=4)
+    if not given:
+        return plan
+    if len(given) == 1 and given[0][0] == "bucket_bytes" and (plan is None or isinstance(plan, str)):
+        return make_plan(plan, bucket_bytes)  # plan="buckets", bucket_bytes=θ: one plan
+    if len(given) > 1 or plan is not None:
+        names = ", ".join(f"{n}={v!r}" for n, v in [("plan", plan)] * (plan is not None) + given)
+        raise ValueError(f"{names}: these all set how gradients are grouped; give one plan= ({_ACCEPTED})")
+    return make_selection(selection, check_algorithm(algorithm))
+
+
+@dataclass(eq=False)
+class Settings:
+    """The validated settings of one exchange (see the module docstring).  Make them with
+    :meth:`of`; :meth:`config` is their serialisation."""
+
+    algorithm: str = "topk"
+    density: float = 0.01
+    wire_dtype: str = "float32"
+    plan: Plan | None = None
+    memory: str = "residual"
+    momentum: float | None = None
+    pipeline: int = 1
+    clip_norm: float | None = None
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.algorithm = check_algorithm(self.algorithm)
+        self.density = check_density(self.density)
+        self.wire_dtype = get_wire(self.wire_dtype).name
+        self.options = dict(self.options)
+        get_aggregator(self.algorithm, **self.options)  # validates the options
+        self.plan = make_grouping(self.plan, self.algorithm)
+        self.momentum = check_memory(self.memory, self.momentum).get("momentum")
+        self.pipeline = check_pipeline(self.pipeline)
+        self.clip_norm = check_clip_norm(self.clip_norm)
+
+    @classmethod
+    def of(cls, settings: "Settings | None" = None, *, bucket_bytes=None, selection=None,
+           algorithm_options: Mapping | None = None, **kwargs) -> "Settings":
+        """Settings from keyword arguments (those of the module docstring; any other keyword is an
+        algorithm option), or ``settings`` itself when given alone.  ``bucket_bytes=`` and
+        ``selection=`` are deprecated aliases of ``plan=``."""
+        names = {f.name for f in fields(cls)} - {"options"}
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        options = {**(algorithm_options or {}), **kwargs}
+        if settings is not None:
+            if not isinstance(settings, Settings):
+                raise ValueError(f"settings={settings!r} is not valid; accepted: a tfsparse.settings.Settings")
+            if given or options or bucket_bytes is not None or selection is not None:
+                return settings.replace(**given, options={**settings.options, **options}, bucket_bytes=bucket_bytes,
+                                        selection=selection)
+            return settings
+        given["plan"] = _merge_aliases(given.get("plan"), bucket_bytes, selection, given.get("algorithm", "topk"))
+        return cls(**given, options=options)
+
+    def replace(self, *, bucket_bytes=None, selection=None, **changes) -> "Settings":
+        """A copy with ``changes`` (validated)."""
+        current = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "memory" in changes and "momentum" not in changes and changes["memory"] != "momentum":
+            current["momentum"] = None
+        if bucket_bytes is not None or selection is not None:
+            changes["plan"] = _merge_aliases(changes.get("plan"), bucket_bytes, selection,
+                                             changes.get("algorithm", self.algorithm))
+        return Settings(**{**current, **changes})
+
+    @property
+    def memory_options(self) -> dict:
+        return {} if self.momentum is None else {"momentum": self.momentum}
+
+    @property
+    def keeps_residual(self) -> bool:
+        """Whether the exchange keeps a residual: error feedback for a sparse algorithm or a lossy
+        wire, or momentum correction (whose velocity is kept even for a lossless exchange)."""
+        if self.memory == "none":
+            return False
+        return get_aggregator(self.algorithm, **self.options).uses_memory or get_wire(self.wire_dtype).lossy or \
+            self.memory != "residual"
+
+    def config(self) -> dict:
+        """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings."""
+        return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire_dtype,
+                "plan": plan_config(self.plan), "memory": self.memory, "momentum": self.momentum,
+                "pipeline": self.pipeline, "clip_norm": self.clip_norm, "algorithm_options": dict(self.options)}
+
+    def local_clip_norm(self, workers: int) -> float | None:
+        """The norm each rank clips its gradient to: ``clip_norm / sqrt(P)`` (DGC §3.3: "scale the
+        threshold by N^{-1/2}", so that the sum over P ranks is clipped to ``clip_norm``)."""
+        return None if self.clip_norm is None else self.clip_norm / math.sqrt(workers)
+
+    def __eq__(self, other):
+        return isinstance(other, Settings) and other.config() == self.config() and other.plan == self.plan
+
+    def __repr__(self):
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"
