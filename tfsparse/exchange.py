@@ -51,7 +51,7 @@ from .bucket import Bucket, ExchangeStats, agreement, assemble, check_saved_layo
 from .collectives.agreement import check_agreement
 from .collectives.thread import CommThread
 from .plan import Layout
-from .schedules import check_density, k_from_density
+from .schedules import check_density
 from .settings import Settings
 from .space import HOST, space_for
 from .wire import get_wire
