@@ -252,11 +252,11 @@ class GradientExchange:
         comm = self.comm
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
-            check_agreement(comm, "the gradient exchange", agreement(self.config(), self.plan, comm, layout, []), _AGREE_HINT)
+            self._agree(layout, [])
             self.plan.prepare(comm, self)
         buckets = [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(layout)]
         _warm_kernels()
-        check_agreement(comm, "the gradient exchange", agreement(self.config(), self.plan, comm, layout, buckets), _AGREE_HINT)
+        self._agree(layout, buckets)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
@@ -272,6 +272,12 @@ class GradientExchange:
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
+
+    def _agree(self, layout: Layout, buckets) -> None:
+        """Every rank has the same settings, transport, layout and buckets (:func:`agreement`),
+        or every rank raises the same ``ConfigurationMismatch``."""
+        what = agreement(self.config(), self.plan, self.comm, layout, buckets)
+        check_agreement(self.comm, "the gradient exchange", what, _AGREE_HINT)
 
     def close(self) -> None:
         """Stops the communication thread (after the jobs already submitted)."""

@@ -45,7 +45,8 @@ class Pipelined:
             raise ValueError(f"depth={depth!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD)")
         engine.side_channel = self.depth > 1
         self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
-        self.sync_points: tuple | None = None  # (first round, steps): a pipelined round that ends an epoch is waited for
+        # (first round, steps): a pipelined round that ends an epoch is waited for in its own step
+        self.sync_points: tuple | None = None
         self._pipelined = False  # the mode of the round being started
         self._owed: dict = {}       # bucket -> {round index: (carry, pipelined)}
         self._next_owed: dict = {}  # bucket -> the round in flight whose result the next step takes
@@ -57,10 +58,6 @@ class Pipelined:
         if name == "engine":
             raise AttributeError(name)
         return getattr(self.engine, name)
-
-    @property
-    def space(self):
-        return self.engine.space
 
     @property
     def density(self) -> float:

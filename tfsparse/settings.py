@@ -167,8 +167,7 @@ class Settings:
         """Settings from keyword arguments (those of the module docstring; any other keyword is an
         algorithm option), or ``settings`` itself when given alone.  ``bucket_bytes=`` and
         ``selection=`` are deprecated aliases of ``plan=``."""
-        names = {f.name for f in fields(cls)} - {"options"}
-        given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in NAMES}
         options = {**(algorithm_options or {}), **kwargs}
         if settings is not None:
             if not isinstance(settings, Settings):
@@ -219,3 +218,7 @@ class Settings:
 
     def __repr__(self):
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"
+
+
+#: the keyword arguments that are settings (the others given with them are algorithm options)
+NAMES = frozenset(f.name for f in fields(Settings)) - {"options"}

@@ -34,7 +34,7 @@ from keras.src.saving import serialization_lib
 from ..checkpoint import Checkpointer, is_entry
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
-from ..settings import Settings
+from ..settings import ALIASES, NAMES, Settings
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from .callbacks import broadcast_variables
 from .ownership import check_optimizer
@@ -43,8 +43,6 @@ _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": Non
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
 
-_SETTING_NAMES = frozenset({"wire_dtype", "plan", "memory", "momentum", "pipeline", "clip_norm", "bucket_bytes",
-                            "selection"})
 
 
 def _sparse_strategy():
@@ -100,7 +98,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                 raise ValueError(f"DistributedOptimizer does not take `{arg}`; set it on the inner optimizer")
         # what a config saved with every key (None: the default) or a plain call gives of its own
         given = {k: v for k, v in kwargs.items()
-                 if not (k in _SETTING_NAMES and v is None) and not (k == "algorithm_options" and not v)}
+                 if not ((k in NAMES or k in ALIASES) and v is None) and not (k == "algorithm_options" and not v)}
         strategy = _sparse_strategy()
         if strategy is not None and not given and algorithm is None and density is None and settings is None \
                 and communicator is None:
@@ -154,8 +152,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
                              f"gradients each step; mark unused variables trainable=False")
         if _sparse_strategy() is not None:
             # under SparseStrategy its all-reduce runs this optimizer's exchange (adopted by the
-            # strategy when this wrapper was built), and Keras scales the loss by 1/P; with loss scaling, Keras' own
-            # LossScaleOptimizer logic, whose finite test the strategy runs on the exchanged sum
+            # strategy when this wrapper was built), and Keras scales the loss by 1/P; with loss
+            # scaling, Keras' own LossScaleOptimizer logic, whose finite test the strategy runs on
+            # the exchanged sum
             if self.loss_scale:
                 self._tf_apply(grads, trainable_variables)
             else:
