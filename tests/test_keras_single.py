@@ -310,3 +310,25 @@ def test_mixed_precision_keeps_the_wrapper_and_the_callbacks_find_its_exchange()
         assert tfsparse.keras.ownership.exchange_of(holder) is opt.exchange
     finally:
         keras.mixed_precision.set_global_policy(previous)
+
+
+def test_strategy_turns_off_tf_data_autotuning_unless_the_user_chose():
+    """The autotuner's thread made epoch boundaries stall for seconds (tfsparse.data.without_autotune):
+    every dataset the strategy distributes -- the one ``fit`` builds from arrays included -- has it
+    off, and a dataset whose options set ``autotune.enabled`` keeps the user's choice."""
+    strategy = tfsparse.SparseStrategy("topk", 0.5)
+    plain = tf.data.Dataset.range(4)
+    assert strategy.experimental_distribute_dataset(plain).options().autotune.enabled is False
+    chosen = tf.data.Options()
+    chosen.autotune.enabled = True
+    assert strategy.experimental_distribute_dataset(plain.with_options(chosen)).options().autotune.enabled is True
+
+    seen = []
+    extended = strategy.extended
+    original = extended._experimental_distribute_dataset
+    extended._experimental_distribute_dataset = lambda ds, opts: seen.append(original(ds, opts)) or seen[-1]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+    model.fit(np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32), batch_size=4, epochs=1, verbose=0)
+    assert seen and all(ds.options().autotune.enabled is False for ds in seen)

@@ -13,8 +13,9 @@ one call.  :class:`SparseExtended` overrides
   own built in its scope (:mod:`tfsparse.keras.ownership`);
 * ``_create_variable`` — every variable created in the scope starts from rank 0's
   value (a broadcast: variable creation in the scope is a collective);
-* ``_experimental_distribute_dataset`` — returns the dataset unchanged (each rank
-  feeds its own shard) and records its length for the step-count agreement (and, for
+* ``_experimental_distribute_dataset`` — returns the dataset (each rank feeds its own shard)
+  with tf.data's autotuner off (:func:`without_autotune`: its thread made epoch boundaries
+  stall for seconds) and records its length for the step-count agreement (and, for
   ``fit`` with ``pipeline=2``, tells the exchange where epochs end, so that an epoch's last
   pipelined round is finished before the epoch's callbacks, validation and checkpoints run);
 * ``_call_for_each_replica`` — after every train/test step, averages the metric
@@ -37,6 +38,7 @@ from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, 
                            reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
+from ..data import without_autotune
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import Settings
@@ -85,7 +87,7 @@ class SparseExtended(OneDeviceExtended):
         self._pending_steps = steps
         if keras_running() == "fit":
             self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
-        return dataset
+        return without_autotune(dataset)
 
     # -- gradient exchange ------------------------------------------------
     def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
