@@ -1,4 +1,5 @@
-"""The benchmark tools' offline paths (no MPI): redrawing from a JSON record."""
+"""The benchmark tools: offline paths (redrawing from a JSON record), and short real launches of the
+Keras-level ones under mpirun."""
 import json
 import os
 import subprocess
@@ -77,3 +78,26 @@ def test_bench_kernels_cuda_path_runs_in_the_simulator(tmp_path):
         assert any(o == op for o, _ in cuda_ops), op
     assert ("exchange_step", "dragonn: device-resident exchange") in cuda_ops
     assert ("exchange_step", "topk: copy to host + host exchange") in cuda_ops
+
+
+@pytest.mark.mpi
+def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path):
+    """tools/bench_time_to_accuracy.py at P = 3 on the small convolutional model, 2 epochs: the
+    compute-only run first, then the setting; per epoch its end, accuracy and time outside steps;
+    every gap between steps; the table; the figure."""
+    from mpi_harness import mpirun
+
+    out = tmp_path / "tta"
+    configs = json.dumps([{"label": "topk", "algorithm": "topk", "density": 0.05}])
+    _, text = mpirun(3, REPO / "tools" / "bench_time_to_accuracy.py", configs, "--model", "conv", "--epochs", "2",
+                     "--target", "0.3", "--out", str(out), timeout=300)
+    result = json.loads(out.with_suffix(".json").read_text())
+    compute, topk = result["runs"]
+    assert compute["config"] is None and topk["config"]["algorithm"] == "topk"
+    for run in (compute, topk):
+        steps = sum(len(ep) for ep in run["step_s"])
+        assert len(run["epoch_end_s"]) == len(run["val_accuracy"]) == len(run["outside_s"]) == 2
+        assert len(run["gaps_s"]) == steps - 1 and steps == 2 * (1536 // 3 // 32)
+        assert run["step_ms_median"] > 0 and run["stall_s"] >= 0
+    assert topk["comm_bytes"] > 0 and topk["time_to_target_s"] is not None
+    assert "| topk |" in text and out.with_suffix(".png").stat().st_size > 10_000

@@ -1,10 +1,21 @@
 """Training-step time of ``model.fit`` under SparseStrategy, for a list of exchange settings,
-side by side in one launch: the 25.2M-parameter MLP 1024-4096-4096-1024 (batch 16 per rank,
-SGD momentum, MSE on random data), 12 steps per setting, median over steps 4-12 of the slowest
-rank's step time, the bytes one rank sends per step, and rank 0's exchange phases per step
-(``encode_ms``, ``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``).
+side by side in one launch beside the compute floor and Horovod: the 25.2M-parameter MLP
+1024-4096-4096-1024 (``--model mlp25m``, batch 16 per rank) or the 17.1M-parameter
+64-4096-4096-10 (``--model mlp17m``, batch 32 per rank, the digits MLP of
+``bench_time_to_accuracy.py``), SGD momentum, MSE on random data, 12 steps per setting, median
+over steps 4-12 of the slowest rank's step time, its ratio to the compute floor (``x_compute``),
+the bytes one rank sends per step, and rank 0's exchange phases per step (``encode_ms``,
+``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``).
 
-    tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--out results/bench_fit_step] [--backend horovod]
+    tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--model mlp25m] [--out results/bench_fit_step]
+        [--backend horovod] [--no-compute]
+
+The **compute floor** runs first in every launch: the same model and data in plain Keras (no
+strategy, no exchange; each rank trains alone), so every setting's ``x_compute`` is a ratio measured
+side by side.  A config ``{"algorithm": "horovod", "compression": "none" | "fp16"}`` is the peer a
+user would otherwise pick: the same model trained by a custom loop whose gradients go through
+Horovod's ``hvd.allreduce`` (Tensor Fusion, average; Horovod's ``DistributedGradientTape`` fails on
+Keras 3 variables) -- it needs Horovod (``tools/install.sh --horovod``).
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``
 (``wire_dtype``, ``plan``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -29,7 +41,8 @@ import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
 
-STEPS, SKIP, BATCH = 12, 3, 16
+STEPS, SKIP = 12, 3
+MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch
 
 
 class StepTimes(keras.callbacks.Callback):
@@ -43,22 +56,75 @@ class StepTimes(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self.t0)
 
 
-def measure(comm, config, x, y):
+def build(model_name):
+    inputs, hidden, outputs, _ = MODELS[model_name]
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((inputs,))] + [keras.layers.Dense(h, activation="relu") for h in hidden]
+                            + [keras.layers.Dense(outputs)])
+
+
+def slowest_ms(comm, times):
+    slowest = np.stack(comm.allgather(np.array(times[SKIP:]))).max(axis=0)
+    return round(1e3 * float(np.median(slowest)), 1)
+
+
+def measure(comm, config, x, y, model_name):
+    batch = MODELS[model_name][3]
+    if config["algorithm"] == "compute":
+        return measure_compute(comm, x, y, model_name)
+    if config["algorithm"] == "horovod":
+        return measure_horovod(comm, config, x, y, model_name)
     options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
     strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096, activation="relu"),
-                                  keras.layers.Dense(4096, activation="relu"), keras.layers.Dense(1024)])
+        model = build(model_name)
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
     timer = StepTimes()
-    hist = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+    hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
                      callbacks=[timer, tfsparse.keras.callbacks.CommunicationStats()])
-    slowest = np.stack(comm.allgather(np.array(timer.times[SKIP:]))).max(axis=0)
-    return {"step_ms": round(1e3 * float(np.median(slowest)), 1), "mb_per_step": hist.history["comm_bytes"][-1] / 1e6,
+    return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": hist.history["comm_bytes"][-1] / 1e6,
             "encode_ms": hist.history["encode_ms"][-1], "comm_ms": hist.history["comm_ms"][-1],
             "decode_ms": hist.history["decode_ms"][-1], "wait_ms": hist.history["wait_ms"][-1],
             "parameters": model.count_params()}
+
+
+def measure_compute(comm, x, y, model_name):
+    """The compute floor: plain Keras, no strategy, no exchange (each rank trains alone)."""
+    model = build(model_name)
+    model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
+    timer = StepTimes()
+    model.fit(x, y, batch_size=MODELS[model_name][3], epochs=1, verbose=0, callbacks=[timer])
+    return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": 0.0, "parameters": model.count_params()}
+
+
+def measure_horovod(comm, config, x, y, model_name):
+    """The peer: a custom loop, every gradient through ``hvd.allreduce`` (average, Tensor Fusion)."""
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[config.get("compression", "none")]
+    model = build(model_name)
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        grads = [hvd.allreduce(g, op=hvd.Average, compression=compression) for g in grads]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    batch, times = MODELS[model_name][3], []
+    for i in range(STEPS):
+        t0 = time.perf_counter()
+        step(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]).numpy()
+        times.append(time.perf_counter() - t0)
+    wire = 2 if config.get("compression") == "fp16" else 4
+    return {"step_ms": slowest_ms(comm, times), "parameters": model.count_params(),
+            "mb_per_step": 2 * (comm.size - 1) / comm.size * wire * model.count_params() / 1e6}  # ring allreduce
 
 
 def plot(results, path):
@@ -80,9 +146,21 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
+def table(results) -> str:
+    """Markdown: each setting's step, its ratio to the compute floor, and to Horovod's matching run."""
+    peers = {r.get("compression", "none"): r["step_ms"] for r in results["runs"] if r["algorithm"] == "horovod"}
+    lines = ["| setting | step ms | x compute | MB/step | x Horovod fp16 |", "|---|---|---|---|---|"]
+    for r in results["runs"]:
+        vs = f"{r['step_ms'] / peers['fp16']:.2f}" if "fp16" in peers else ""
+        lines.append(f"| {r['label']} | {r['step_ms']} | {r.get('x_compute', '')} | {r['mb_per_step']:.1f} | {vs} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", help="JSON list of {label, algorithm, density, **options}")
+    parser.add_argument("--model", default="mlp25m", choices=sorted(MODELS))
+    parser.add_argument("--no-compute", action="store_true", help="skip the compute floor")
     parser.add_argument("--network", default="shared memory", help="a label for the link, e.g. '1 Gbit/s'")
     parser.add_argument("--out", default="results/bench_fit_step")
     parser.add_argument("--backend", default="mpi", choices=("mpi", "horovod"),
@@ -90,11 +168,19 @@ def main():
     args = parser.parse_args()
     configs = json.loads(args.configs)
     comm = tfsparse.init(backend=args.backend)
-    x = np.random.default_rng(comm.rank).standard_normal((BATCH * STEPS, 1024)).astype(np.float32)
-    y = np.random.default_rng(comm.rank + 9).standard_normal((BATCH * STEPS, 1024)).astype(np.float32)
-    results = {"processes": comm.size, "network": args.network, "backend": args.backend, "runs": []}
+    inputs, _, outputs, batch = MODELS[args.model]
+    x = np.random.default_rng(comm.rank).standard_normal((batch * STEPS, inputs)).astype(np.float32)
+    y = np.random.default_rng(comm.rank + 9).standard_normal((batch * STEPS, outputs)).astype(np.float32)
+    results = {"processes": comm.size, "network": args.network, "backend": args.backend, "model": args.model,
+               "machine": f"{platform.node()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+               "runs": []}
+    if not args.no_compute:
+        configs = [{"label": "compute only (no exchange)", "algorithm": "compute"}] + configs
     for config in configs:
-        results["runs"].append({**config, **measure(comm, config, x, y)})
+        results["runs"].append({**config, **measure(comm, config, x, y, args.model)})
+        floor = results["runs"][0]["step_ms"] if not args.no_compute else None
+        if floor:
+            results["runs"][-1]["x_compute"] = round(results["runs"][-1]["step_ms"] / floor, 2)
         if comm.rank == 0:
             print(json.dumps(results["runs"][-1]), flush=True)
     if comm.rank == 0:
@@ -102,6 +188,7 @@ def main():
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=1)
         plot(results, args.out + ".png")
+        print(table(results))
 
 
 if __name__ == "__main__":

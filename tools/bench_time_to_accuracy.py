@@ -1,0 +1,244 @@
+"""Time to accuracy under SparseStrategy: test accuracy against wall-clock seconds for a list of
+exchange settings, side by side in one launch, beside the compute-only run of the same model in
+the same processes (plain Keras, no strategy, no exchange: each rank trains its own shard).
+
+    tfsparse-run -np 4 [--net 1gbit] python tools/bench_time_to_accuracy.py CONFIGS_JSON
+        [--model mlp17m|conv] [--epochs 10] [--target 0.95] [--network LABEL] [--out results/time_to_accuracy]
+
+``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``, as
+``tools/bench_fit_step.py`` takes them (``wire_dtype``, ``plan``, ``pipeline``, ``memory``, ...), e.g.::
+
+    '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
+
+Models (digits, 8x8 images, bundled with scikit-learn; 1536 training rows split evenly over the
+ranks, 261 test rows; batch 32 per rank, SGD lr 0.05 momentum 0.9, the same initial weights):
+
+* ``mlp17m`` -- the 64-4096-4096-10 MLP (17.1M parameters), 12 steps per epoch at P = 4;
+* ``conv``   -- two 3x3 convolutions (32, 64 channels) and a 4096-2048-10 head (8.4M parameters).
+
+Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
+``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
+each epoch's wall time less its steps and its validation -- the gap between steps and around epoch
+boundaries where no rank trains (``stall_s``: the longest such gap of the run; ``outside_s``: their
+sum per epoch).  The compute-only run of the same model is trained first and reported the same way,
+so its gaps are the floor: what plain Keras itself has in this launch.
+
+Rank 0 writes ``<out>.json`` and ``<out>.png`` (accuracy against seconds and against epochs, a curve
+per setting and the compute-only run; time to ``--target`` per setting) and prints a table:
+time to target, its ratio to the first setting's (``speedup``), the median step, its ratio to the
+compute-only step, the longest stall.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import tfsparse  # noqa: E402
+
+TRAIN_ROWS, BATCH, LR, MOMENTUM = 1536, 32, 0.05, 0.9
+
+
+class Timeline(keras.callbacks.Callback):
+    """perf_counter stamps of every batch, validation and epoch; the gaps are computed afterwards."""
+
+    def on_train_begin(self, logs=None):
+        self.t_begin, self.steps, self.tests, self.epoch_ends, self.epoch_begins = time.perf_counter(), [], [], [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_begins.append(time.perf_counter())
+        self.steps.append([])
+        self.tests.append(0.0)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps[-1].append((self._t, time.perf_counter()))
+
+    def on_test_begin(self, logs=None):
+        self._v = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        if self.steps:  # validation inside fit
+            self.tests[-1] += time.perf_counter() - self._v
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_ends.append(time.perf_counter())
+
+    def summary(self) -> dict:
+        """Per epoch: end (s from fit start), steps' seconds, validation seconds, time outside steps
+        (epoch wall less steps less validation; the first epoch's includes tracing), the longest gap
+        between consecutive steps -- across epoch boundaries too, validation excluded."""
+        step_s = [[b - a for a, b in ep] for ep in self.steps]
+        outside = [(end - begin) - sum(s) - v for begin, end, s, v
+                   in zip(self.epoch_begins, self.epoch_ends, step_s, self.tests)]
+        gaps, prev_end = [], None
+        for e, ep in enumerate(self.steps):
+            for i, (a, b) in enumerate(ep):
+                if prev_end is not None:
+                    gaps.append(a - prev_end - (self.tests[e - 1] if i == 0 else 0.0))
+                prev_end = b
+        return {"epoch_end_s": [t - self.t_begin for t in self.epoch_ends], "step_s": step_s,
+                "validation_s": self.tests, "outside_s": outside, "gaps_s": gaps}
+
+
+def data(size):
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    perm = np.random.default_rng(0).permutation(len(x))
+    x, y = x[perm], y[perm].astype("int32")
+    return x[:TRAIN_ROWS], y[:TRAIN_ROWS], x[TRAIN_ROWS:], y[TRAIN_ROWS:]
+
+
+def build(name):
+    keras.utils.set_random_seed(0)
+    if name == "mlp17m":
+        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096, activation="relu"),
+                                 keras.layers.Dense(4096, activation="relu"), keras.layers.Dense(10)])
+    return keras.Sequential([keras.Input((64,)), keras.layers.Reshape((8, 8, 1)),
+                             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                             keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(2048, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+MODELS = ("mlp17m", "conv")
+
+
+def train(comm, config, args, arrays):
+    """One run: ``config`` None is the compute-only run (no strategy)."""
+    x_local, y_local, x_test, y_test = arrays
+    strategy = None
+    if config is not None:
+        options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
+        strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
+    scope = strategy.scope() if strategy is not None else _nothing()
+    with scope:
+        model = build(args.model)
+        model.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    timeline = Timeline()
+    callbacks = [timeline] + ([tfsparse.keras.callbacks.CommunicationStats()] if strategy is not None else [])
+    hist = model.fit(x_local, y_local, batch_size=BATCH, epochs=args.epochs, verbose=0, callbacks=callbacks,
+                     validation_data=(x_test, y_test))
+    own = timeline.summary()
+    # the slowest rank's step times; rank 0's clock for the rest (every rank waits for the slowest)
+    flat = np.array([s for ep in own["step_s"] for s in ep])
+    slowest = np.stack(comm.allgather(flat)).max(axis=0) if comm.size > 1 else flat
+    gaps_all = np.stack(comm.allgather(np.array(own["gaps_s"]))) if comm.size > 1 else np.array([own["gaps_s"]])
+    accuracy = [float(a) for a in hist.history["val_accuracy"]]
+    run = {"label": config["label"] if config else "compute only", "config": config,
+           "parameters": model.count_params(), "val_accuracy": accuracy, **own,
+           "step_ms_median": round(1e3 * float(np.median(slowest[1:])), 1),
+           "stall_s": round(float(gaps_all.max()), 3) if gaps_all.size else 0.0,
+           "outside_s_per_epoch": round(float(np.mean(own["outside_s"][1:])) if len(own["outside_s"]) > 1 else 0.0, 3)}
+    if strategy is not None:
+        run["comm_bytes"] = hist.history["comm_bytes"][-1]
+    reached = [t for t, a in zip(own["epoch_end_s"], accuracy) if a >= args.target]
+    run["time_to_target_s"] = round(reached[0], 2) if reached else None
+    run["epochs_to_target"] = next((e + 1 for e, a in enumerate(accuracy) if a >= args.target), None)
+    return run
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    for run in results["runs"]:
+        style = dict(ls="--", color="gray") if run["config"] is None else {}
+        epochs = np.arange(1, len(run["val_accuracy"]) + 1)
+        ax1.plot(run["epoch_end_s"], run["val_accuracy"], marker="o", ms=3, label=run["label"], **style)
+        ax2.plot(epochs, run["val_accuracy"], marker="o", ms=3, label=run["label"], **style)
+    for ax, xlabel in ((ax1, "wall seconds from the start of fit"), (ax2, "epoch")):
+        ax.axhline(results["target"], color="k", lw=0.6, ls=":")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(max(0.0, results["target"] - 0.35), 1.0)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    runs = [r for r in results["runs"] if r["config"] is not None]
+    ttt = [r["time_to_target_s"] or r["epoch_end_s"][-1] for r in runs]
+    ax3.barh([r["label"] for r in runs], ttt, color=["tab:blue" if r["time_to_target_s"] else "tab:red"
+                                                      for r in runs])
+    ax3.invert_yaxis()
+    ax3.set_xlabel(f"seconds to test accuracy {results['target']} (red: not reached, whole run)")
+    fig.suptitle(f"{results['model']} ({results['runs'][0]['parameters'] / 1e6:.1f}M parameters), "
+                 f"{results['processes']} processes, {results['network']}, {results['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(results) -> str:
+    runs = results["runs"]
+    compute = next(r for r in runs if r["config"] is None)
+    base = next((r for r in runs if r["config"] is not None), None)
+    lines = [f"| setting | time to {results['target']} (s) | speedup | epochs | step ms | x compute | "
+             "longest stall (s) | outside steps per epoch (s) |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ttt = r["time_to_target_s"]
+        speed = (f"{base['time_to_target_s'] / ttt:.2f}x" if ttt and base and base["time_to_target_s"]
+                 and r["config"] is not None else "")
+        lines.append(f"| {r['label']} | {ttt if ttt is not None else 'not reached'} | {speed} | "
+                     f"{r['epochs_to_target'] or '-'} | {r['step_ms_median']} | "
+                     f"{r['step_ms_median'] / compute['step_ms_median']:.2f} | {r['stall_s']} | "
+                     f"{r['outside_s_per_epoch']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", help="JSON list of settings (see the module doc)")
+    parser.add_argument("--model", default="mlp17m", choices=MODELS)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--network", default="shared memory", help="a label for the link, e.g. '1 Gbit/s'")
+    parser.add_argument("--out", default="results/time_to_accuracy")
+    args = parser.parse_args(argv)
+    configs = json.loads(args.configs)
+    if not isinstance(configs, list) or not all(isinstance(c, dict) and "algorithm" in c for c in configs):
+        raise ValueError(f"configs={args.configs!r}: expected a JSON list of objects with an 'algorithm'")
+
+    comm = tfsparse.init()
+    x_train, y_train, x_test, y_test = data(comm.size)
+    arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)
+    runs = [train(comm, None, args, arrays)]
+    for config in configs:
+        config.setdefault("label", config["algorithm"])
+        runs.append(train(comm, config, args, arrays))
+        if comm.rank == 0:
+            print(f"{config['label']}: {runs[-1]['time_to_target_s']} s to {args.target}, step "
+                  f"{runs[-1]['step_ms_median']} ms, longest stall {runs[-1]['stall_s']} s", flush=True)
+    if comm.rank == 0:
+        results = {"model": args.model, "processes": comm.size, "epochs": args.epochs, "target": args.target,
+                   "network": args.network,
+                   "machine": f"{platform.node()}, {os.cpu_count()} cores", "batch_per_rank": BATCH,
+                   "date": time.strftime("%Y-%m-%d"), "runs": runs}
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        plot(results, args.out + ".png")
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
