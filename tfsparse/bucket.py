@@ -21,6 +21,7 @@ import warnings
 
 import numpy as np
 
+from . import traffic
 from .aggregators import get_aggregator
 from .aggregators.dense import DenseAllreduce
 from .memory import get_memory
@@ -131,6 +132,7 @@ class Bucket:
         k = k_from_density(self.spec.size, density) if aggregator.uses_memory else int(self.spec.size)
         wire = FLOAT32 if dsync else self.wire
         acc = memory.acc
+        traffic.count("finite", read=4 * int(np.size(acc)))
         finite = space.all_finite(acc)
         if not finite:  # the round is dropped on every rank; encode something harmless meanwhile
             space.zero_nonfinite(acc)

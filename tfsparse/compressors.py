@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import _checks
+from . import _checks, traffic
 from .schedules import small_tensor_k
 from .state import Stateful
 
@@ -128,6 +128,18 @@ def sampled_count(n: int, k: int, sample_ratio: float, min_samples: int, strict:
     return n * ks / (s + 1)
 
 
+def magnitudes(acc: np.ndarray) -> np.ndarray:
+    """``np.abs(acc)``, counted (:mod:`tfsparse.traffic`)."""
+    traffic.count("select", read=acc.nbytes, written=acc.nbytes)
+    return np.abs(acc)
+
+
+def _count_above(mag: np.ndarray, t: float) -> int:
+    """``count_nonzero(mag > t)``, counted (:mod:`tfsparse.traffic`)."""
+    traffic.count("select", read=mag.nbytes + mag.size, written=mag.size)
+    return int(np.count_nonzero(mag > t))
+
+
 def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag: np.ndarray | None = None) -> np.ndarray:
     """Indices (ascending, int64) of the entries of ``acc`` whose magnitude passes ``threshold``.
 
@@ -136,7 +148,8 @@ def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag
     (sending zeros is never useful); a NaN threshold selects nothing but NaN entries.  NaN
     entries always pass, as in :func:`topk_indices`.  ``mag``: ``np.abs(acc)`` if already computed.
     """
-    mag = np.abs(acc) if mag is None else mag
+    mag = magnitudes(acc) if mag is None else mag
+    traffic.count("select", read=mag.nbytes + mag.size, written=mag.size)  # the mask, then its indices
     threshold = float(threshold)
     if np.isnan(threshold):
         threshold = np.inf
@@ -259,7 +272,7 @@ class DGCSampledThreshold(Compressor):
             self.last_threshold, self.last_adaptations = None, 0
             return topk_with_values(acc, k)
         t = self.threshold(acc, k)
-        mag = np.abs(acc)
+        mag = magnitudes(acc)
         idx = threshold_select(acc, t, strict=True, mag=mag)
         adaptations = 0
         while adaptations < self.adapt_iters and np.isfinite(t) and t > 0:
@@ -401,6 +414,7 @@ def _mean_std(acc: np.ndarray, chunk: int = 1 << 20) -> tuple[float, float]:
     n = acc.size
     if n == 0:
         return 0.0, 0.0
+    traffic.count("select", read=4 * n + 4 * n + 8 * n, written=8 * n)  # the sum; float64 copies, their dot
     total = 0.0
     for i in range(0, n, chunk):
         total += float(np.sum(acc[i:i + chunk], dtype=np.float64))
@@ -461,18 +475,18 @@ class GaussianKThreshold(Compressor):
         if k <= 0 or n == 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
         t = self.gaussian_threshold(acc, k)
-        mag = np.abs(acc)
+        mag = magnitudes(acc)
         need = 3 * k / 4
         adjustments = 0
         if np.isfinite(t) and t > 0:
-            count = int(np.count_nonzero(mag > t))
-            if count <= need and np.count_nonzero(mag > 0) <= need:
+            count = _count_above(mag, t)
+            if count <= need and _count_above(mag, 0.0) <= need:
                 t = 0.0  # fewer non-zeros than 3k/4: send every non-zero entry
             else:
                 while count <= need and adjustments < self.max_adjust:
                     t *= self.scale
                     adjustments += 1
-                    count = int(np.count_nonzero(mag > t))
+                    count = _count_above(mag, t)
         self.last_threshold = float(t)
         self.last_adjustments = adjustments
         idx = threshold_select(acc, t, strict=True, mag=mag)

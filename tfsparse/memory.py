@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks
+from . import _checks, traffic
 from .space import HOST
 from .state import Stateful
 
@@ -93,6 +93,8 @@ class NoMemory(Stateful):
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
         """``acc[span] = grad`` (the gradient travels as it is)."""
+        nbytes = 4 * (span.stop - span.start)
+        traffic.count("compensate", read=nbytes, written=nbytes)
         self.space.copy(self.acc[span], grad)
         return self.acc
 
@@ -105,6 +107,7 @@ class NoMemory(Stateful):
 
 def _clear_contributed(space, buf, result) -> None:
     if result.contributed is None:
+        traffic.count("update", written=4 * buf.size)
         space.fill(buf, 0.0)
     else:
         space.zero_at(buf, result.contributed)
@@ -129,6 +132,8 @@ class ResidualMemory(Stateful):
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
         """``acc[span] = grad + residual[span]`` (float32, in one pass)."""
+        nbytes = 4 * (span.stop - span.start)
+        traffic.count("compensate", read=2 * nbytes, written=nbytes)
         self.space.add(grad, self.residual[span], self.acc[span])
         return self.acc
 
@@ -180,6 +185,8 @@ class MomentumMemory(ResidualMemory):
 
     def compensate(self, grad, span):
         """``u = m·u + grad; acc = residual + u`` over ``span`` of the bucket."""
+        nbytes = 4 * (span.stop - span.start)
+        traffic.count("compensate", read=5 * nbytes, written=3 * nbytes)  # u *= m; u += g; acc = u + r
         self.space.momentum(self.velocity[span], self.momentum, grad, self.residual[span], self.acc[span])
         return self.acc
 

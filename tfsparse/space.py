@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from . import traffic
 
 def clip_by_global_norm(arrays, max_norm: float) -> list:
     """DGC's local gradient clipping (Lin et al. 2018 §3.3, "we perform the gradient clipping
@@ -133,6 +134,8 @@ class HostSpace:
         return result.to_dense(n)
 
     def concat(self, parts):
+        nbytes = sum(int(np.size(p)) for p in parts) * 4
+        traffic.count("copy", read=nbytes, written=nbytes)
         return np.concatenate(parts)
 
     def clip_by_global_norm(self, arrays, max_norm: float) -> list:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import traffic
 from .space import HOST
 
 INT8_CHUNK = 4096
@@ -176,6 +177,7 @@ class Float32(Wire):
         return self._block(buf, count)[:4 * count].view(np.float32)
 
     def decode_into(self, buf, count, out, accumulate=False):
+        traffic.count("decode", read=4 * count * (2 if accumulate else 1), written=4 * count)
         return _store(out, self.decode(buf, count), accumulate)
 
 
@@ -331,6 +333,7 @@ class WireLoss:
         ``space``: where ``residual`` lives (:mod:`tfsparse.space`: a device residual is added to
         on the device)."""
         for where, loss in self.parts:
+            traffic.count("update", read=2 * loss.nbytes, written=loss.nbytes)
             space.add_at(residual, where, loss)
 
     def __bool__(self):

@@ -59,6 +59,7 @@ def worker(args) -> None:
     sys.path.insert(0, str(REPO))
     import numba
 
+    from tfsparse import traffic
     from tfsparse.collectives import MPICommunicator
     from tfsparse.exchange import GradientExchange
 
@@ -73,15 +74,17 @@ def worker(args) -> None:
             for plan in args.plans.split(","):
                 ex = GradientExchange(algo, args.density, wire_dtype=wire, communicator=comm, **parse_plan(plan))
                 times = []
-                for s in range(args.warmup + args.steps):
-                    if s == args.warmup:
-                        ex.stats.reset()
-                    comm.barrier()
-                    t0 = time.perf_counter()
+                for s in range(args.warmup):
                     ex.exchange_numpy(pool[s % 2])
-                    times.append(time.perf_counter() - t0)
+                ex.stats.reset()
+                with traffic.recording() as moved:
+                    for s in range(args.steps):
+                        comm.barrier()
+                        t0 = time.perf_counter()
+                        ex.exchange_numpy(pool[s % 2])
+                        times.append(time.perf_counter() - t0)
                 st = ex.stats
-                mine = np.array(times[args.warmup:] + [st.encode_seconds, st.comm_seconds, st.decode_seconds,
+                mine = np.array(times + [st.encode_seconds, st.comm_seconds, st.decode_seconds,
                                                       st.bytes_per_step])
                 every = np.stack(comm.allgather(mine))
                 ex.close()
@@ -92,7 +95,9 @@ def worker(args) -> None:
                              "encode_ms": float(every[:, args.steps].mean() / steps * 1e3),
                              "comm_ms": float(every[:, args.steps + 1].mean() / steps * 1e3),
                              "decode_ms": float(every[:, args.steps + 2].mean() / steps * 1e3),
-                             "bytes": float(every[:, args.steps + 3].max())})
+                             "bytes": float(every[:, args.steps + 3].max()),
+                             # rank 0's memory traffic per round, in passes over the gradient
+                             "passes": moved.passes(4 * sum(int(np.prod(s)) for s in shapes), args.steps)})
     if comm.rank == 0:
         Path(args.worker_out).write_text(json.dumps(rows))
 
@@ -178,10 +183,14 @@ def main(argv=None) -> int:
         (f", {args.label}" if args.label else "")
     print(f"{machine}; median of {args.steps} rounds (slowest rank); phases: mean per round")
     print(f"{'algorithm':<10}{'wire':<10}{'plan':<18}{'buckets':>8}{'round ms':>10}{'encode':>9}{'comm':>9}"
-          f"{'decode':>9}{'MB/round':>10}")
+          f"{'decode':>9}{'MB/round':>10}{'passes':>8}")
     for r in rows:
         print(f"{r['algorithm']:<10}{r['wire']:<10}{r['plan']:<18}{r['buckets']:>8}{r['step_ms']:>10.1f}"
-              f"{r['encode_ms']:>9.1f}{r['comm_ms']:>9.1f}{r['decode_ms']:>9.1f}{r['bytes'] / 1e6:>10.3f}")
+              f"{r['encode_ms']:>9.1f}{r['comm_ms']:>9.1f}{r['decode_ms']:>9.1f}{r['bytes'] / 1e6:>10.3f}"
+              f"{r['passes']['total']:>8.1f}")
+    print("passes per stage (rank 0; bytes read + written / 4n per round; tfsparse.traffic):")
+    for r in rows:
+        print(f"  {r['algorithm']:<10}{r['wire']:<10}" + "  ".join(f"{k} {v}" for k, v in r["passes"].items() if v))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()

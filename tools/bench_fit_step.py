@@ -5,7 +5,8 @@ side by side in one launch beside the compute floor and Horovod: the 25.2M-param
 ``bench_time_to_accuracy.py``), SGD momentum, MSE on random data, 12 steps per setting, median
 over steps 4-12 of the slowest rank's step time, its ratio to the compute floor (``x_compute``),
 the bytes one rank sends per step, and rank 0's exchange phases per step (``encode_ms``,
-``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``).
+``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``), and rank 0's memory traffic
+per step in passes over the gradient, per stage (``passes``: :mod:`tfsparse.traffic`).
 
     tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--model mlp25m] [--out results/bench_fit_step]
         [--backend horovod] [--no-compute]
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
+from tfsparse import traffic  # noqa: E402
 
 STEPS, SKIP = 12, 3
 MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch
@@ -80,9 +82,11 @@ def measure(comm, config, x, y, model_name):
         model = build(model_name)
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
     timer = StepTimes()
-    hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
-                     callbacks=[timer, tfsparse.keras.callbacks.CommunicationStats()])
+    with traffic.recording() as moved:
+        hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
+                         callbacks=[timer, tfsparse.keras.callbacks.CommunicationStats()])
     return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": hist.history["comm_bytes"][-1] / 1e6,
+            "passes": moved.passes(4 * model.count_params(), len(timer.times)),
             "encode_ms": hist.history["encode_ms"][-1], "comm_ms": hist.history["comm_ms"][-1],
             "decode_ms": hist.history["decode_ms"][-1], "wait_ms": hist.history["wait_ms"][-1],
             "parameters": model.count_params()}
@@ -149,10 +153,12 @@ def plot(results, path):
 def table(results) -> str:
     """Markdown: each setting's step, its ratio to the compute floor, and to Horovod's matching run."""
     peers = {r.get("compression", "none"): r["step_ms"] for r in results["runs"] if r["algorithm"] == "horovod"}
-    lines = ["| setting | step ms | x compute | MB/step | x Horovod fp16 |", "|---|---|---|---|---|"]
+    lines = ["| setting | step ms | x compute | MB/step | x Horovod fp16 | passes |", "|---|---|---|---|---|---|"]
     for r in results["runs"]:
         vs = f"{r['step_ms'] / peers['fp16']:.2f}" if "fp16" in peers else ""
-        lines.append(f"| {r['label']} | {r['step_ms']} | {r.get('x_compute', '')} | {r['mb_per_step']:.1f} | {vs} |")
+        passes = r["passes"]["total"] if "passes" in r else ""
+        lines.append(f"| {r['label']} | {r['step_ms']} | {r.get('x_compute', '')} | {r['mb_per_step']:.1f} | {vs} "
+                     f"| {passes} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _checks
+from .. import _checks, traffic
 from ..collectives.communicator import Communicator
 from ..collectives.simulate import Builder
 from ..state import Stateful
@@ -70,8 +70,10 @@ class AllreduceResult:
             values = self.values.reshape(-1)
             if out is None:
                 return values.astype(np.float32, copy=False)
+            traffic.count("decode", read=values.nbytes, written=values.nbytes)
             out[:] = values
             return out
+        traffic.count("decode", written=4 * n)  # the zeros under the scattered values
         if out is None:
             out = np.zeros(n, dtype=np.float32)
         else:

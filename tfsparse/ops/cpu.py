@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .. import _checks
+from .. import _checks, traffic
 from . import _common as C
 from ._atomics import atomic_max_i64
 
@@ -47,6 +47,7 @@ _STG = 4096          # staging slots per chunk (a chunk with more hits is rescan
 _BLK = 64            # elements per skip test
 _SUB = 8             # elements per second-level test inside a hit block
 _U1 = np.uint32(1)
+_RADIX_PASSES = 3          # the radix select's histogram passes (11 + 10 + 10 key bits)
 _PAR_SCATTER = 1 << 14   # payload entries from which scatter_add splits the output over threads
 
 #: Inputs with fewer elements run on the calling thread only ("parallel where it pays"):
@@ -707,8 +708,10 @@ def topk_abs(x, k):
     with _threads_for(n):
         cand = _sampled_candidates(xu, x, k)
         if cand is None:  # exact k-th key by radix select, then one count + write
+            traffic.count("select", read=(_RADIX_PASSES + 2) * x.nbytes)  # 3 histograms, count, write
             t, r = _radix(xu, k)
             return _select_top(xu, x, t, r, k)
+        traffic.count("select", read=x.nbytes)  # the candidates' streaming pass
         idx, val = cand
         return _take_topk(idx, val, k, _kth_key(_keys_of(val), k))
 
@@ -721,6 +724,7 @@ def kth_largest_abs(x, k):
     xu = x.view(np.uint32)
     with _threads_for(x.size):
         cand = _sampled_candidates(xu, x, k)
+        traffic.count("select", read=x.nbytes * (1 if cand is not None else _RADIX_PASSES))
         key = _radix(xu, k)[0] if cand is None else _kth_key(_keys_of(cand[1]), k)
     return C.key_to_float(key)
 
@@ -740,6 +744,7 @@ def sample_threshold(x, k, ratio=0.01, seed=0):
 
 def select_threshold(x, t):
     x = as_f32(x)
+    traffic.count("select", read=x.nbytes)
     with _threads_for(x.size):
         return _select_ge(x.view(np.uint32), x, C.threshold_key(t), *_staging(x.size))
 
@@ -748,6 +753,7 @@ def hash_select(x, t, capacity, seed=0):
     x = as_f32(x)
     capacity = C.check_capacity(capacity)
     a, b = C.hash_params(seed, C.SALT_HASH)
+    traffic.count("select", read=x.nbytes)
     with _threads_for(x.size):
         return _hash_select(x.view(np.uint32), x, C.threshold_key(t), a, b, capacity)
 
@@ -769,6 +775,7 @@ def scatter_add(n, idx, val, out=None):
         raise IndexError(f"scatter_add: an index is >= n={n}")
     if out is None:
         # calloc'd zeros: pages no payload entry touches are never written (nor faulted in here)
+        traffic.count("decode", written=4 * n)
         out = np.zeros(n, np.float32)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (n,)
               and out.flags.c_contiguous):
@@ -813,6 +820,7 @@ def half_encode(x):
     finite values became Inf."""
     x = as_f32(x)
     out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         over = _half_rne(x.view(np.uint32), x, HALF_TABLE, out, loss)
     return out, loss, int(over)
@@ -823,6 +831,7 @@ def bfloat16_encode(x):
     ``(codes, loss)`` with ``loss = x - decoded`` (0 where x is NaN/Inf)."""
     x = as_f32(x)
     out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         _bf16_truncate(x.view(np.uint32), x, BF16_TABLE, out, loss)
     return out, loss
@@ -830,6 +839,7 @@ def bfloat16_encode(x):
 
 def decode16_into(codes, table, out, accumulate=False):
     """``out (+)= table[codes]`` for uint16 ``codes`` (``HALF_TABLE`` or ``BF16_TABLE``)."""
+    traffic.count("decode", read=codes.nbytes + (4 * codes.size if accumulate else 0), written=4 * codes.size)
     with _threads_for(codes.size):
         return _lookup_into(codes, table, out, bool(accumulate))
 
@@ -841,6 +851,7 @@ def quantize_int8_chunks(x, chunk):
     chunk = C.check_chunk(chunk)
     q, loss = np.empty(x.size, np.int8), np.empty(x.size, np.float32)
     scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
+    traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)  # a chunk's 2nd read hits the cache
     with _threads_for(x.size):
         _quantize_chunks(x, chunk, q, scales, loss)
     return q, scales, loss
@@ -848,6 +859,7 @@ def quantize_int8_chunks(x, chunk):
 
 def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
     """``out (+)= q * scale`` of each chunk."""
+    traffic.count("decode", read=q.size + (4 * q.size if accumulate else 0), written=4 * q.size)
     with _threads_for(q.size):
         return _dequantize_chunks_into(q, scales, int(chunk), out, bool(accumulate))
 
@@ -855,6 +867,7 @@ def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
 def chunk_l1_norms(x, chunk=32768):
     x = as_f32(x)
     chunk = C.check_chunk(chunk)
+    traffic.count("select", read=x.nbytes)
     with _threads_for(x.size):
         return _chunk_l1(x, chunk, np.empty(C.num_chunks(x.size, chunk), np.float32))
 
