@@ -132,3 +132,33 @@ def test_agreement_passes_when_ranks_agree_and_names_the_odd_rank_otherwise():
     assert len(set(messages)) == 1  # the same error on every rank
     assert messages[0].startswith("ranks disagree on the test: rank 2 differs from rank 0")
     assert "rank 2 vs rank 0: shape: [8, 5] vs [8, 4]" in messages[0] and messages[0].endswith("hint here")
+
+
+def test_irecv_of_at_most_count_returns_what_was_sent():
+    """``exact=False``: a receive posted before the length is known exactly (a float16 block may
+    carry a scale byte) returns the elements sent; more than ``count`` is an error, as is a
+    different length with ``exact=True``."""
+    import threading
+
+    world = InProcessWorld(2)
+    a, b = world.comms
+    got = {}
+
+    def receive():
+        got["short"] = b.irecv(0, 8, tag=3, dtype=np.uint8, exact=False).wait()
+        try:
+            b.irecv(0, 8, tag=4, dtype=np.uint8).wait()
+        except RuntimeError as e:
+            got["exact"] = str(e)
+        try:
+            b.irecv(0, 2, tag=5, dtype=np.uint8, exact=False).wait()
+        except RuntimeError as e:
+            got["long"] = str(e)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    for tag in (3, 4, 5):
+        a.send(np.arange(5, dtype=np.uint8), 1, tag)
+    t.join(10)
+    np.testing.assert_array_equal(got["short"], np.arange(5, dtype=np.uint8))
+    assert "expected 8 elements" in got["exact"] and "at most 2" in got["long"]

@@ -131,6 +131,10 @@ class Wire:
         """Bytes of ``count`` encoded values (without the rare float16 scale byte)."""
         return int(count) * self.value_bytes
 
+    def max_nbytes(self, count: int) -> int:
+        """The most bytes a block of ``count`` encoded values can take (a receive buffer's size)."""
+        return self.nbytes(count)
+
     def decode_into(self, buf: np.ndarray, count: int, out: np.ndarray, accumulate: bool = False) -> np.ndarray:
         """``out[:] = decode(buf)`` or, with ``accumulate``, ``out += decode(buf)``, in one pass."""
         raise TypeError(f"{type(self).__name__} does not define decode_into()")
@@ -214,6 +218,9 @@ class Float16(Wire):
 
     def _marker(self, nbytes):
         return nbytes & 1  # an odd length: the scale byte at the end
+
+    def max_nbytes(self, count):
+        return self.nbytes(count) + 1  # with the scale byte
 
 
 @register_wire

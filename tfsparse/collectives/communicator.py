@@ -199,10 +199,13 @@ class Communicator(ABC):
         self._check_peer(source, "source")
         return self._recv(source, tag, np.dtype(dtype))
 
-    def irecv(self, source: int, count: int, tag: int = 0, dtype=np.float32) -> Request:
-        """Non-blocking receive of exactly ``count`` elements."""
+    def irecv(self, source: int, count: int, tag: int = 0, dtype=np.float32, *, exact: bool = True) -> Request:
+        """Non-blocking receive of exactly ``count`` elements -- or, with ``exact=False``, of at most
+        ``count`` (a message whose length the receiver knows only within bounds); the request's
+        ``wait()`` returns the elements received.  Posting receives early lets a large message's
+        transfer start as soon as its sender is ready, whatever the receiver is doing."""
         self._check_peer(source, "source")
-        return self._irecv(source, int(count), tag, np.dtype(dtype))
+        return self._irecv(source, int(count), tag, np.dtype(dtype), bool(exact))
 
     @tracked
     def sendrecv(self, x: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
@@ -250,7 +253,7 @@ class Communicator(ABC):
         """Transport primitive, implemented by each backend."""
 
     @abstractmethod
-    def _irecv(self, source, count, tag, dtype):
+    def _irecv(self, source, count, tag, dtype, exact=True):
         """Transport primitive, implemented by each backend."""
 
     def __repr__(self):

@@ -109,5 +109,5 @@ class HorovodCommunicator(Communicator):
     def _recv(self, source, tag, dtype):
         return self._p2p._recv(source, tag, dtype)
 
-    def _irecv(self, source, count, tag, dtype):
-        return self._p2p._irecv(source, count, tag, dtype)
+    def _irecv(self, source, count, tag, dtype, exact=True):
+        return self._p2p._irecv(source, count, tag, dtype, exact)

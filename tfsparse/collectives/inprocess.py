@@ -110,11 +110,12 @@ class InProcessCommunicator(Communicator):
         got = self.world._queue(self.channel, source, self.rank, tag).get(timeout=self.world.timeout)
         return np.asarray(got, dtype=dtype).reshape(-1)
 
-    def _irecv(self, source, count, tag, dtype):
+    def _irecv(self, source, count, tag, dtype, exact=True):
         def wait():
             got = self._recv(source, tag, dtype)
-            if got.size != count:
-                raise RuntimeError(f"irecv expected {count} elements from rank {source}, got {got.size}")
+            if got.size > count or (exact and got.size != count):
+                raise RuntimeError(f"irecv expected {'' if exact else 'at most '}{count} elements from rank "
+                                   f"{source}, got {got.size}")
             return got
 
         return Request(wait)

@@ -89,13 +89,18 @@ class MPICommunicator(Communicator):
         self.comm.Recv(buf, source=source, tag=tag)
         return buf
 
-    def _irecv(self, source, count, tag, dtype):
+    def _irecv(self, source, count, tag, dtype, exact=True):
         buf = np.empty(count, dtype=dtype)
         req = self.comm.Irecv(buf, source=source, tag=tag)
-
-        def wait():
-            req.Wait()
-            return buf
+        if exact:
+            def wait():
+                req.Wait()
+                return buf
+        else:
+            def wait():
+                status = _mpi().Status()
+                req.Wait(status)
+                return buf[:status.Get_count(_mpi().BYTE) // dtype.itemsize]
 
         return Request(wait)
 
