@@ -32,6 +32,7 @@ import numpy as np
 
 from . import traffic
 
+
 def clip_by_global_norm(arrays, max_norm: float) -> list:
     """DGC's local gradient clipping (Lin et al. 2018 §3.3, "we perform the gradient clipping
     locally before adding the current gradient to previous accumulation"): ``arrays`` scaled by

@@ -31,6 +31,7 @@ compute-only step, the longest stall.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -91,7 +92,7 @@ class Timeline(keras.callbacks.Callback):
                 "validation_s": self.tests, "outside_s": outside, "gaps_s": gaps}
 
 
-def data(size):
+def data():
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype("float32")
     perm = np.random.default_rng(0).permutation(len(x))
@@ -121,7 +122,7 @@ def train(comm, config, args, arrays):
     if config is not None:
         options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
         strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
-    scope = strategy.scope() if strategy is not None else _nothing()
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         model = build(args.model)
         model.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM),
@@ -147,14 +148,6 @@ def train(comm, config, args, arrays):
     run["time_to_target_s"] = round(reached[0], 2) if reached else None
     run["epochs_to_target"] = next((e + 1 for e, a in enumerate(accuracy) if a >= args.target), None)
     return run
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def plot(results, path):
@@ -218,7 +211,7 @@ def main(argv=None):
         raise ValueError(f"configs={args.configs!r}: expected a JSON list of objects with an 'algorithm'")
 
     comm = tfsparse.init()
-    x_train, y_train, x_test, y_test = data(comm.size)
+    x_train, y_train, x_test, y_test = data()
     arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)
     runs = [train(comm, None, args, arrays)]
     for config in configs:

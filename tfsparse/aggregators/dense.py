@@ -161,16 +161,15 @@ class DenseAllreduce(Aggregator):
             return slice(int(offs[j % size]), int(offs[j % size + 1]))
 
         partial = acc[block(rank - 1)].copy()
-        recvs = []  # every hop's receive posted first (matched in order)
-        for hop in range(size - 1):
-            into = block(rank - hop - 2)
-            recvs.append(comm.irecv(left, wire.max_nbytes(into.stop - into.start), _RS_TAG, np.uint8, exact=False))
-        for hop in range(size - 1):
+        intos = [block(rank - hop - 2) for hop in range(size - 1)]  # the block each hop receives
+        # every hop's receive posted first (matched in order: same source and tag)
+        recvs = [comm.irecv(left, wire.max_nbytes(into.stop - into.start), _RS_TAG, np.uint8, exact=False)
+                 for into in intos]
+        for hop, into in enumerate(intos):
             out = block(rank - hop - 1)
             buf, lost = wire.encode_with_loss(partial)
             loss.add(out, lost)
             req = comm.isend(buf, right, _RS_TAG)
-            into = block(rank - hop - 2)
             partial = np.zeros(into.stop - into.start, np.float32)
             wire.decode_into(recvs[hop].wait(), partial.size, partial)
             partial += acc[into]

@@ -92,15 +92,14 @@ class MPICommunicator(Communicator):
     def _irecv(self, source, count, tag, dtype, exact=True):
         buf = np.empty(count, dtype=dtype)
         req = self.comm.Irecv(buf, source=source, tag=tag)
-        if exact:
-            def wait():
+
+        def wait():
+            if exact:
                 req.Wait()
                 return buf
-        else:
-            def wait():
-                status = _mpi().Status()
-                req.Wait(status)
-                return buf[:status.Get_count(_mpi().BYTE) // dtype.itemsize]
+            status = _mpi().Status()
+            req.Wait(status)
+            return buf[:status.Get_count(_mpi().BYTE) // dtype.itemsize]
 
         return Request(wait)
 
