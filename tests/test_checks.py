@@ -44,3 +44,11 @@ def test_integer_refuses_with_name_value_and_range(value, kwargs, accepted):
 def test_integer_accepts_numpy_integers():
     got = _checks.integer("n", np.int64(3), 0, 3)
     assert got == 3 and type(got) is int
+
+
+@pytest.mark.parametrize("bad", ["malloc", "BFC", True, 0])
+def test_init_refuses_an_unknown_cpu_allocator_before_anything(bad):
+    import tfsparse
+
+    with pytest.raises(ValueError, match=r"cpu_allocator=.* is not supported; accepted: 'bfc'"):
+        tfsparse.init(cpu_allocator=bad)
