@@ -271,6 +271,100 @@ def test_scatter_add_equals_dense_decoding_of_payloads():
     np.testing.assert_allclose(sparse, dense, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("itype", [np.int32, np.int64])
+def test_densify_into_is_zeros_plus_scatter_bit_for_bit(itype):
+    """The sequential decode of ascending pieces: the bits of np.add.at into zeros (piece order,
+    from +0.0: -0.0 entries, shared indices, NaN, Inf), whatever ``out`` held; one piece stored
+    as it is with ``add=False``; False (``out`` untouched) for pieces that do not ascend."""
+    rng = np.random.default_rng(21)
+    n = BIG
+    pieces = [ops.topk_abs(mixed(n, seed), 500) for seed in range(3)]
+    pieces.append((pieces[0][0][:50], np.full(50, -0.0, np.float32)))  # shared indices, signed zeros
+    pieces.append((np.array([0, n - 1]), np.array([-0.0, 2.5], np.float32)))
+    idx = np.concatenate([p[0] for p in pieces]).astype(itype)
+    val = np.concatenate([p[1] for p in pieces])
+    starts = np.cumsum([0] + [p[0].size for p in pieces])
+    out = rng.standard_normal(n).astype(np.float32)
+    assert cpu.densify_into(out, idx, val, starts)
+    same_bits(out, R.scatter_add(n, idx, val))
+    one = rng.standard_normal(n).astype(np.float32)
+    assert cpu.densify_into(one, pieces[4][0], pieces[4][1], [0, 2], add=False)
+    want = np.zeros(n, np.float32)
+    want[pieces[4][0]] = pieces[4][1]
+    same_bits(one, want)
+    kept = out.copy()
+    assert not cpu.densify_into(out, idx[::-1].copy(), val, starts)
+    assert not cpu.densify_into(out, np.array([3, -1]), np.ones(2, np.float32), [0, 2])  # an empty hash slot
+    same_bits(out, kept)
+    assert cpu.densify_into(out, np.zeros(0, np.int64), np.zeros(0, np.float32), [0])
+    same_bits(out, np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("t", [0.0, 0.5, 2.0, np.inf, np.nan])
+def test_add_select_is_add_then_select_threshold(t):
+    """Error feedback, the finite check and a threshold selection in one pass: the float32 sum,
+    the elements with |sum| >= t (NaN always), offset by ``base``, and whether all sums are finite."""
+    g, r = mixed(BIG, 3), mixed(BIG, 4, ties=False)
+    acc = np.empty(BIG, np.float32)
+    idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 1000)
+    same_bits(acc, g + r)
+    ref_idx, ref_val = R.select_threshold(g + r, t)
+    same_bits(idx, ref_idx + 1000)
+    same_bits(val, ref_val)
+    assert finite is False
+    fg, fr = np.ones(BIG, np.float32), np.full(BIG, -0.0, np.float32)
+    assert cpu.add_select(fg, fr, acc, C.NAN_KEY + 1)[2] is True
+    assert cpu.add_select(fg, fr, acc, C.NAN_KEY + 1)[0].size == 0  # a key above every key: nothing
+
+
+def test_candidates_give_the_exact_topk_and_the_hash_table():
+    """From the elements at or above a key: the exact top-k (when there are at least k) and
+    DRAGONN's table -- what topk_abs and hash_select make of the whole vector."""
+    x = mixed(BIG, 5)
+    k = 700
+    positions, rank = cpu.prefilter_plan(x.size, k)
+    lower = cpu.kth_key(cpu.keys_of(x[positions]), rank)
+    acc = np.empty_like(x)
+    idx, val, _ = cpu.add_select(x, np.zeros_like(x), acc, lower)
+    assert idx.size >= k
+    for a, b in zip(cpu.topk_of_candidates(idx, val, k), cpu.topk_abs(x, k)):
+        same_bits(a, b)
+    assert cpu.topk_of_candidates(idx[:k - 1], val[:k - 1], k) is None
+    t = float(ops.sample_threshold(x, k, ratio=0.01, seed=9))
+    idx, val, _ = cpu.add_select(x, np.zeros_like(x), acc, C.threshold_key(t))
+    for a, b in zip(cpu.hash_candidates(idx, val, t, 4 * k, seed=9), cpu.hash_select(x, t, 4 * k, seed=9)):
+        same_bits(a, b)
+
+
+def test_sample_positions_are_where_the_samples_read():
+    x = mixed(BIG, 6)
+    s = C.sample_count(x.size, 0.01)
+    keys = cpu.keys_of(x[cpu.sample_positions(x.size, s, seed=4)])
+    same_scalar(C.key_to_float(cpu.kth_key(keys, C.sample_rank(300, x.size, s))),
+                ops.sample_threshold(x, 300, ratio=0.01, seed=4))
+
+
+@pytest.mark.parametrize("encode", ["half", "bf16", "int8"])
+def test_encoders_write_the_loss_over_their_input(encode):
+    """The 16/8-bit encoders with ``loss=`` the input itself: the same codes, and the input then
+    holds exactly the loss a separate vector gets (a float16 overflow keeps the value there)."""
+    x = np.random.default_rng(7).standard_normal(BIG).astype(np.float32)
+    x[::101] = -0.0
+    x[5] = 70000.0
+    run = {"half": lambda v, **kw: cpu.half_encode(v, **kw)[:2],
+           "bf16": lambda v, **kw: cpu.bfloat16_encode(v, **kw),
+           "int8": lambda v, **kw: cpu.quantize_int8_chunks(v, 4096, **kw)[::2]}[encode]
+    codes, loss = run(x)
+    y = x.copy()
+    codes2, loss2 = run(y, loss=y)
+    same_bits(codes, codes2)
+    assert loss2 is y or np.shares_memory(loss2, y)
+    want = loss.copy()
+    if encode == "half":
+        want[5] = 70000.0  # overflowed to Inf: the kernel keeps the value as its "loss"
+    same_bits(y, want)
+
+
 def test_scatter_add_edge_cases():
     same_bits(ops.scatter_add(5, np.zeros(0, np.int64), np.zeros(0, np.float32)), np.zeros(5, np.float32))
     assert ops.scatter_add(0, [], []).shape == (0,)

@@ -132,6 +132,27 @@ def test_encode_with_loss(name):
     np.testing.assert_allclose(loss, big - w.decode(buf, big.size), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", WIRES)
+@pytest.mark.parametrize("overflow", [False, True])
+def test_encode_loss_into_the_values_themselves(name, overflow):
+    """One pass for a dense exchange's residual: the message of encode_with_loss, and its loss
+    written into a given vector -- the encoded values themselves (finite), too; a float16 message
+    that must be scaled is scaled from the values taken back exactly (signed zeros included)."""
+    w = get_wire(name)
+    x = data(9000, seed=8)
+    x[::50] = -0.0
+    if overflow:
+        x[[3, 4]] = [3e6, -70000.0]
+    buf, loss = w.encode_with_loss(x.copy())
+    want = np.zeros_like(x) if loss is None else loss
+    into = np.full_like(x, 7.0)
+    np.testing.assert_array_equal(w.encode_loss_into(x.copy(), into), buf)
+    np.testing.assert_array_equal(into.view(np.uint32), want.view(np.uint32))
+    y = x.copy()
+    np.testing.assert_array_equal(w.encode_loss_into(y, y), buf)
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
 def test_wire_loss_restrict_and_apply():
     loss = WireLoss()
     x = np.array([1.1, 2.2, 3.3], np.float32)

@@ -88,13 +88,15 @@ class Bucket:
     (None: the exchange's) and the rounds started on it (``futures``: round index -> the
     communication job's future)."""
 
-    def __init__(self, spec, aggregator, wire, density, memory):
+    def __init__(self, spec, aggregator, wire, density, memory, outputs=None):
         self.spec = spec
         self.aggregator = aggregator
         self.dense = None  # the bucket's DenseAllreduce, for dense steps of a sparse algorithm
         self.wire = wire
         self.density = density
         self.memory = memory
+        #: where the round results are decoded (the space's result vectors, reused when free)
+        self.outputs = outputs
         self.rounds = 0
         self.futures: dict = {}
 
@@ -121,32 +123,52 @@ class Bucket:
 
     def encode(self, comm, space, arrays, density: float, dsync: bool) -> tuple:
         """The caller's-thread stages: error feedback over every tensor of the bucket, the finite
-        check, selection and encoding.  Returns the communication job's arguments."""
+        check, selection and encoding.  Returns the communication job's arguments.
+
+        Where the memory takes the gradients (error feedback on host float32 vectors), the first
+        two are one pass over gradient and residual, and when the aggregator's compressor says
+        ahead what it needs (:meth:`Aggregator.prefilter
+        <tfsparse.aggregators.Aggregator.prefilter>`) the selection too
+        (:meth:`ResidualMemory.compensate_select <tfsparse.memory.ResidualMemory.compensate_select>`):
+        the selection then reads only what that pass collected -- the same result."""
         memory = self.memory
-        off = 0
-        for a in arrays:
-            n = int(np.size(a))
-            memory.compensate(a, slice(off, off + n))
-            off += n
         aggregator = self.aggregator_at(density)
-        k = k_from_density(self.spec.size, density) if aggregator.uses_memory else int(self.spec.size)
+        n = int(self.spec.size)
+        k = k_from_density(n, density) if aggregator.uses_memory else n
         wire = FLOAT32 if dsync else self.wire
+        candidates = None
+        if memory.fuses(arrays):
+            prefilter = aggregator.prefilter(comm, n, k, lambda at: memory.peek(arrays, at))
+            candidates, finite = memory.compensate_select(arrays, prefilter)
+        else:
+            off = 0
+            for a in arrays:
+                size = int(np.size(a))
+                memory.compensate(a, slice(off, off + size))
+                off += size
+            traffic.count("finite", read=4 * n)
+            finite = space.all_finite(memory.acc)
         acc = memory.acc
-        traffic.count("finite", read=4 * int(np.size(acc)))
-        finite = space.all_finite(acc)
         if not finite:  # the round is dropped on every rank; encode something harmless meanwhile
             space.zero_nonfinite(acc)
+            candidates = None
         # on a device: aggregators that select there take the device vector, the others a host copy
         offered = acc if aggregator.accepts_device or not space.on_device else space.to_host(acc)
-        return aggregator, aggregator.encode(comm, offered, k, wire), finite
+        extras = {}
+        if candidates is not None:
+            extras["candidates"] = candidates
+        if aggregator.in_place_residual and offered is acc and wire.lossy:
+            extras["in_place"] = True  # acc is the memory's scratch: the new residual is built in it
+        return aggregator, aggregator.encode(comm, offered, k, wire, **extras), finite
 
     def exchange(self, comm, space, aggregator, payload) -> Outcome:
         """The communication thread's stages: the collectives, the dense result, the memory's update."""
         t0 = time.perf_counter()
         before = comm.bytes_sent
-        result = aggregator.exchange(comm, payload)
+        out = self.outputs.take() if self.outputs is not None else None
+        result = aggregator.exchange(comm, payload, out=out)
         t1 = time.perf_counter()
-        dense = space.decode(result, self.spec.size)
+        dense = space.decode(result, self.spec.size, out)
         self.memory.update(result)
         return Outcome(dense, comm.bytes_sent - before, result.sent_elements, t1 - t0, time.perf_counter() - t1)
 
@@ -209,7 +231,7 @@ def make_bucket(spec, settings, space) -> Bucket:
     aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or settings.wire_dtype)
     memory = get_memory(settings.memory, spec.size, settings.memory_options, aggregator.uses_memory or wire.lossy,
                         space)
-    return Bucket(spec, aggregator, wire, density, memory)
+    return Bucket(spec, aggregator, wire, density, memory, space.outputs(spec.size))
 
 
 def assemble(layout, buckets, dense: dict, flat: bool, space):

@@ -20,16 +20,60 @@ from .state import Stateful
 _M64 = (1 << 64) - 1
 
 
+class Candidates:
+    """What a fused error-feedback pass collected for a compressor (:meth:`Compressor.prefilter`):
+    every element of the offered vector whose magnitude key (:mod:`tfsparse.ops._common`) is at
+    least ``key`` -- ``idx`` (int64, ascending) and ``val`` -- and ``threshold``, what the
+    prefilter derived the key from where the compressor needs it again (DRAGONN's sampled
+    threshold)."""
+
+    __slots__ = ("idx", "val", "key", "threshold")
+
+    def __init__(self, idx, val, key: int, threshold: float | None = None):
+        self.idx, self.val, self.key, self.threshold = idx, val, int(key), threshold
+
+    def at_least(self, key: int):
+        """``(idx, val)`` of the candidates whose key is at least ``key`` (which must be at least
+        :attr:`key`: then these are all such elements of the vector)."""
+        from .ops import cpu
+
+        if key <= self.key:
+            return self.idx, self.val
+        keep = cpu.keys_of(self.val) >= key
+        return self.idx[keep], self.val[keep]
+
+
+class Prefilter:
+    """A compressor's answer to :meth:`Compressor.prefilter`: collect every element whose key is at
+    least ``key``; ``threshold`` rides along to :class:`Candidates`."""
+
+    __slots__ = ("key", "threshold")
+
+    def __init__(self, key: int, threshold: float | None = None):
+        self.key, self.threshold = int(key), threshold
+
+
 class Compressor(Stateful):
-    """Base class; subclasses implement :meth:`compress`."""
+    """Base class; subclasses implement :meth:`compress`, and :meth:`prefilter` where the
+    selection can be fused with error feedback."""
 
     name = "base"
     #: whether :meth:`compress` takes a CUDA device vector (and returns host arrays)
     on_device = False
 
-    def compress(self, acc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Returns (indices, values) of the entries to send."""
+    def compress(self, acc: np.ndarray, k: int, candidates: Candidates | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Returns (indices, values) of the entries to send.  ``candidates``: what the fused pass
+        collected for :meth:`prefilter`'s answer (only given to a compressor that answered one);
+        the result must be the same as without them."""
         raise TypeError(f"{type(self).__name__} does not define compress()")
+
+    def prefilter(self, n: int, k: int, peek) -> Prefilter | None:
+        """Fusion with error feedback (the memory's pass over gradient and residual): the key
+        such that the next :meth:`compress` of an ``n``-element ``acc`` needs only the elements at
+        or above it, decided before ``acc`` exists -- ``peek(positions)`` gives ``acc``'s values at
+        int64 ``positions`` (a sample).  None (the default): the compressor reads ``acc`` itself.
+        Does not change the compressor's state."""
+        return None
 
     def expected_count(self, n: int, k: int) -> float:
         """The entries :meth:`compress` is expected to send of an ``n``-element vector for the
@@ -81,14 +125,44 @@ def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(idx, dtype=np.int64), val
 
 
+def topk_prefilter(n: int, k: int, peek) -> Prefilter | None:
+    """The exact top-k's prefilter (:func:`tfsparse.ops.topk_abs`'s own sample, read through
+    ``peek``): a key below the k-th largest with high probability; None where the top-k takes
+    another path (``k`` above ``n / 64``, small vectors)."""
+    from .ops import cpu
+
+    plan = cpu.prefilter_plan(n, k) if 0 < k <= n // 16 else None
+    if plan is None:
+        return None
+    positions, rank = plan
+    return Prefilter(cpu.kth_key(cpu.keys_of(peek(positions)), rank))
+
+
+def topk_of(acc, k: int, candidates: Candidates | None):
+    """:func:`topk_with_values`, from ``candidates`` when they hold at least ``k`` elements."""
+    if candidates is not None:
+        from .ops import cpu
+
+        top = cpu.topk_of_candidates(candidates.idx, candidates.val, int(k))
+        if top is not None:
+            return top
+    return topk_with_values(acc, k)
+
+
 class TopK(Compressor):
-    """Exact local top-k by magnitude (gtopk-ssgd-shi2019 Alg. 1 lines 5-7)."""
+    """Exact local top-k by magnitude (gtopk-ssgd-shi2019 Alg. 1 lines 5-7).  Fused with error
+    feedback (:meth:`prefilter`): the top-k's sample is read from gradient + residual before the
+    pass, the pass collects the elements above the sample's lower bound, and the top-k is taken
+    among them -- the same indices and values."""
 
     name = "topk"
     on_device = True
 
-    def compress(self, acc, k):
-        return topk_with_values(acc, k)
+    def compress(self, acc, k, candidates=None):
+        return topk_of(acc, k, candidates)
+
+    def prefilter(self, n, k, peek):
+        return topk_prefilter(n, k, peek)
 
 
 class Identity(Compressor):
@@ -354,15 +428,37 @@ class HashedThreshold(Compressor):
         """DGC's sampled estimate of the k-th largest ``|acc|`` (exact for small tensors)."""
         from . import ops
 
-        n = acc.size
+        ratio = self._sample_ratio(acc.size)
+        if ratio is None:
+            return float(ops.kth_largest_abs(acc, k))
+        return float(ops.sample_threshold(acc, k, ratio=ratio, seed=seed))
+
+    def _sample_ratio(self, n: int) -> float | None:
+        """The ratio the threshold samples at; None: the exact k-th largest instead."""
         ratio = self.sample_ratio
         if ratio * n < min(n, self.min_samples):
             ratio = min(n, self.min_samples) / n
             if ratio >= 1.0:
-                return float(ops.kth_largest_abs(acc, k))
-        return float(ops.sample_threshold(acc, k, ratio=ratio, seed=seed))
+                return None
+        return ratio
 
-    def compress(self, acc, k):
+    def prefilter(self, n, k, peek):
+        """The step's sampled threshold, from the sample positions read through ``peek``: the pass
+        collects exactly what the hash table takes (every element at or above it)."""
+        from .ops import _common as C, cpu
+
+        k = small_tensor_k(n, int(k), self.small_density)
+        ratio = self._sample_ratio(n) if 0 < k < n else None
+        if ratio is None:
+            return None
+        s = C.sample_count(n, ratio)
+        key = cpu.kth_key(cpu.keys_of(peek(cpu.sample_positions(n, s, seed=self.step_seed()))), C.sample_rank(k, n, s))
+        t = float(C.key_to_float(key))
+        if t <= 0.0:  # as compress() raises it (NaN stays NaN: only NaN entries pass)
+            t = _SMALLEST_POSITIVE
+        return Prefilter(C.threshold_key(t), t)
+
+    def compress(self, acc, k, candidates=None):
         from . import ops
 
         seed = self.step_seed()
@@ -375,11 +471,18 @@ class HashedThreshold(Compressor):
                 acc = acc.copy_to_host()
             idx = np.flatnonzero(acc).astype(np.int64)
             return idx, acc[idx]
-        t = self.threshold(acc, k, seed)
+        fused = candidates is not None and candidates.threshold is not None
+        t = candidates.threshold if fused else self.threshold(acc, k, seed)
         if t <= 0.0:
             t = _SMALLEST_POSITIVE
         self.last_threshold = t
-        table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
+        if fused:  # the pass collected every element at or above t: hash those
+            from .ops import _common as C, cpu
+
+            table, values = cpu.hash_candidates(*candidates.at_least(C.threshold_key(t)), t,
+                                                self.capacity_factor * k, seed=seed)
+        else:
+            table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
         if hasattr(table, "copy_to_host"):  # selected on a CUDA device: only the table comes back
             table, values = table.copy_to_host(), values.copy_to_host()
         full = table >= 0
@@ -498,9 +601,10 @@ class GaussianKThreshold(Compressor):
 
 # -- Ok-Topk's reused local threshold (oktopk-li2022 §3.1.3) --------------------------------
 
-def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
+def kth_largest_magnitude(values: np.ndarray, k: int, candidates: Candidates | None = None) -> float:
     """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
-    are at most k values (then every non-zero value passes, also on the steps that reuse it)."""
+    are at most k values (then every non-zero value passes, also on the steps that reuse it).
+    ``candidates`` (of ``values``): taken from them when they hold at least ``k``."""
     from . import ops
 
     m = values.size
@@ -508,16 +612,24 @@ def kth_largest_magnitude(values: np.ndarray, k: int) -> float:
         return float("inf")
     if m <= k:
         return 0.0
+    if candidates is not None and candidates.idx.size >= k:
+        from .ops import _common as C, cpu
+
+        return float(C.key_to_float(cpu.kth_key(cpu.keys_of(candidates.val), k)))
     return float(ops.kth_largest_abs(values, k))  # one radix select, no sort (NaN > Inf > finite)
 
 
-def select_local(acc: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+def select_local(acc: np.ndarray, threshold: float, candidates: Candidates | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, values)`` of ``|acc| >= threshold``, indices ascending (NaN entries always
     pass); a non-positive threshold selects the non-zero entries.  One pass, no temporaries, for
-    a positive one."""
+    a positive one; none with ``candidates`` collected at or below the threshold."""
     from . import ops
+    from .ops import _common as C
 
     if threshold > 0.0:
+        key = C.threshold_key(threshold)
+        if candidates is not None and key >= candidates.key:
+            return candidates.at_least(key)
         return ops.select_threshold(acc, threshold)
     idx = threshold_select(acc, threshold, strict=False)
     return idx, acc[idx]
@@ -566,12 +678,24 @@ class ReusedThreshold(Compressor):
         self.threshold = None
         self.last_threshold = None
 
-    def compress(self, acc, k):
+    def prefilter(self, n, k, peek, fresh: bool | None = None):
+        """What the next :meth:`compress` reads: on a re-evaluation step (``fresh``; default: no
+        threshold kept) the exact top-k's candidates (:func:`topk_prefilter`), else every element
+        at or above the kept threshold (a raised one passes a subset)."""
+        from .ops import _common as C
+
+        if fresh is None:
+            fresh = self.threshold is None
+        if fresh:
+            return topk_prefilter(n, k, peek) if n > k > 0 else None
+        return Prefilter(C.threshold_key(self.threshold)) if k > 0 and self.threshold > 0.0 else None
+
+    def compress(self, acc, k, candidates=None):
         fresh = self.threshold is None
         if fresh:
-            self.threshold = kth_largest_magnitude(acc, k)
+            self.threshold = kth_largest_magnitude(acc, k, candidates)
         if k > 0:
-            idx, val = select_local(acc, self.threshold)
+            idx, val = select_local(acc, self.threshold, candidates)
         else:
             idx, val = np.empty(0, np.int64), np.empty(0, np.float32)
         limit = 4 * k / 3

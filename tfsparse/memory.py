@@ -98,6 +98,10 @@ class NoMemory(Stateful):
         self.space.copy(self.acc[span], grad)
         return self.acc
 
+    def fuses(self, arrays) -> bool:
+        """No selection follows a memory that keeps nothing (lossless dense)."""
+        return False
+
     def update(self, result) -> None:
         """Nothing is kept."""
 
@@ -141,13 +145,61 @@ class ResidualMemory(Stateful):
         """After a skipped round (a non-finite gradient): the residual was not touched by the
         round; nothing else is kept."""
 
+    # -- error feedback fused with the selection and the finite check ---------------------
+    def fuses(self, arrays) -> bool:
+        """Whether :meth:`compensate_select` takes these gradients (contiguous float32 host
+        arrays, whose float32 sum with the residual is what :meth:`compensate` computes)."""
+        return not self.space.on_device and all(
+            isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+
+    def peek(self, arrays, positions) -> np.ndarray:
+        """``grad + residual`` at the bucket's int64 ``positions`` (ascending): what :meth:`compensate`
+        will write there, computed ahead (a compressor's sample, :meth:`Compressor.prefilter
+        <tfsparse.compressors.Compressor.prefilter>`)."""
+        out = np.empty(positions.size, np.float32)
+        lo = 0
+        for a in arrays:
+            hi = lo + a.size
+            i, j = np.searchsorted(positions, (lo, hi))
+            if j > i:
+                at = positions[i:j]
+                np.add(a.reshape(-1)[at - lo], self.residual[at], out=out[i:j])
+            lo = hi
+        return out
+
+    def compensate_select(self, arrays, prefilter=None):
+        """:meth:`compensate` of the whole bucket, the finite check and the collection of
+        ``prefilter``'s elements (none without one) in one pass over gradient and residual
+        (:func:`tfsparse.ops.cpu.add_select`): returns ``(candidates, finite)``, the
+        :class:`~tfsparse.compressors.Candidates` (None without a prefilter) and whether every
+        element of :attr:`acc` is finite."""
+        from .compressors import Candidates
+        from .ops import _common as C, cpu
+
+        key = C.NAN_KEY + 1 if prefilter is None else prefilter.key  # above every key: collects nothing
+        idx, val, finite, lo = [], [], True, 0
+        for a in arrays:
+            hi = lo + a.size
+            i, v, ok = cpu.add_select(a.reshape(-1), self.residual[lo:hi], self.acc[lo:hi], key, lo)
+            idx.append(i)
+            val.append(v)
+            finite = finite and ok
+            lo = hi
+        if prefilter is None:
+            return None, finite
+        one = len(arrays) == 1
+        return Candidates(idx[0] if one else np.concatenate(idx), val[0] if one else np.concatenate(val),
+                          prefilter.key, prefilter.threshold), finite
+
     def update(self, result) -> None:
         """The new residual, built in place of ``acc`` (the two buffers then swap): the
         contributed entries removed (``result.contributed``; ``None`` means everything), plus
-        what the wire lost (``result.loss``)."""
+        what the wire lost (``result.loss``) -- or, where the aggregator built it in ``acc`` already
+        (``result.residual_in_place``), that."""
         acc = self.acc
-        _clear_contributed(self.space, acc, result)
-        result.loss.apply_to(acc, self.space)
+        if not result.residual_in_place:
+            _clear_contributed(self.space, acc, result)
+            result.loss.apply_to(acc, self.space)
         self.acc, self.residual = self.residual, acc
 
     def get_state(self):
@@ -189,6 +241,10 @@ class MomentumMemory(ResidualMemory):
         traffic.count("compensate", read=5 * nbytes, written=3 * nbytes)  # u *= m; u += g; acc = u + r
         self.space.momentum(self.velocity[span], self.momentum, grad, self.residual[span], self.acc[span])
         return self.acc
+
+    def fuses(self, arrays) -> bool:
+        """Momentum correction's pass (velocity and residual) is not fused with a selection."""
+        return False
 
     def update(self, result):
         """The residual as :class:`ResidualMemory` keeps it; the velocity is cleared where

@@ -110,6 +110,20 @@ class Wire:
         lossless wire."""
         raise TypeError(f"{type(self).__name__} does not define encode_with_loss()")
 
+    def encode_loss_into(self, values, loss) -> np.ndarray:
+        """:meth:`encode` of float32 ``values``, writing what the encoding lost into ``loss`` (a
+        contiguous float32 vector of their size; ``values`` itself allowed, which then holds the
+        loss afterwards) -- one pass, where a dense exchange builds the new residual in place.
+        With ``loss`` over ``values``, the values must be finite."""
+        buf, lost = self.encode_with_loss(values)
+        if lost is None:
+            if np.shares_memory(buf, loss):  # float32 travels as it is: keep it before the zeros
+                buf = buf.copy()
+            loss.fill(0.0)
+        else:
+            loss[:] = lost
+        return buf
+
     def decode(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` float32 values held by ``buf`` (a whole encoded block)."""
         return self.decode_into(buf, count, np.empty(int(count), np.float32))
@@ -195,6 +209,24 @@ class Float16(Wire):
         codes, loss, overflowed = _kernels().half_encode(values)
         if not overflowed:
             return codes.view(np.uint8), loss
+        return self._scaled(values)
+
+    def encode_loss_into(self, values, loss):
+        values = _f32(values)
+        codes, _, overflowed = _kernels().half_encode(values, loss=loss)
+        if not overflowed:
+            return codes.view(np.uint8)
+        if np.shares_memory(values, loss):  # the values are the loss now: take them back (exactly)
+            decoded = _kernels().HALF_TABLE[codes]
+            with np.errstate(invalid="ignore"):
+                values = np.where(np.isinf(decoded) & (loss != 0), loss,  # overflowed: the kernel kept x
+                                  np.where(loss == 0, decoded, decoded + loss)).astype(np.float32)
+        buf, lost = self._scaled(values)
+        loss[:] = lost
+        return buf
+
+    def _scaled(self, values):
+        """A message of finite values of which some overflow float16: all divided by ``2**e``."""
         finite = np.isfinite(values)
         amax = float(np.abs(values[finite]).max())
         e = 1
@@ -232,6 +264,9 @@ class BFloat16(Wire):
         codes, loss = _kernels().bfloat16_encode(_f32(values))
         return codes.view(np.uint8), loss
 
+    def encode_loss_into(self, values, loss):
+        return _kernels().bfloat16_encode(_f32(values), loss=loss)[0].view(np.uint8)
+
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
         codes = self._block(buf, count)[:2 * count].view(np.uint16)
@@ -252,6 +287,10 @@ class Int8(Wire):
     def encode_with_loss(self, values):
         q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
         return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
+
+    def encode_loss_into(self, values, loss):
+        q, scales, _ = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK, loss=loss)
+        return np.concatenate([q.view(np.uint8), scales.view(np.uint8)])
 
     def decode_into(self, buf, count, out, accumulate=False):
         buf = self._block(buf, count)

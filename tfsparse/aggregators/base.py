@@ -44,10 +44,13 @@ class AllreduceResult:
         order (each with unique indices), not yet summed; ``values`` is then their dense sum,
         decoded on first access (:func:`sparse_decode`) -- a device-resident exchange decodes
         the pieces on the device instead (:mod:`tfsparse.space`), and the host never does.
+      residual_in_place: the aggregator wrote this rank's new residual into the offered vector
+        itself (``encode(..., in_place=True)``: what its encodings lost, everything having been
+        contributed); ``loss`` is then empty.
     """
 
     def __init__(self, indices, values=None, contributed=None, sent_elements: int = 0, loss: WireLoss | None = None,
-                 pieces: list | None = None, n: int | None = None):
+                 pieces: list | None = None, n: int | None = None, residual_in_place: bool = False):
         if values is None and pieces is None:
             raise ValueError("an AllreduceResult needs values or pieces")
         self.indices = indices
@@ -57,6 +60,7 @@ class AllreduceResult:
         self.loss = loss if loss is not None else WireLoss()
         self.pieces = pieces
         self.n = n
+        self.residual_in_place = bool(residual_in_place)
 
     @property
     def values(self) -> np.ndarray:
@@ -65,21 +69,51 @@ class AllreduceResult:
         return self._values
 
     def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The result as a dense float32 vector (written into ``out`` when given)."""
-        if self.indices is None:
+        """The result as a dense float32 vector, written into ``out`` when given (a host vector of
+        ``n`` elements: every element is written).  Into ``out``, a sparse result (allgathered
+        pieces, or indices) is written in one sequential pass where its indices ascend
+        (:func:`densify`), the same bits as zeros plus a scatter; a dense result already in
+        ``out`` (the aggregator wrote it there) is not copied."""
+        if self.indices is None and (self.pieces is None or out is None):
             values = self.values.reshape(-1)
             if out is None:
                 return values.astype(np.float32, copy=False)
-            traffic.count("decode", read=values.nbytes, written=values.nbytes)
-            out[:] = values
+            if values is not out and not np.shares_memory(values, out):
+                traffic.count("decode", read=values.nbytes, written=values.nbytes)
+                out[:] = values
             return out
-        traffic.count("decode", written=4 * n)  # the zeros under the scattered values
         if out is None:
+            traffic.count("decode", written=4 * n)  # the zeros under the scattered values
             out = np.zeros(n, dtype=np.float32)
+            out[self.indices] = self.values
+            return out
+        if self.pieces is not None:
+            densify(out, self.pieces, add=True)
         else:
-            out.fill(0.0)
-        out[self.indices] = self.values
+            densify(out, [(self.indices, self.values)], add=False)
         return out
+
+
+def densify(out: np.ndarray, pieces, add: bool = True) -> np.ndarray:
+    """``out[:]`` = the dense sum of sparse ``(indices, values)`` pieces (each with unique
+    indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
+    stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
+    Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
+    otherwise (DRAGONN's hash tables, in slot order) ``out`` is zeroed and the pieces scattered
+    into it -- the same bits either way."""
+    from ..ops import cpu
+
+    idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
+    val = np.concatenate([p[1] for p in pieces]) if len(pieces) != 1 else pieces[0][1]
+    starts = np.cumsum([0] + [len(p[0]) for p in pieces])
+    if cpu.densify_into(out, idx, val, starts, add=add):
+        return out
+    traffic.count("decode", written=out.nbytes)
+    out.fill(0.0)
+    if add:
+        return cpu.scatter_add(out.size, idx, val, out=out)
+    out[np.asarray(idx, np.int64)] = val
+    return out
 
 
 class Aggregator(Stateful):
@@ -95,13 +129,38 @@ class Aggregator(Stateful):
     #: whether :meth:`encode` takes a CUDA device vector (selecting there and returning a host
     #: payload); otherwise a device-resident exchange hands it a host copy
     accepts_device = False
+    #: the :class:`~tfsparse.compressors.Compressor` this aggregator selects through (None: it
+    #: selects nothing locally)
+    compressor = None
+    #: whether :meth:`encode` takes ``in_place=True``: the offered vector is the memory's scratch
+    #: buffer, and the aggregator may leave the new residual in it (``result.residual_in_place``)
+    in_place_residual = False
 
-    def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32):
-        """Local phase (no communication): returns the payload :meth:`exchange` takes."""
+    def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32, candidates=None):
+        """Local phase (no communication): returns the payload :meth:`exchange` takes.
+        ``candidates``: what the memory's fused pass collected for :meth:`prefilter`'s answer
+        (:class:`~tfsparse.compressors.Candidates`), handed to the compressor."""
         raise TypeError(f"{type(self).__name__} does not define encode()")
 
-    def exchange(self, comm: Communicator, payload) -> AllreduceResult:
-        """Communication phase: the collectives, merging in between, the global result."""
+    def prefilter(self, comm: Communicator, n: int, k: int, peek):
+        """What the next :meth:`encode` of an ``n``-element vector at budget ``k`` needs of it, asked
+        before error feedback makes the vector, so that the memory's pass collects it on the way
+        (:meth:`tfsparse.compressors.Compressor.prefilter`; ``peek(positions)`` gives the vector's
+        values at those positions).  None: nothing to collect, the selection reads the vector.
+        Changes no state."""
+        return None if self.compressor is None else self.compressor.prefilter(n, k, peek)
+
+    def select(self, acc, k: int, candidates=None):
+        """The compressor's selection of ``acc`` (from ``candidates`` where given)."""
+        if candidates is None:
+            return self.compressor.compress(acc, k)
+        return self.compressor.compress(acc, k, candidates)
+
+    def exchange(self, comm: Communicator, payload, out: np.ndarray | None = None) -> AllreduceResult:
+        """Communication phase: the collectives, merging in between, the global result.
+        ``out``: a host float32 vector of the payload's size that a dense result may be received
+        into (the result's values are then ``out``; :meth:`AllreduceResult.to_dense` does not copy
+        it); aggregators with a sparse result ignore it."""
         raise TypeError(f"{type(self).__name__} does not define exchange()")
 
     def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:

@@ -123,7 +123,7 @@ class CoarseSparseAllreduce(Aggregator):
             payload.norms = ops.chunk_l1_norms(acc, self.chunk_size)
         return payload
 
-    def exchange(self, comm, payload):
+    def exchange(self, comm, payload, out=None):
         acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
         if payload.m == 0:
             self._next = np.empty(0, np.int64)

@@ -27,6 +27,7 @@ class _DensePayload:
     counts: np.ndarray | None = None
     blocks: list | None = None  # encoded block for each rank (None for this rank's own)
     loss: WireLoss | None = None
+    in_place: bool = False  # what each encoding loses is written over the values it encoded
 
 
 @register("dense")
@@ -64,6 +65,7 @@ class DenseAllreduce(Aggregator):
     """
 
     uses_memory = False
+    in_place_residual = True
     REDUCE_SCATTERS = ("direct", "ring")
 
     def __init__(self, reduce_scatter: str = "direct"):
@@ -72,7 +74,10 @@ class DenseAllreduce(Aggregator):
                              f"{', '.join(repr(r) for r in self.REDUCE_SCATTERS)}")
         self.reduce_scatter = reduce_scatter
 
-    def encode(self, comm, acc, k=None, wire=FLOAT32):
+    def encode(self, comm, acc, k=None, wire=FLOAT32, in_place=False):
+        """``in_place``: ``acc`` (finite) is the memory's scratch vector -- each block's encoding
+        writes what it lost over the block it read (one pass), so that after the exchange ``acc``
+        holds this rank's new residual (``result.residual_in_place``) and nothing else is kept."""
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
         if not wire.lossy or comm.size == 1:
             return _DensePayload(acc, wire)
@@ -80,36 +85,33 @@ class DenseAllreduce(Aggregator):
         offs = np.concatenate(([0], np.cumsum(counts)))
         loss = WireLoss()
         if self.reduce_scatter == "ring":  # the partial sums are encoded hop by hop, in exchange()
-            return _DensePayload(acc, wire, counts, None, loss)
+            return _DensePayload(acc, wire, counts, None, loss, in_place)
         blocks = []
         for j in range(comm.size):
             if j == comm.rank:
                 blocks.append(None)
                 continue
             block = slice(int(offs[j]), int(offs[j + 1]))
-            buf, lost = wire.encode_with_loss(acc[block])
-            loss.add(block, lost)
-            blocks.append(buf)
-        return _DensePayload(acc, wire, counts, blocks, loss)
+            blocks.append(_encode(wire, acc[block], acc, block, loss, in_place))
+        return _DensePayload(acc, wire, counts, blocks, loss, in_place)
 
-    def exchange(self, comm, payload):
+    def exchange(self, comm, payload, out=None):
         acc, wire = payload.acc, payload.wire
         if payload.counts is None:
-            total = comm.allreduce(acc, op="sum")
+            total = comm.allreduce(acc, op="sum", out=out)
             return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size)
         rank, size, counts = comm.rank, comm.size, payload.counts
         offs = np.concatenate(([0], np.cumsum(counts)))
         own = slice(int(offs[rank]), int(offs[rank + 1]))
         loss = payload.loss
         if payload.blocks is None:
-            mine = self._ring_reduce_scatter(comm, acc, wire, offs, loss)
+            mine = self._ring_reduce_scatter(comm, acc, wire, offs, loss, payload.in_place)
         else:
             mine = self._direct_reduce_scatter(comm, payload, offs)
-        buf, lost = wire.encode_with_loss(mine)
-        loss.add(own, lost)
+        buf = _encode(wire, mine, acc, own, loss, payload.in_place)  # acc[own] went into the sum
         # allgather around the ring: each hop forwards the encoded block it received last and
         # decodes it while the next one travels; every rank decodes the same bytes
-        total = np.empty(acc.size, np.float32)
+        total = out if out is not None else np.empty(acc.size, np.float32)
         right, left = (rank + 1) % size, (rank - 1) % size
         # every hop's receive posted first (matched in order: same source and tag), so that the
         # next block flows in while this rank decodes the last one
@@ -122,7 +124,8 @@ class DenseAllreduce(Aggregator):
             if req is not None:
                 buf = recvs[hop].wait()
                 req.wait()
-        return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size, loss=loss)
+        return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size, loss=loss,
+                               residual_in_place=payload.in_place)
 
     @staticmethod
     def _direct_reduce_scatter(comm, payload, offs) -> np.ndarray:
@@ -149,9 +152,10 @@ class DenseAllreduce(Aggregator):
         return mine
 
     @staticmethod
-    def _ring_reduce_scatter(comm, acc, wire, offs, loss: WireLoss) -> np.ndarray:
+    def _ring_reduce_scatter(comm, acc, wire, offs, loss: WireLoss, in_place: bool) -> np.ndarray:
         """The paper's ring: at hop ``s`` rank ``r`` encodes its partial sum of block
-        ``r - s - 1`` for its right-hand neighbour (keeping what the encoding lost) and adds its
+        ``r - s - 1`` for its right-hand neighbour (keeping what the encoding lost -- in place,
+        over that block of ``acc``, which went into the partial sum at the hop before) and adds its
         own values to the partial sum of block ``r - s - 2`` from its left; after ``P - 1`` hops it
         holds the whole sum of its own block ``r``."""
         rank, size = comm.rank, comm.size
@@ -167,8 +171,7 @@ class DenseAllreduce(Aggregator):
                  for into in intos]
         for hop, into in enumerate(intos):
             out = block(rank - hop - 1)
-            buf, lost = wire.encode_with_loss(partial)
-            loss.add(out, lost)
+            buf = _encode(wire, partial, acc, out, loss, in_place)
             req = comm.isend(buf, right, _RS_TAG)
             partial = np.zeros(into.stop - into.start, np.float32)
             wire.decode_into(recvs[hop].wait(), partial.size, partial)
@@ -178,6 +181,16 @@ class DenseAllreduce(Aggregator):
 
     def schedule(self, b, n, k, step):
         b.allreduce("allreduce", n, b.value_bytes)
+
+
+def _encode(wire, values, acc, where: slice, loss: WireLoss, in_place: bool) -> np.ndarray:
+    """``values`` encoded for the wire; what that lost is kept for the elements ``acc[where]`` they
+    stand for -- written over ``acc[where]`` (``in_place``), or recorded in ``loss``."""
+    if in_place:
+        return wire.encode_loss_into(values, acc[where])
+    buf, lost = wire.encode_with_loss(values)
+    loss.add(where, lost)
+    return buf
 
     def __repr__(self):
         return f"{type(self).__name__}(reduce_scatter={self.reduce_scatter!r})"

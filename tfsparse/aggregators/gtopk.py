@@ -116,10 +116,10 @@ class GTopKAllreduce(Aggregator):
         """The local top-k runs where ``acc`` lives; only the k entries come back."""
         return self.compressor.on_device
 
-    def encode(self, comm, acc, k, wire):
+    def encode(self, comm, acc, k, wire, candidates=None):
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
-        local_idx, local_val = self.compressor.compress(acc, k)
+        local_idx, local_val = self.select(acc, k, candidates)
         return _GTopKPayload(k, local_idx, local_val, index_dtype(acc.size), wire)
 
     def schedule(self, b, n, k, step):
@@ -133,7 +133,7 @@ class GTopKAllreduce(Aggregator):
         b.bcast("broadcast length", 8)       # Alg. 3 line 19: the result's length first (int64) ...
         b.bcast("broadcast result", msg)     # ... then the k-entry result
 
-    def exchange(self, comm, payload):
+    def exchange(self, comm, payload, out=None):
         k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size

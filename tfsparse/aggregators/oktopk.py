@@ -266,7 +266,15 @@ class OkTopkAllreduce(Aggregator):
         return tuple((first, count / length) for first, count in sorted(kinds.values()))
 
     # -- Alg. 1 ---------------------------------------------------------------------------
-    def encode(self, comm, acc, k, wire):
+    def prefilter(self, comm, n, k, peek):
+        """The local selection's prefilter, told whether the next :meth:`encode` re-evaluates the
+        threshold (as it decides: the period, a new layout or ``k``, no threshold yet)."""
+        selection = self.compressor
+        fresh = (self.due(self._t + 1)[0] or self._layout != (n, comm.size) or self._k != k
+                 or selection.threshold is None or self.global_threshold is None)
+        return selection.prefilter(n, k, peek, fresh=fresh)
+
+    def encode(self, comm, acc, k, wire, candidates=None):
         """Lines 2-4 (local threshold, local top-k by threshold: :attr:`compressor`) and the
         step's schedule."""
         acc, k = check_acc(acc, k)
@@ -286,11 +294,11 @@ class OkTopkAllreduce(Aggregator):
         repartition = repartition or self.boundaries is None
         if fresh:
             selection.threshold = None  # line 3: re-evaluated by the selection
-        local_idx, local_val = selection.compress(acc, k)
+        local_idx, local_val = self.select(acc, k, candidates)
         return _OkTopkPayload(n, k, t, fresh, repartition, local_idx, local_val, index_dtype(n), wire,
                               selection.last_threshold)
 
-    def exchange(self, comm, payload):
+    def exchange(self, comm, payload, out=None):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
         k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
         n, size = payload.n, comm.size

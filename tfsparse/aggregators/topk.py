@@ -48,9 +48,9 @@ class AllgatherAggregator(Aggregator):
         """Whether the compressor selects on a CUDA device (exact top-k, DRAGONN's hashing)."""
         return self.compressor.on_device
 
-    def encode(self, comm, acc, k, wire):
+    def encode(self, comm, acc, k, wire, candidates=None):
         acc, k = check_acc(acc, k)
-        idx, val = self.compressor.compress(acc, k)
+        idx, val = self.select(acc, k, candidates)
         idx = np.asarray(idx, dtype=np.int64)
         itype = index_dtype(acc.size)
         message, lost = pack_sparse(idx, val, itype, wire)
@@ -58,7 +58,7 @@ class AllgatherAggregator(Aggregator):
         loss.add(idx, lost)
         return _SparsePayload(acc.size, message, idx, itype, wire, loss)
 
-    def exchange(self, comm, payload):
+    def exchange(self, comm, payload, out=None):
         return self.combine(comm.allgather(payload.message), payload)
 
     def combine(self, messages, payload) -> AllreduceResult:

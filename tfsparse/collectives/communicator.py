@@ -107,15 +107,24 @@ class Communicator(ABC):
 
     # -- collectives ------------------------------------------------------
     @tracked
-    def allreduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
-        """Element-wise reduction over ranks; identical (bit for bit) on every rank."""
+    def allreduce(self, x: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Element-wise reduction over ranks; identical (bit for bit) on every rank.  ``out``: a
+        contiguous array of ``x``'s size and dtype to receive the result (returned, shaped like
+        ``x``), instead of a new one."""
         _check_op(op)
         shape = np.shape(x)
         x = np.ascontiguousarray(x)
+        if out is not None and not (isinstance(out, np.ndarray) and out.size == x.size and out.dtype == x.dtype
+                                    and out.flags.c_contiguous):
+            raise ValueError(f"out must be a contiguous {x.dtype} array of {x.size} elements")
         if self.size == 1:
-            return x.copy().reshape(shape)
+            if out is None:
+                return x.copy().reshape(shape)
+            np.copyto(out.reshape(-1), x.reshape(-1))
+            return out.reshape(shape)
         self._count(2 * x.nbytes * (self.size - 1) // self.size)
-        return self._allreduce(x, op).reshape(shape)
+        result = self._allreduce(x, op) if out is None else self._allreduce_into(x, op, out.reshape(-1))
+        return result.reshape(shape)
 
     @tracked
     def allgather(self, x: np.ndarray) -> list[np.ndarray]:
@@ -216,6 +225,11 @@ class Communicator(ABC):
         return got
 
     # -- primitives for subclasses ----------------------------------------
+    def _allreduce_into(self, x, op, out):
+        """:meth:`_allreduce` received into ``out`` (flat); this default copies the result there."""
+        np.copyto(out, self._allreduce(x, op).reshape(-1))
+        return out
+
     @abstractmethod
     def _allreduce(self, x, op):
         """Transport primitive, implemented by each backend."""

@@ -31,14 +31,17 @@ class MPICommunicator(Communicator):
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
     def _allreduce(self, x, op):
+        return self._allreduce_into(x, op, None)
+
+    def _allreduce_into(self, x, op, out):
         flat = x.reshape(-1)
         counts = split_counts(flat.size, self.size)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
         mine = np.empty(int(counts[self.rank]), dtype=flat.dtype)
         self.comm.Reduce_scatter(flat, mine, recvcounts=counts.tolist(), op=self._ops[op])
-        out = np.empty_like(flat)
+        out = np.empty_like(flat) if out is None else out
         self.comm.Allgatherv(mine, [out, (counts.tolist(), displs.tolist())])
-        return out.reshape(x.shape)
+        return out
 
     def _allgather(self, x):
         counts = np.empty(self.size, dtype=np.int64)

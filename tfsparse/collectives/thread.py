@@ -54,6 +54,9 @@ class CommThread:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to whoever waits for this job
                 fut.set_exception(e)
+            # nothing of a finished job stays referenced from here while the next is awaited (a
+            # bucket reuses its result vector once nothing refers to it, tfsparse.space.HostOutputs)
+            del item, fut, fn, args
 
     def close(self, wait: bool = True) -> None:
         """Stops the thread after the jobs already submitted; ``wait``: until they are done (so

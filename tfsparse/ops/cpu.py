@@ -310,6 +310,111 @@ def _sample_keys(xu, s, step, a, b):
     return out
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _sample_positions(n, s, step, a, b):
+    """The ``s`` stratified sample positions of :func:`_sample_keys` (where it reads)."""
+    n64 = np.uint64(n)
+    out = np.empty(s, np.int64)
+    for j in prange(s):
+        j64 = np.uint64(j)
+        lo = (j64 * step) >> np.uint64(32)
+        hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
+        h = (a * j64 + b) >> np.uint64(32)
+        out[j] = np.int64(lo + ((h * (hi - lo)) >> np.uint64(32)))
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
+    """``acc = g + r`` (float32) and, in the same pass, the indices (``+ base``, ascending) and
+    values of ``acc``'s elements with ``key >= klo`` -- error feedback, the finite check and a
+    threshold selection fused: each block of ``_BLK`` sums is stored and its keys' maximum tested
+    while it is in registers (as :func:`_select_ge` stages hits, a chunk with more than ``_STG``
+    counts them and is rescanned from ``acc``).  Returns ``(idx, val, top)``, ``top`` the largest
+    ``bits << 1`` of the sums (``>= INF_KEY << 1``: some sum is not finite)."""
+    n = g.size
+    nch = (n + _CH - 1) // _CH
+    counts = np.zeros(nch, np.int64)
+    tops = np.zeros(nch, np.uint32)
+    t2 = np.uint32(klo << 1)
+    au = acc.view(np.uint32)
+    for c in prange(nch):
+        lo = c * _CH
+        hi = min(lo + _CH, n)
+        bs = c * _STG
+        w = 0
+        top = np.uint32(0)
+        for b0 in range(lo, hi, _BLK):
+            b1 = min(b0 + _BLK, hi)
+            ga = g[b0:b1]
+            ra = r[b0:b1]
+            aa = acc[b0:b1]
+            for j in range(aa.size):
+                aa[j] = ga[j] + ra[j]
+            m = _shifted_max(au, b0, b1)
+            top = max(top, m)
+            if m >= t2:
+                if b1 - b0 == _BLK:
+                    for s0 in range(b0, b1, _SUB):
+                        if _sub_hit(au, s0, t2):
+                            for i in range(s0, s0 + _SUB):
+                                if _key(au[i]) >= klo:
+                                    if w < _STG:
+                                        st_idx[bs + w] = i
+                                        st_val[bs + w] = acc[i]
+                                    w += 1
+                else:
+                    for i in range(b0, b1):
+                        if _key(au[i]) >= klo:
+                            if w < _STG:
+                                st_idx[bs + w] = i
+                                st_val[bs + w] = acc[i]
+                            w += 1
+        counts[c] = w
+        tops[c] = top
+    offs = np.empty(nch + 1, np.int64)
+    offs[0] = 0
+    for c in range(nch):
+        offs[c + 1] = offs[c] + counts[c]
+    out_idx = np.empty(offs[nch], np.int64)
+    out_val = np.empty(offs[nch], np.float32)
+    for c in prange(nch):
+        o = offs[c]
+        if counts[c] <= _STG:
+            bs = c * _STG
+            for j in range(counts[c]):
+                out_idx[o + j] = st_idx[bs + j] + base
+                out_val[o + j] = st_val[bs + j]
+        else:
+            end = offs[c + 1]
+            for i in range(c * _CH, min(c * _CH + _CH, n)):
+                if o < end:
+                    out_idx[o] = i + base
+                    out_val[o] = acc[i]
+                o += np.int64(_key(au[i]) >= klo)
+    top = np.uint32(0)
+    for c in range(nch):
+        top = max(top, tops[c])
+    return out_idx, out_val, top
+
+
+@njit(cache=True, nogil=True)
+def _hash_candidates(idx, val, tkey, a, b, m):
+    """DRAGONN Alg. 1 over candidates (ascending indices, every element of the vector whose key is
+    ``>= tkey`` among them): the table :func:`_hash_select` makes of the whole vector -- each slot
+    keeps the largest index hashed to it, the later of an ascending walk."""
+    table = np.full(m, -1, np.int64)
+    out = np.zeros(m, np.float32)
+    m64 = np.uint64(m)
+    vu = val.view(np.uint32)
+    for j in range(idx.size):
+        if _key(vu[j]) >= tkey:
+            slot = _slot(idx[j], a, b, m64)
+            table[slot] = idx[j]
+            out[slot] = val[j]
+    return table, out
+
+
 @njit(cache=True, nogil=True)
 def _take_topk(cand_idx, cand_val, k, t):
     """The top-k among candidates (ascending indices) that hold every key ``>= t``, ``t`` the
@@ -400,6 +505,72 @@ def _index_range(idx):
     return mx
 
 
+@njit(cache=True, nogil=True)
+def _ascending_pieces(idx, starts, n):
+    """Whether every piece ``idx[starts[p]:starts[p + 1]]`` is strictly ascending within
+    ``[0, n)``."""
+    for p in range(starts.size - 1):
+        prev = np.int64(-1)
+        for j in range(starts[p], starts[p + 1]):
+            i = np.int64(idx[j])
+            if i <= prev or i >= n:
+                return False
+            prev = i
+    return True
+
+
+@njit(cache=True, inline="always")
+def _lower_bound(idx, lo, hi, value):
+    """The first ``j`` in ``[lo, hi)`` with ``idx[j] >= value`` (``idx`` ascending there)."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if np.int64(idx[mid]) < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+_TILE = 1 << 13  # elements of output one thread zeroes and then fills while they stay in its cache
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _densify(out, idx, val, starts, add, nblocks):
+    """``out`` = the dense vector of the sparse pieces ``(idx, val)[starts[p]:starts[p + 1]]``
+    (each strictly ascending), tile by tile: a tile of ``_TILE`` elements is zeroed and then gets
+    the pieces' entries in it, piece after piece, while it is in the cache -- one sequential write
+    of the output, no scattered misses.  At an index in several pieces the values are summed in
+    piece order from +0.0 (``add``: what ``np.add.at`` into zeros gives); ``add=False`` (one
+    piece) stores the value itself.  Block ``b`` of the output is one thread's; each finds its
+    cursors by binary search."""
+    n = out.size
+    P = starts.size - 1
+    for blk in prange(nblocks):
+        lo = blk * n // nblocks
+        hi = (blk + 1) * n // nblocks
+        cur = np.empty(P, np.int64)
+        for p in range(P):
+            cur[p] = _lower_bound(idx, starts[p], starts[p + 1], lo)
+        for t0 in range(lo, hi, _TILE):
+            t1 = min(t0 + _TILE, hi)
+            y = out[t0:t1]
+            for j in range(y.size):
+                y[j] = np.float32(0.0)
+            for p in range(P):
+                c = cur[p]
+                e = starts[p + 1]
+                if add:
+                    while c < e and np.int64(idx[c]) < t1:
+                        out[idx[c]] += val[c]
+                        c += 1
+                else:
+                    while c < e and np.int64(idx[c]) < t1:
+                        out[idx[c]] = val[c]
+                        c += 1
+                cur[p] = c
+    return out
+
+
 # ----------------------------------------------------------------------------- quantization
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -431,8 +602,9 @@ def _dequantize(q, scale, out):
 @njit(parallel=True, cache=True, nogil=True)
 def _half_rne(xu, x, table, out, loss):
     """float32 bits -> IEEE binary16 bits, round to nearest even (numpy's ``astype(float16)``),
-    and ``loss = x - decoded`` (0 for NaN/Inf, which travel as they are); returns how many
-    finite values overflowed to Inf."""
+    and ``loss = x - decoded`` (0 for NaN/Inf, which travel as they are; ``x`` itself where a
+    finite value overflowed to Inf, so that a caller writing the loss over ``x`` keeps it);
+    returns how many finite values overflowed to Inf.  ``loss`` may be ``x`` itself."""
     over = 0
     for i in prange(xu.size):
         u = np.int64(xu[i])
@@ -459,7 +631,12 @@ def _half_rne(xu, x, table, out, loss):
             h = 0
         code = np.uint16(sign | h)
         out[i] = code
-        loss[i] = np.float32(0.0) if a >= _INFK or h == 0x7C00 else x[i] - table[code]
+        if a >= _INFK:
+            loss[i] = np.float32(0.0)
+        elif h == 0x7C00:
+            loss[i] = x[i]
+        else:
+            loss[i] = x[i] - table[code]
     return over
 
 
@@ -785,6 +962,88 @@ def scatter_add(n, idx, val, out=None):
         return _scatter_add(out, idx, val, nblocks)
 
 
+def sample_positions(n: int, s: int, seed: int = 0) -> np.ndarray:
+    """The ``s`` stratified positions (int64) the samples of an ``n``-element vector are read at:
+    :func:`topk_abs`'s prefilter (``seed`` 0) and :func:`sample_threshold` (its ``seed``) read
+    exactly these."""
+    a, b = C.hash_params(seed, C.SALT_SAMPLE)
+    with _threads_for(s):
+        return _sample_positions(int(n), int(s), C.sample_step(n, s), a, b)
+
+
+def keys_of(values) -> np.ndarray:
+    """The magnitude keys (int64) of float32 ``values`` (:mod:`._common`)."""
+    return _keys_of(as_f32(values))
+
+
+def kth_key(keys, k: int) -> int:
+    """The k-th largest (1-based) of int64 ``keys``."""
+    return int(_kth_key(np.ascontiguousarray(keys, np.int64), int(k)))
+
+
+def prefilter_plan(n: int, k: int):
+    """Where :func:`topk_abs` samples an ``n``-element vector for its prefilter and which rank of
+    the samples' keys bounds the k-th largest from below: ``(positions, rank)``, or None where
+    it takes the radix path instead (small inputs, ``k`` above ``n / 64``)."""
+    s = _prefilter_samples(n)
+    kp = C.prefilter_rank(k, n, s) if n else 0
+    if k <= 0 or n <= _CH or 64 * k > n or 4 * kp > s:
+        return None
+    return sample_positions(n, s), kp
+
+
+def add_select(g, r, acc, klo: int, base: int = 0):
+    """``acc[:] = g + r`` (float32, the error feedback) and, in the same pass, ``(idx, val, finite)``:
+    the indices (``+ base``) and values of ``acc``'s elements with ``key >= klo`` (``|acc| >= t``
+    for ``klo = threshold_key(t)``; NaN always) and whether every sum is finite.  ``g``, ``r``,
+    ``acc``: contiguous float32 vectors of one size."""
+    traffic.count("compensate", read=g.nbytes + r.nbytes, written=acc.nbytes)
+    with _threads_for(g.size):
+        idx, val, top = _add_select_ge(g, r, acc, np.int64(klo), np.int64(base), *_staging(g.size))
+    return idx, val, int(top) < (_INFK << 1)
+
+
+def topk_of_candidates(idx, val, k: int):
+    """The exact top-k ``(idx, val)`` of a vector given candidates holding every element whose key
+    is at least the candidates' own k-th largest -- all elements at or above some key, when there
+    are at least ``k`` of them; the ties at the k-th key go to the lowest indices (as
+    :func:`topk_abs`).  None when there are fewer than ``k`` candidates."""
+    if idx.size < k or k <= 0:
+        return None
+    return _take_topk(idx, val, k, _kth_key(_keys_of(val), k))
+
+
+def hash_candidates(idx, val, t, capacity, seed=0):
+    """:func:`hash_select` of a vector from candidates (ascending indices) that hold every
+    element with ``|x| >= t``: the same table, without reading the vector."""
+    capacity = C.check_capacity(capacity)
+    a, b = C.hash_params(seed, C.SALT_HASH)
+    return _hash_candidates(_as_index(idx), as_f32(val), C.threshold_key(t), a, b, capacity)
+
+
+def densify_into(out, idx, val, starts, add=True) -> bool:
+    """``out[:]`` = the dense float32 vector of sparse pieces in one sequential pass (no zero fill
+    before, no scattered writes): piece ``p`` is ``idx[starts[p]:starts[p + 1]]`` (strictly
+    ascending) with its values; an index in several pieces gets their values summed in piece
+    order from +0.0 (``add=True``: bit-identical to ``scatter_add`` into zeros) -- or, ``add=False``
+    with one piece, the value itself (``out[idx] = val`` over zeros).  Returns False, with ``out``
+    untouched, when some piece is not strictly ascending in ``[0, out.size)`` (the caller then
+    scatters)."""
+    idx = _as_index(idx)
+    val = as_f32(val)
+    starts = np.ascontiguousarray(starts, np.int64)
+    n = out.size
+    if idx.size != val.size or starts[-1] != idx.size:
+        raise ValueError(f"densify_into: {idx.size} indices, {val.size} values, pieces ending at {starts[-1]}")
+    if not _ascending_pieces(idx, starts, n):
+        return False
+    traffic.count("decode", written=out.nbytes)
+    with _threads_for(n):
+        nblocks = max(1, min(numba.get_num_threads(), n // _CH))
+        _densify(out, idx, val, starts, bool(add), nblocks)
+    return True
+
+
 def quantize_int8(x):
     x = as_f32(x)
     with _threads_for(x.size):
@@ -814,23 +1073,35 @@ HALF_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.floa
 BF16_TABLE = (np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def half_encode(x):
+def _loss_buffer(x, loss):
+    """Where an encoder writes ``x - decoded``: ``loss`` (contiguous float32 of ``x``'s size, ``x``
+    itself allowed: each element is read before its loss is written), or a new vector."""
+    if loss is None:
+        return np.empty(x.size, np.float32)
+    if not (isinstance(loss, np.ndarray) and loss.dtype == np.float32 and loss.size == x.size
+            and loss.flags.c_contiguous):
+        raise TypeError(f"loss must be a contiguous float32 numpy array of {x.size} elements")
+    return loss.reshape(-1)
+
+
+def half_encode(x, loss=None):
     """float32 -> IEEE binary16 codes (uint16), round to nearest even; ``(codes, loss,
-    overflowed)``: ``loss = x - decoded`` (0 where x is NaN/Inf or overflowed) and how many
-    finite values became Inf."""
+    overflowed)``: ``loss = x - decoded`` (0 where x is NaN/Inf; ``x`` where it overflowed) and how
+    many finite values became Inf.  ``loss``: where to write it (``x`` itself allowed)."""
     x = as_f32(x)
-    out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    out, loss = np.empty(x.size, np.uint16), _loss_buffer(x, loss)
     traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         over = _half_rne(x.view(np.uint32), x, HALF_TABLE, out, loss)
     return out, loss, int(over)
 
 
-def bfloat16_encode(x):
+def bfloat16_encode(x, loss=None):
     """float32 -> bfloat16 codes (uint16) by truncation (the high 16 bits; NaN stays NaN);
-    ``(codes, loss)`` with ``loss = x - decoded`` (0 where x is NaN/Inf)."""
+    ``(codes, loss)`` with ``loss = x - decoded`` (0 where x is NaN/Inf), written into ``loss``
+    when given (``x`` itself allowed)."""
     x = as_f32(x)
-    out, loss = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    out, loss = np.empty(x.size, np.uint16), _loss_buffer(x, loss)
     traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         _bf16_truncate(x.view(np.uint32), x, BF16_TABLE, out, loss)
@@ -844,12 +1115,13 @@ def decode16_into(codes, table, out, accumulate=False):
         return _lookup_into(codes, table, out, bool(accumulate))
 
 
-def quantize_int8_chunks(x, chunk):
+def quantize_int8_chunks(x, chunk, loss=None):
     """Per-chunk :func:`quantize_int8`: ``(q int8[n], scales float32[ceil(n / chunk)], loss)``
-    with ``loss = x - q * scale`` (0 in chunks holding NaN/Inf)."""
+    with ``loss = x - q * scale`` (0 in chunks holding NaN/Inf), written into ``loss`` when given
+    (``x`` itself allowed)."""
     x = as_f32(x)
     chunk = C.check_chunk(chunk)
-    q, loss = np.empty(x.size, np.int8), np.empty(x.size, np.float32)
+    q, loss = np.empty(x.size, np.int8), _loss_buffer(x, loss)
     scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
     traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)  # a chunk's 2nd read hits the cache
     with _threads_for(x.size):
@@ -884,6 +1156,8 @@ def warmup() -> None:
     i, v = select_threshold(x, 0.9)
     scatter_add(x.size, i, v)
     scatter_add(x.size, i.astype(np.int32), v)
+    densify_into(np.empty(x.size, np.float32), np.concatenate([i, i]), np.concatenate([v, v]), [0, i.size, 2 * i.size])
+    densify_into(np.empty(x.size, np.float32), i.astype(np.int32), v, [0, i.size], add=False)
     dequantize_int8(*quantize_int8(x))
     codes, _, _ = half_encode(x)
     decode16_into(codes, HALF_TABLE, np.empty(x.size, np.float32))
@@ -892,3 +1166,8 @@ def warmup() -> None:
     dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)
+    sample_positions(x.size, 64)
+    kth_key(keys_of(x[:64]), 3)
+    ci, cv, _ = add_select(x, x, np.empty_like(x), C.threshold_key(0.5), 7)
+    topk_of_candidates(ci, cv, 3)
+    hash_candidates(ci, cv, 0.5, 64)
