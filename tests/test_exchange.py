@@ -179,7 +179,7 @@ def test_fused_passes_give_the_unfused_bits(algorithm, options, monkeypatch):
 
 def test_result_vectors_are_reused_only_once_released():
     """The exchange decodes into aligned vectors it reuses, but never one a caller still holds."""
-    from tfsparse.space import ALIGN
+    from tfsparse.buffers import ALIGN
 
     ex = GradientExchange("topk", 0.01, communicator=InProcessWorld(1).comms[0])
     g = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)

@@ -220,3 +220,40 @@ def test_short_buffers_are_refused(name):
     buf = w.encode(data(100))
     with pytest.raises(RuntimeError, match="corrupt"):
         w.decode(buf[:w.nbytes(100) - 3], 100)
+
+
+def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
+    """The exchange encodes and decodes inside TensorFlow's ops, whose threads flush denormals
+    (FTZ/DAZ): there too the float16 codes are numpy's, decoding gives numpy's values (half
+    subnormals included: the CPU's conversion does not flush them), and the loss is
+    ``x - decoded`` as numpy computes it in the same thread -- on denormal-heavy data."""
+    tf = pytest.importorskip("tensorflow")
+
+    def run():
+        rng = np.random.default_rng(3)
+        x = np.concatenate([(rng.standard_normal(5000) * 1e-39), rng.standard_normal(5000) * 1e-6,
+                            rng.standard_normal(5000)]).astype(np.float32)
+        x[:100] = 1e-42
+        codes16 = np.arange(1 << 16, dtype=np.uint16)
+        flushed = np.float32(1e-40) * np.float32(1.0) == 0
+        out = [np.array([flushed], np.uint8)]
+        for name, codes_of in (("float16", lambda v: v.astype(np.float16).view(np.uint16)),
+                               ("bfloat16", lambda v: (v.view(np.uint32) >> 16).astype(np.uint16))):
+            w = get_wire(name)
+            buf, loss = w.encode_with_loss(x)
+            want_dec = w.decode(buf, x.size)
+            out += [buf.view(np.uint16) == codes_of(x), loss.view(np.uint32) == (x - want_dec).view(np.uint32)]
+            table = codes16.view(np.float16).astype(np.float32) if name == "float16" else \
+                (codes16.astype(np.uint32) << 16).view(np.float32)
+            got = w.decode(codes16.view(np.uint8), codes16.size)
+            nan = np.isnan(table)
+            out.append((got.view(np.uint32) == table.view(np.uint32)) | (nan & np.isnan(got)))
+        return [np.asarray(a, np.uint8) for a in out]
+
+    n = len(run())
+    inside = tf.function(lambda: tf.numpy_function(run, [], [tf.uint8] * n, stateful=True))()
+    assert inside[0].numpy()[0] == 1  # (TensorFlow's threads do flush denormals)
+    for part in inside[1:]:
+        assert part.numpy().all()
+    for part in run()[1:]:
+        assert part.all()

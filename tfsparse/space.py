@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 
 import numpy as np
 
 from . import traffic
+from .buffers import HostOutputs
 
 
 def clip_by_global_norm(arrays, max_norm: float) -> list:
@@ -49,56 +49,6 @@ def clip_by_global_norm(arrays, max_norm: float) -> list:
         return list(arrays)
     scale = max_norm / norm
     return [(a * scale).astype(a.dtype, copy=False) for a in arrays]
-
-
-#: alignment of the host result vectors: TensorFlow takes a ``tf.numpy_function``'s output as the
-#: tensor itself (no copy) when its data is aligned to Eigen's 64 bytes
-ALIGN = 64
-
-
-def aligned_empty(n: int) -> np.ndarray:
-    """An uninitialised float32 vector of ``n`` elements whose data is :data:`ALIGN`-byte aligned
-    (a view of a slightly larger array, its ``base``)."""
-    raw = np.empty(int(n) + ALIGN // 4, np.float32)
-    skip = (-raw.__array_interface__["data"][0] % ALIGN) // 4
-    return raw[skip:skip + int(n)]
-
-
-def _refs(v) -> tuple[int, int]:
-    return sys.getrefcount(v), sys.getrefcount(v.base)
-
-
-class HostOutputs:
-    """The result vectors of one bucket on the host, handed out by :meth:`take`.
-
-    * **aligned** (:func:`aligned_empty`): TensorFlow wraps an aligned array that a
-      ``tf.numpy_function`` returns without copying it, so the exchange decodes straight into the
-      tensor the optimizer applies (an unaligned one, as ``np.zeros`` of a large size gives, is
-      copied: one more read and write of the gradient);
-    * **reused**: a vector is handed out again once nothing refers to it any more -- no tensor,
-      no view, no caller, no held Pipe-SGD result (its reference counts say so) -- so that no
-      round maps a fresh vector and page-faults it in again.  Up to ``keep`` vectors are kept;
-      when all are in use a new one is made (a caller keeping every result gets a new vector
-      each round, never a reused one).
-    """
-
-    def __init__(self, n: int, keep: int = 3):
-        self.n = int(n)
-        self.keep = int(keep)
-        self._vectors: list = []
-        probe = [aligned_empty(1)]
-        for v in probe:  # the counts of a vector nothing else refers to, taken as take() takes them
-            self._idle = _refs(v)
-
-    def take(self) -> np.ndarray:
-        """A vector of ``n`` float32 elements that nothing else refers to (contents undefined)."""
-        for v in self._vectors:
-            if _refs(v) == self._idle:
-                return v
-        v = aligned_empty(self.n)
-        if len(self._vectors) < self.keep:
-            self._vectors.append(v)
-        return v
 
 
 class _FreshOutputs:

@@ -110,11 +110,12 @@ class Wire:
         lossless wire."""
         raise TypeError(f"{type(self).__name__} does not define encode_with_loss()")
 
-    def encode_loss_into(self, values, loss) -> np.ndarray:
+    def encode_loss_into(self, values, loss, buffers=None) -> np.ndarray:
         """:meth:`encode` of float32 ``values``, writing what the encoding lost into ``loss`` (a
         contiguous float32 vector of their size; ``values`` itself allowed, which then holds the
         loss afterwards) -- one pass, where a dense exchange builds the new residual in place.
-        With ``loss`` over ``values``, the values must be finite."""
+        With ``loss`` over ``values``, the values must be finite.  ``buffers``: a
+        :class:`tfsparse.buffers.Reusable` the message is taken from."""
         buf, lost = self.encode_with_loss(values)
         if lost is None:
             if np.shares_memory(buf, loss):  # float32 travels as it is: keep it before the zeros
@@ -211,9 +212,10 @@ class Float16(Wire):
             return codes.view(np.uint8), loss
         return self._scaled(values)
 
-    def encode_loss_into(self, values, loss):
+    def encode_loss_into(self, values, loss, buffers=None):
         values = _f32(values)
-        codes, _, overflowed = _kernels().half_encode(values, loss=loss)
+        out = None if buffers is None else buffers.take(values.size, np.uint16)
+        codes, _, overflowed = _kernels().half_encode(values, loss=loss, out=out)
         if not overflowed:
             return codes.view(np.uint8)
         if np.shares_memory(values, loss):  # the values are the loss now: take them back (exactly)
@@ -264,8 +266,10 @@ class BFloat16(Wire):
         codes, loss = _kernels().bfloat16_encode(_f32(values))
         return codes.view(np.uint8), loss
 
-    def encode_loss_into(self, values, loss):
-        return _kernels().bfloat16_encode(_f32(values), loss=loss)[0].view(np.uint8)
+    def encode_loss_into(self, values, loss, buffers=None):
+        values = _f32(values)
+        out = None if buffers is None else buffers.take(values.size, np.uint16)
+        return _kernels().bfloat16_encode(values, loss=loss, out=out)[0].view(np.uint8)
 
     def decode_into(self, buf, count, out, accumulate=False):
         k = _kernels()
@@ -288,9 +292,16 @@ class Int8(Wire):
         q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
         return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
 
-    def encode_loss_into(self, values, loss):
-        q, scales, _ = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK, loss=loss)
-        return np.concatenate([q.view(np.uint8), scales.view(np.uint8)])
+    def encode_loss_into(self, values, loss, buffers=None):
+        values = _f32(values)
+        count = values.size
+        if buffers is None:
+            q, scales, _ = _kernels().quantize_int8_chunks(values, INT8_CHUNK, loss=loss)
+            return np.concatenate([q.view(np.uint8), scales.view(np.uint8)])
+        buf = buffers.take(self.nbytes(count), np.uint8)  # the codes, then the scales, in one message
+        _, scales, _ = _kernels().quantize_int8_chunks(values, INT8_CHUNK, loss=loss, out=buf[:count])
+        buf[count:] = scales.view(np.uint8)
+        return buf
 
     def decode_into(self, buf, count, out, accumulate=False):
         buf = self._block(buf, count)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..buffers import Reusable
 from ..collectives.communicator import split_counts
 from ..wire import FLOAT32, Wire, WireLoss
 from .base import Aggregator, AllreduceResult, check_acc
@@ -73,6 +74,8 @@ class DenseAllreduce(Aggregator):
             raise ValueError(f"reduce_scatter={reduce_scatter!r} is not supported; accepted: "
                              f"{', '.join(repr(r) for r in self.REDUCE_SCATTERS)}")
         self.reduce_scatter = reduce_scatter
+        #: the 16/8-bit exchange's messages, receive buffers and block sums, reused round after round
+        self.buffers = Reusable(keep=32)
 
     def encode(self, comm, acc, k=None, wire=FLOAT32, in_place=False):
         """``in_place``: ``acc`` (finite) is the memory's scratch vector -- each block's encoding
@@ -92,7 +95,7 @@ class DenseAllreduce(Aggregator):
                 blocks.append(None)
                 continue
             block = slice(int(offs[j]), int(offs[j + 1]))
-            blocks.append(_encode(wire, acc[block], acc, block, loss, in_place))
+            blocks.append(self._encode(wire, acc[block], acc, block, loss, in_place))
         return _DensePayload(acc, wire, counts, blocks, loss, in_place)
 
     def exchange(self, comm, payload, out=None):
@@ -108,7 +111,7 @@ class DenseAllreduce(Aggregator):
             mine = self._ring_reduce_scatter(comm, acc, wire, offs, loss, payload.in_place)
         else:
             mine = self._direct_reduce_scatter(comm, payload, offs)
-        buf = _encode(wire, mine, acc, own, loss, payload.in_place)  # acc[own] went into the sum
+        buf = self._encode(wire, mine, acc, own, loss, payload.in_place)  # acc[own] went into the sum
         # allgather around the ring: each hop forwards the encoded block it received last and
         # decodes it while the next one travels; every rank decodes the same bytes
         total = out if out is not None else np.empty(acc.size, np.float32)
@@ -116,7 +119,7 @@ class DenseAllreduce(Aggregator):
         # every hop's receive posted first (matched in order: same source and tag), so that the
         # next block flows in while this rank decodes the last one
         recvs = [comm.irecv(left, wire.max_nbytes(int(counts[(rank - hop - 1) % size])), _AG_TAG, np.uint8,
-                            exact=False) for hop in range(size - 1)]
+                            exact=False, buffers=self.buffers) for hop in range(size - 1)]
         for hop in range(size):
             j = (rank - hop) % size
             req = comm.isend(buf, right, _AG_TAG) if hop < size - 1 else None
@@ -127,8 +130,7 @@ class DenseAllreduce(Aggregator):
         return AllreduceResult(indices=None, values=total, contributed=None, sent_elements=acc.size, loss=loss,
                                residual_in_place=payload.in_place)
 
-    @staticmethod
-    def _direct_reduce_scatter(comm, payload, offs) -> np.ndarray:
+    def _direct_reduce_scatter(self, comm, payload, offs) -> np.ndarray:
         """Every block goes straight to its owner; all sends and all receives are posted first
         (measured at P = 4, 1 Gbit/s, int8: a step 17-21 % shorter than receiving one source after
         the other, whose rendezvous held the later senders back), and the owner decodes each block
@@ -139,9 +141,10 @@ class DenseAllreduce(Aggregator):
         sends = [comm.isend(payload.blocks[(rank + i) % size], (rank + i) % size, _RS_TAG) for i in range(1, size)]
         # every receive posted at once: a block's transfer starts when its sender is ready, not when
         # this rank gets to it (a large message waits for its receive); decoded in rank order
-        recvs = {src: comm.irecv(src, wire.max_nbytes(n_own), _RS_TAG, np.uint8, exact=False)
+        recvs = {src: comm.irecv(src, wire.max_nbytes(n_own), _RS_TAG, np.uint8, exact=False, buffers=self.buffers)
                  for src in range(size) if src != rank}
-        mine = np.zeros(n_own, np.float32)
+        mine = self.buffers.take(n_own, np.float32)
+        mine.fill(0.0)
         for src in range(size):
             if src == rank:
                 mine += acc[int(offs[rank]):int(offs[rank + 1])]
@@ -151,8 +154,7 @@ class DenseAllreduce(Aggregator):
             req.wait()
         return mine
 
-    @staticmethod
-    def _ring_reduce_scatter(comm, acc, wire, offs, loss: WireLoss, in_place: bool) -> np.ndarray:
+    def _ring_reduce_scatter(self, comm, acc, wire, offs, loss: WireLoss, in_place: bool) -> np.ndarray:
         """The paper's ring: at hop ``s`` rank ``r`` encodes its partial sum of block
         ``r - s - 1`` for its right-hand neighbour (keeping what the encoding lost -- in place,
         over that block of ``acc``, which went into the partial sum at the hop before) and adds its
@@ -164,17 +166,19 @@ class DenseAllreduce(Aggregator):
         def block(j):
             return slice(int(offs[j % size]), int(offs[j % size + 1]))
 
-        partial = acc[block(rank - 1)].copy()
+        first = block(rank - 1)
+        partial = self.buffers.take(first.stop - first.start, np.float32)
+        partial[:] = acc[first]
         intos = [block(rank - hop - 2) for hop in range(size - 1)]  # the block each hop receives
         # every hop's receive posted first (matched in order: same source and tag)
-        recvs = [comm.irecv(left, wire.max_nbytes(into.stop - into.start), _RS_TAG, np.uint8, exact=False)
-                 for into in intos]
+        recvs = [comm.irecv(left, wire.max_nbytes(into.stop - into.start), _RS_TAG, np.uint8, exact=False,
+                            buffers=self.buffers) for into in intos]
         for hop, into in enumerate(intos):
             out = block(rank - hop - 1)
-            buf = _encode(wire, partial, acc, out, loss, in_place)
+            buf = self._encode(wire, partial, acc, out, loss, in_place)
             req = comm.isend(buf, right, _RS_TAG)
-            partial = np.zeros(into.stop - into.start, np.float32)
-            wire.decode_into(recvs[hop].wait(), partial.size, partial)
+            partial = self.buffers.take(into.stop - into.start, np.float32)
+            wire.decode_into(recvs[hop].wait(), partial.size, partial)  # every element written
             partial += acc[into]
             req.wait()
         return partial
@@ -182,15 +186,18 @@ class DenseAllreduce(Aggregator):
     def schedule(self, b, n, k, step):
         b.allreduce("allreduce", n, b.value_bytes)
 
-
-def _encode(wire, values, acc, where: slice, loss: WireLoss, in_place: bool) -> np.ndarray:
-    """``values`` encoded for the wire; what that lost is kept for the elements ``acc[where]`` they
-    stand for -- written over ``acc[where]`` (``in_place``), or recorded in ``loss``."""
-    if in_place:
-        return wire.encode_loss_into(values, acc[where])
-    buf, lost = wire.encode_with_loss(values)
-    loss.add(where, lost)
-    return buf
+    def _encode(self, wire, values, acc, where: slice, loss: WireLoss, in_place: bool) -> np.ndarray:
+        """``values`` encoded for the wire; what that lost is kept for the elements ``acc[where]``
+        they stand for -- written over ``acc[where]`` (``in_place``, the message in a reused
+        buffer), or recorded in ``loss``."""
+        if in_place:
+            return wire.encode_loss_into(values, acc[where], self.buffers)
+        buf, lost = wire.encode_with_loss(values)
+        loss.add(where, lost)
+        return buf
 
     def __repr__(self):
         return f"{type(self).__name__}(reduce_scatter={self.reduce_scatter!r})"
+
+
+

@@ -208,13 +208,18 @@ class Communicator(ABC):
         self._check_peer(source, "source")
         return self._recv(source, tag, np.dtype(dtype))
 
-    def irecv(self, source: int, count: int, tag: int = 0, dtype=np.float32, *, exact: bool = True) -> Request:
+    def irecv(self, source: int, count: int, tag: int = 0, dtype=np.float32, *, exact: bool = True,
+              buffers=None) -> Request:
         """Non-blocking receive of exactly ``count`` elements -- or, with ``exact=False``, of at most
         ``count`` (a message whose length the receiver knows only within bounds); the request's
         ``wait()`` returns the elements received.  Posting receives early lets a large message's
-        transfer start as soon as its sender is ready, whatever the receiver is doing."""
+        transfer start as soon as its sender is ready, whatever the receiver is doing.
+        ``buffers``: a :class:`tfsparse.buffers.Reusable` to receive into (no fresh pages)."""
         self._check_peer(source, "source")
-        return self._irecv(source, int(count), tag, np.dtype(dtype), bool(exact))
+        dtype = np.dtype(dtype)
+        if buffers is None:
+            return self._irecv(source, int(count), tag, dtype, bool(exact))
+        return self._irecv_into(source, buffers.take(int(count), dtype), tag, bool(exact))
 
     @tracked
     def sendrecv(self, x: np.ndarray, peer: int, tag: int = 0) -> np.ndarray:
@@ -269,6 +274,10 @@ class Communicator(ABC):
     @abstractmethod
     def _irecv(self, source, count, tag, dtype, exact=True):
         """Transport primitive, implemented by each backend."""
+
+    def _irecv_into(self, source, buf, tag, exact=True):
+        """:meth:`_irecv` into ``buf``; this default receives into a buffer of its own."""
+        return self._irecv(source, buf.size, tag, buf.dtype, exact)
 
     def __repr__(self):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"

@@ -111,3 +111,6 @@ class HorovodCommunicator(Communicator):
 
     def _irecv(self, source, count, tag, dtype, exact=True):
         return self._p2p._irecv(source, count, tag, dtype, exact)
+
+    def _irecv_into(self, source, buf, tag, exact=True):
+        return self._p2p._irecv_into(source, buf, tag, exact)

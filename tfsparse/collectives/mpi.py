@@ -93,7 +93,10 @@ class MPICommunicator(Communicator):
         return buf
 
     def _irecv(self, source, count, tag, dtype, exact=True):
-        buf = np.empty(count, dtype=dtype)
+        return self._irecv_into(source, np.empty(count, dtype=dtype), tag, exact)
+
+    def _irecv_into(self, source, buf, tag, exact=True):
+        dtype = buf.dtype
         req = self.comm.Irecv(buf, source=source, tag=tag)
 
         def wait():

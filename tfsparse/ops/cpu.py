@@ -33,7 +33,9 @@ from contextlib import contextmanager
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core.extending import intrinsic
 
 from .. import _checks, traffic
 from . import _common as C
@@ -54,6 +56,33 @@ _PAR_SCATTER = 1 << 14   # payload entries from which scatter_add splits the out
 #: below this a scan takes well under a millisecond on one core, less than the parallel
 #: launch costs -- and far less than waiting for a second core on a busy machine.
 PARALLEL_MIN = 1 << 22
+
+
+# ----------------------------------------------------------------------------- conversions
+
+@intrinsic
+def _to_half(typingctx, x):
+    """float32 -> IEEE binary16 bits, round to nearest even: LLVM's ``fptrunc`` to ``half``, one
+    instruction where the CPU has it (x86 F16C ``vcvtps2ph``, vectorised)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _from_half(typingctx, h):
+    """IEEE binary16 bits -> float32 (exact): LLVM's ``fpext`` (``vcvtph2ps``)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _as_float(typingctx, u):
+    """uint32 bits -> the float32 they encode (a bit cast)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -604,58 +633,71 @@ def _half_rne(xu, x, table, out, loss):
     """float32 bits -> IEEE binary16 bits, round to nearest even (numpy's ``astype(float16)``),
     and ``loss = x - decoded`` (0 for NaN/Inf, which travel as they are; ``x`` itself where a
     finite value overflowed to Inf, so that a caller writing the loss over ``x`` keeps it);
-    returns how many finite values overflowed to Inf.  ``loss`` may be ``x`` itself."""
+    returns how many finite values overflowed to Inf.  ``loss`` may be ``x`` itself.
+
+    The conversion is the CPU's (:func:`_to_half`, branch-free and vectorised: measured 3.0 vs
+    8.5 ms for 4.3M elements on one core); NaN keeps the top payload bits and is made quiet
+    explicitly, so the codes do not depend on how a CPU converts NaN.  ``table`` is unused (the
+    decoding table's place in the signature)."""
     over = 0
     for i in prange(xu.size):
-        u = np.int64(xu[i])
-        sign = (u >> 16) & 0x8000
-        a = u & _ABS
-        if a > _INFK:                        # NaN: quiet, keep the top payload bits
-            h = 0x7E00 | ((a >> 13) & 0x3FF)
-        elif a >= 0x477FF000:                # >= 65520 rounds to Inf
-            h = 0x7C00
-            if a < _INFK:
-                over += 1
-        elif a >= 0x38800000:                # normal half: rebias, round 13 bits to nearest even
-            h = (a - (112 << 23) + 0xFFF + ((a >> 13) & 1)) >> 13
-        elif a >= 0x33000000:                # subnormal half (2**-25 <= |x| < 2**-14)
-            shift = 126 - (a >> 23)
-            m = (a & 0x7FFFFF) | 0x800000
-            q = m >> shift
-            rem = m & ((np.int64(1) << shift) - 1)
-            halfway = np.int64(1) << (shift - 1)
-            if rem > halfway or (rem == halfway and (q & 1) == 1):
-                q += 1
-            h = q
-        else:                                # rounds to zero
-            h = 0
-        code = np.uint16(sign | h)
+        u = xu[i]
+        a = u & np.uint32(_ABS)
+        v = x[i]
+        code = _to_half(v)
+        if a > np.uint32(_INFK):             # NaN: quiet, keep the top payload bits
+            code = np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7E00)
+                             | ((a >> np.uint32(13)) & np.uint32(0x3FF)))
+        big = a >= np.uint32(0x477FF000)     # >= 65520 rounds to Inf
+        finite = a < np.uint32(_INFK)
+        over += np.int64(big and finite)
+        lost = v - _from_half(code)
+        lost = v if big else lost
         out[i] = code
-        if a >= _INFK:
-            loss[i] = np.float32(0.0)
-        elif h == 0x7C00:
-            loss[i] = x[i]
-        else:
-            loss[i] = x[i] - table[code]
+        loss[i] = lost if finite else np.float32(0.0)
     return over
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _bf16_truncate(xu, x, table, out, loss):
     """float32 bits -> their high 16 bits (bfloat16 by truncation; a NaN stays a NaN), and
-    ``loss = x - decoded`` (the dropped low bits; 0 for NaN/Inf)."""
+    ``loss = x - decoded`` (the dropped low bits; 0 for NaN/Inf).  ``table`` is unused."""
     for i in prange(xu.size):
-        u = np.int64(xu[i])
-        h = u >> 16
-        if (u & _ABS) >= _INFK:
-            if (u & _ABS) > _INFK:
-                h |= 0x40
-            loss[i] = np.float32(0.0)
-            out[i] = np.uint16(h)
-        else:
-            code = np.uint16(h)
-            out[i] = code
-            loss[i] = x[i] - table[code]
+        u = xu[i]
+        a = u & np.uint32(_ABS)
+        h = u >> np.uint32(16)
+        if a > np.uint32(_INFK):
+            h |= np.uint32(0x40)
+        out[i] = np.uint16(h)
+        lost = x[i] - _as_float(u & np.uint32(0xFFFF0000))
+        loss[i] = lost if a < np.uint32(_INFK) else np.float32(0.0)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _half_into(codes, table, out, accumulate):
+    """``out[i] (+)= decode(codes[i])`` for binary16 codes: the CPU's conversion (:func:`_from_half`),
+    the 65536-entry table only for Inf/NaN (numpy's NaN bits, whatever the CPU does)."""
+    if accumulate:
+        for i in prange(codes.size):
+            c = codes[i]
+            out[i] += table[c] if (c & np.uint16(0x7C00)) == np.uint16(0x7C00) else _from_half(c)
+    else:
+        for i in prange(codes.size):
+            c = codes[i]
+            out[i] = table[c] if (c & np.uint16(0x7C00)) == np.uint16(0x7C00) else _from_half(c)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _bf16_into(codes, out, accumulate):
+    """``out[i] (+)= decode(codes[i])`` for bfloat16 codes: the bits shifted into a float32."""
+    if accumulate:
+        for i in prange(codes.size):
+            out[i] += _as_float(np.uint32(codes[i]) << np.uint32(16))
+    else:
+        for i in prange(codes.size):
+            out[i] = _as_float(np.uint32(codes[i]) << np.uint32(16))
     return out
 
 
@@ -677,17 +719,16 @@ def _quantize_chunks(x, chunk, q, scales, loss):
     a chunk holding NaN/Inf (or only zeros) gets ``q = 0`` and a NaN/Inf (or zero) scale.
     ``loss = x - q * scale`` (0 in a non-finite chunk: it decodes to NaN everywhere)."""
     n = x.size
+    xu = x.view(np.uint32)
     for c in prange(scales.size):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        amax = np.float32(0.0)
-        nan = False
-        for i in range(lo, hi):
-            a = abs(x[i])
-            if a != a:
-                nan = True
-            elif a > amax:
-                amax = a
+        y = xu[lo:hi]
+        top = np.uint32(0)  # the largest magnitude's bits (vectorised; NaN's are above Inf's)
+        for i in range(y.size):
+            top = max(top, y[i] & np.uint32(_ABS))
+        nan = top > np.uint32(_INFK)
+        amax = _as_float(top)
         scales[c] = np.float32(np.nan) if nan else np.float32(amax / np.float32(127.0))
         if nan or amax == np.inf or amax == 0:
             for i in range(lo, hi):
@@ -696,13 +737,18 @@ def _quantize_chunks(x, chunk, q, scales, loss):
         else:
             inv = np.float32(np.float32(127.0) / amax)
             scale = scales[c]
-            for i in range(lo, hi):
-                if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
-                    code = np.int8(min(max(np.rint(np.float64(x[i]) * 127.0 / np.float64(amax)), -127.0), 127.0))
-                else:
-                    code = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
-                q[i] = code
-                loss[i] = x[i] - np.float32(code) * scale
+            if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
+                for i in range(lo, hi):
+                    v = x[i]
+                    code = np.int8(min(max(np.rint(np.float64(v) * 127.0 / np.float64(amax)), -127.0), 127.0))
+                    q[i] = code
+                    loss[i] = v - np.float32(code) * scale
+            else:
+                for i in range(lo, hi):
+                    v = x[i]
+                    code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
+                    q[i] = code
+                    loss[i] = v - np.float32(code) * scale
     return q
 
 
@@ -1084,24 +1130,36 @@ def _loss_buffer(x, loss):
     return loss.reshape(-1)
 
 
-def half_encode(x, loss=None):
+def _codes_buffer(x, out, dtype):
+    """Where an encoder writes its codes: ``out`` (contiguous, ``x``'s size, viewed as ``dtype``),
+    or a new vector."""
+    if out is None:
+        return np.empty(x.size, dtype)
+    if not (isinstance(out, np.ndarray) and out.nbytes == x.size * np.dtype(dtype).itemsize
+            and out.flags.c_contiguous):
+        raise TypeError(f"out must be a contiguous numpy array of {x.size} {np.dtype(dtype).name} codes")
+    return out.reshape(-1).view(dtype)
+
+
+def half_encode(x, loss=None, out=None):
     """float32 -> IEEE binary16 codes (uint16), round to nearest even; ``(codes, loss,
     overflowed)``: ``loss = x - decoded`` (0 where x is NaN/Inf; ``x`` where it overflowed) and how
-    many finite values became Inf.  ``loss``: where to write it (``x`` itself allowed)."""
+    many finite values became Inf.  ``loss``: where to write it (``x`` itself allowed); ``out``:
+    where to write the codes."""
     x = as_f32(x)
-    out, loss = np.empty(x.size, np.uint16), _loss_buffer(x, loss)
+    out, loss = _codes_buffer(x, out, np.uint16), _loss_buffer(x, loss)
     traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         over = _half_rne(x.view(np.uint32), x, HALF_TABLE, out, loss)
     return out, loss, int(over)
 
 
-def bfloat16_encode(x, loss=None):
+def bfloat16_encode(x, loss=None, out=None):
     """float32 -> bfloat16 codes (uint16) by truncation (the high 16 bits; NaN stays NaN);
     ``(codes, loss)`` with ``loss = x - decoded`` (0 where x is NaN/Inf), written into ``loss``
-    when given (``x`` itself allowed)."""
+    when given (``x`` itself allowed); the codes into ``out`` when given."""
     x = as_f32(x)
-    out, loss = np.empty(x.size, np.uint16), _loss_buffer(x, loss)
+    out, loss = _codes_buffer(x, out, np.uint16), _loss_buffer(x, loss)
     traffic.count("encode", read=x.nbytes, written=out.nbytes + loss.nbytes)
     with _threads_for(x.size):
         _bf16_truncate(x.view(np.uint32), x, BF16_TABLE, out, loss)
@@ -1112,16 +1170,20 @@ def decode16_into(codes, table, out, accumulate=False):
     """``out (+)= table[codes]`` for uint16 ``codes`` (``HALF_TABLE`` or ``BF16_TABLE``)."""
     traffic.count("decode", read=codes.nbytes + (4 * codes.size if accumulate else 0), written=4 * codes.size)
     with _threads_for(codes.size):
+        if table is HALF_TABLE:
+            return _half_into(codes, table, out, bool(accumulate))
+        if table is BF16_TABLE:
+            return _bf16_into(codes, out, bool(accumulate))
         return _lookup_into(codes, table, out, bool(accumulate))
 
 
-def quantize_int8_chunks(x, chunk, loss=None):
+def quantize_int8_chunks(x, chunk, loss=None, out=None):
     """Per-chunk :func:`quantize_int8`: ``(q int8[n], scales float32[ceil(n / chunk)], loss)``
     with ``loss = x - q * scale`` (0 in chunks holding NaN/Inf), written into ``loss`` when given
-    (``x`` itself allowed)."""
+    (``x`` itself allowed); ``q`` into ``out`` when given."""
     x = as_f32(x)
     chunk = C.check_chunk(chunk)
-    q, loss = np.empty(x.size, np.int8), _loss_buffer(x, loss)
+    q, loss = _codes_buffer(x, out, np.int8), _loss_buffer(x, loss)
     scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
     traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)  # a chunk's 2nd read hits the cache
     with _threads_for(x.size):
