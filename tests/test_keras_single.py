@@ -332,3 +332,36 @@ def test_strategy_turns_off_tf_data_autotuning_unless_the_user_chose():
         model.compile("sgd", "mse")
     model.fit(np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32), batch_size=4, epochs=1, verbose=0)
     assert seen and all(ds.options().autotune.enabled is False for ds in seen)
+
+
+@pytest.mark.parametrize("algorithm", ["topk", "dense"])
+def test_the_exchanged_gradient_is_the_decoded_vector_itself(algorithm):
+    """Decoding straight into the tensor the optimizer applies: TensorFlow takes the bucket's
+    aligned result vector as the output of the finishing op without copying it, and each tensor
+    is a slice of it (the address an op downstream sees is inside the vector) -- where the slice
+    starts and ends on 64 bytes, as TensorFlow requires for sharing memory."""
+    from tfsparse.exchange import GradientExchange
+    from tfsparse.pipelined import Pipelined
+    from tfsparse.tf_glue import exchange_tensors
+
+    ex = Pipelined(GradientExchange(algorithm, 0.01, communicator=InProcessWorld(1).comms[0]))
+    seen = []
+
+    def record(x):
+        seen.append((x.__array_interface__["data"][0], x.nbytes))
+        return np.int64(0)
+
+    grads = [tf.random.normal([300, 400], seed=1), tf.random.normal([1024], seed=2)]
+
+    @tf.function
+    def step():
+        out = exchange_tensors(ex, grads)
+        return [tf.numpy_function(record, [o], tf.int64, stateful=True) for o in out]
+
+    for _ in range(3):
+        step()
+        vectors = ex.engine.bucket_states[0].outputs._pool._buffers
+        starts = [v.__array_interface__["data"][0] for v in vectors]
+        for address, nbytes in seen[-2:]:
+            assert any(s <= address and address + nbytes <= s + v.nbytes for s, v in zip(starts, vectors))
+    assert len(vectors) <= 3  # reused, not one per step

@@ -80,12 +80,28 @@ class Reusable:
 class HostOutputs:
     """The result vectors of one bucket on the host, handed out by :meth:`take`: float32 vectors
     of the bucket's size, aligned and reused (see the module docstring), so that the exchange
-    decodes straight into the tensor the optimizer applies.  Up to ``keep`` are kept."""
+    decodes straight into the tensor the optimizer applies.  Up to ``keep`` are kept.
+
+    Each vector's memory runs on to a multiple of 16 elements (64 bytes): :meth:`padded` gives
+    that longer view, which TensorFlow can cut into per-tensor slices without copying them (its
+    slicing shares memory only where a slice's start and length are 64-byte multiples)."""
 
     def __init__(self, n: int, keep: int = 3):
         self.n = int(n)
+        self.n_padded = -(-self.n // 16) * 16
         self._pool = Reusable(keep)
 
     def take(self) -> np.ndarray:
         """A float32 vector of ``n`` elements that nothing else refers to (contents undefined)."""
-        return self._pool.take(self.n, np.float32)
+        return self._pool.take(self.n_padded, np.float32)[:self.n]
+
+    def padded(self, vec) -> np.ndarray | None:
+        """The :attr:`n_padded`-element view of ``vec``'s memory, when ``vec`` is a vector
+        :meth:`take` handed out (its tail is undefined); None otherwise."""
+        if not isinstance(vec, np.ndarray) or vec.size != self.n:
+            return None
+        start = vec.__array_interface__["data"][0]
+        for v in self._pool._buffers:
+            if v.__array_interface__["data"][0] == start and v.size >= 4 * self.n_padded:
+                return v[:4 * self.n_padded].view(np.float32)
+        return None

@@ -85,9 +85,16 @@ def exchange_tensors(exchange, grads, names=None) -> list:
     out = [None] * len(grads)
     for b, token in zip(buckets, tokens):
         summed = op(functools.partial(finish, b.spec.index), [token], tf.float32, f"tfsparse_finish_{b.spec.index}")
-        summed.set_shape([b.spec.size])
         sizes = [int(s) for s in engine.layout.sizes[b.spec.first:b.spec.last]]
-        parts = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
+        if engine.space.on_device:
+            summed.set_shape([b.spec.size])
+            parts = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
+        else:
+            # the host result vector padded to 64 bytes (glue.finish): each tensor is a slice of it,
+            # which TensorFlow shares without a copy where the slice is 64-byte aligned
+            summed.set_shape([glue.padded_size(b.spec.index)])
+            offs = np.concatenate(([0], np.cumsum(sizes)))
+            parts = [summed[int(lo):int(hi)] for lo, hi in zip(offs[:-1], offs[1:])]
         for i, part in zip(range(b.spec.first, b.spec.last), parts):
             out[i] = tf.cast(tf.reshape(part, grads[i].shape), grads[i].dtype)
     return out
@@ -121,8 +128,25 @@ class _Glue:
     def start(self, bucket: int, *arrays):
         return np.int64(self.exchange.begin(self._bucket(bucket), arrays))
 
+    def padded_size(self, bucket: int) -> int:
+        """The length of what :meth:`finish` returns for ``bucket``: its size rounded up to 16."""
+        return -(-int(self._bucket(bucket).spec.size) // 16) * 16
+
     def finish(self, bucket: int, index):
-        return self.exchange.finish(self._bucket(bucket), int(index))
+        """``tf.numpy_function`` body: the bucket's result, handed to TensorFlow as the aligned
+        result vector itself, padded to 64 bytes (its tail is never read), so that TensorFlow takes
+        it without a copy; a result the exchange made elsewhere (a held Pipe-SGD sum, a skipped
+        round) is copied into such a vector."""
+        b = self._bucket(bucket)
+        vec = self.exchange.finish(b, int(index))
+        outputs = b.outputs
+        padded = outputs.padded(vec) if hasattr(outputs, "padded") else None
+        if padded is None:
+            padded = outputs.take()
+            n = padded.size
+            padded = outputs.padded(padded)
+            padded[:n] = vec
+        return padded
 
     @in_space
     def start_device(self, bucket: int, *tensors):
