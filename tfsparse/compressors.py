@@ -268,7 +268,8 @@ class DGCSampledThreshold(Compressor):
       min_samples: lower bound on the sample size (capped at ``n``).
       seed: seed of this compressor's random generator (None: fresh OS entropy).
       adapt_iters: most threshold adaptation steps (>= 0; default 10).
-      lower, upper: the accepted count range ``[lower * k, upper * k]`` (default 1.0, 1.3).
+      lower: the accepted count range is ``[lower * k, upper * k]`` (default 1.0).
+      upper: see ``lower`` (default 1.3).
       adapt_factor: threshold factor per adaptation step, in (0, 1) (default 0.9).
       truncate: ``"largest"`` (default), ``"first"`` or None (no cut).
       exact_below: tensors of at most this many elements take the exact top-k (default

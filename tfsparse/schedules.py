@@ -8,10 +8,12 @@ evaluated by the exchange at the start of every round (``GradientExchange.schedu
 holds with any ``steps_per_execution`` and in custom training loops, and a resumed run
 continues it from its saved round.  A step at density 1 is a true dense allreduce.
 
+```python
 >>> from tfsparse.schedules import WarmUp
 >>> w = WarmUp(steps=4, target=0.01)
 >>> [round(w(s), 4) for s in range(6)]
 [1.0, 0.7525, 0.505, 0.2575, 0.01, 0.01]
+```
 
 Keras users pass it to ``tfsparse.keras.callbacks.DensitySchedule(WarmUp(epochs=2))``, which
 fills in ``target`` (the exchange's density) and, for ``epochs=``, the steps per epoch.

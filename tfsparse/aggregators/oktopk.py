@@ -166,9 +166,11 @@ class OkTopkAllreduce(Aggregator):
         the paper gives no number, 4 is the authors' implementation's throttle.
       balance_factor: data balancing runs when the largest global top-k buffer exceeds this
         many times the mean (§5.3; default 4).
-      local_raise, local_adjust, global_adjust: the authors' threshold adjustment between
-        re-evaluations (module docstring; defaults 1.03, 1.012, 1.008; 1.0 turns a rule off,
-        all three 1.0 is the paper's plain reuse).
+      local_raise: the authors' threshold adjustment between re-evaluations (module
+        docstring; default 1.03; 1.0 turns the rule off; all three at 1.0 is the paper's plain
+        reuse).
+      local_adjust: the same, the local threshold's adjustment (default 1.012).
+      global_adjust: the same, the global threshold's adjustment (default 1.008).
 
     After each call ``last_info`` holds ``step``, ``fresh_thresholds``, ``repartitioned``,
     ``balanced``, ``local_count``, ``global_count``, ``local_threshold``,

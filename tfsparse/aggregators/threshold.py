@@ -38,8 +38,10 @@ class DGCAllgather(AllgatherAggregator):
         (default 0.01, DGC's 1%).
       min_samples: lower bound on the sample size (default 1024; capped at n).
       seed: seed of the sampler (None: fresh entropy per instance).
-      adapt_iters, lower, upper, adapt_factor: the threshold adaptation (default 10 steps of
-        ×/÷ 0.9 until the count is in ``[1.0 k, 1.3 k]``).
+      adapt_iters: the threshold adaptation: at most this many steps (default 10) ...
+      lower: ... until the count is at least ``lower · k`` (default 1.0) ...
+      upper: ... and at most ``upper · k`` (default 1.3) ...
+      adapt_factor: ... multiplying or dividing the threshold by this factor (default 0.9).
       truncate: ``"largest"`` (default: the k largest candidates, DGC's code), ``"first"``
         (the k lowest positions, the DRAGONN authors' DGC baseline) or None.
       exact_below: tensors of at most this many elements take the exact top-k (default 16384).

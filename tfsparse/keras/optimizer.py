@@ -57,8 +57,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
       inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the update.
-      algorithm, density: the aggregator and the fraction of elements each rank sends (default
-        ``"topk"`` at 0.01, or the strategy's inside a SparseStrategy scope).
+      algorithm: the aggregator (default ``"topk"``, or the strategy's inside a SparseStrategy
+        scope).
+      density: the fraction of elements each rank sends (default 0.01, or the strategy's).
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``;
         ``algorithm_options`` or any other keyword: the algorithm's options) -- each is described
@@ -71,7 +72,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         exchanged gradient): ``None`` (default) -- on when the global dtype policy is
         ``mixed_float16`` as the wrapper is created (what Keras' ``compile`` would add); ``True``
         or ``False``.
-      initial_scale, dynamic_growth_steps: as in ``keras.optimizers.LossScaleOptimizer``.
+      initial_scale: as in ``keras.optimizers.LossScaleOptimizer``.
+      dynamic_growth_steps: as in ``keras.optimizers.LossScaleOptimizer``.
 
     Built inside a SparseStrategy scope without settings of its own, the wrapper takes the
     strategy's exchange; with settings of its own, the strategy adopts the wrapper's.  Either way

@@ -266,8 +266,8 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
     >>> model.fit(x_shard, y_shard, epochs=5)
 
     Args:
-      algorithm, density: the aggregator and the fraction of elements each rank sends (default
-        ``"topk"`` at 0.01).
+      algorithm: the aggregator (default ``"topk"``).
+      density: the fraction of elements each rank sends (default 0.01).
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``, and
         the algorithm's options) -- each is described once, in :mod:`tfsparse.settings`.  With
