@@ -144,6 +144,60 @@ def _count_ge(xu, b0, b1, klo):
     return c
 
 
+@njit(cache=True, inline="always")
+def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w):
+    """Stages the elements of ``xu[b0:b1]`` with ``key >= klo`` at ``st_idx/st_val[bs + w:]`` (up to
+    ``_STG`` per chunk, counting the rest) and returns the new count: a full block narrowed by its
+    ``_SUB``-element sub-blocks' maxima, a short one element by element."""
+    if b1 - b0 == _BLK:
+        for s0 in range(b0, b1, _SUB):
+            if _sub_hit(xu, s0, t2):
+                for i in range(s0, s0 + _SUB):
+                    if _key(xu[i]) >= klo:
+                        if w < _STG:
+                            st_idx[bs + w] = i
+                            st_val[bs + w] = x[i]
+                        w += 1
+    else:
+        for i in range(b0, b1):
+            if _key(xu[i]) >= klo:
+                if w < _STG:
+                    st_idx[bs + w] = i
+                    st_val[bs + w] = x[i]
+                w += 1
+    return w
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _compact(xu, x, klo, base, counts, st_idx, st_val):
+    """The staged hits of every chunk, in index order, as ``(idx + base, val)``; a chunk with more
+    than ``_STG`` hits is rescanned with unconditional stores (advancing on a hit; the guard keeps
+    to the chunk's slice of the output)."""
+    n = xu.size
+    nch = counts.size
+    offs = np.empty(nch + 1, np.int64)
+    offs[0] = 0
+    for c in range(nch):
+        offs[c + 1] = offs[c] + counts[c]
+    out_idx = np.empty(offs[nch], np.int64)
+    out_val = np.empty(offs[nch], np.float32)
+    for c in prange(nch):
+        o = offs[c]
+        if counts[c] <= _STG:
+            bs = c * _STG
+            for j in range(counts[c]):
+                out_idx[o + j] = st_idx[bs + j] + base
+                out_val[o + j] = st_val[bs + j]
+        else:
+            end = offs[c + 1]
+            for i in range(c * _CH, min(c * _CH + _CH, n)):
+                if o < end:
+                    out_idx[o] = i + base
+                    out_val[o] = x[i]
+                o += np.int64(_key(xu[i]) >= klo)
+    return out_idx, out_val
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _select_ge(xu, x, klo, st_idx, st_val):
     """Indices (ascending) and values of the elements with ``key >= klo``.
@@ -159,52 +213,16 @@ def _select_ge(xu, x, klo, st_idx, st_val):
     for c in prange(nch):
         lo = c * _CH
         hi = min(lo + _CH, n)
-        base = c * _STG
         w = 0
         for b0 in range(lo, hi, _BLK):
             if w > _STG:  # overflowed: count the rest of the chunk, write it in the second phase
                 w += _count_ge(xu, b0, hi, klo)
                 break
             b1 = min(b0 + _BLK, hi)
-            if b1 - b0 == _BLK:
-                if _block_hit(xu, b0, t2):
-                    for s0 in range(b0, b1, _SUB):
-                        if _sub_hit(xu, s0, t2):
-                            for i in range(s0, s0 + _SUB):
-                                if _key(xu[i]) >= klo:
-                                    if w < _STG:
-                                        st_idx[base + w] = i
-                                        st_val[base + w] = x[i]
-                                    w += 1
-            else:
-                for i in range(b0, b1):
-                    if _key(xu[i]) >= klo:
-                        if w < _STG:
-                            st_idx[base + w] = i
-                            st_val[base + w] = x[i]
-                        w += 1
+            if b1 - b0 < _BLK or _block_hit(xu, b0, t2):
+                w = _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, c * _STG, w)
         counts[c] = w
-    offs = np.empty(nch + 1, np.int64)
-    offs[0] = 0
-    for c in range(nch):
-        offs[c + 1] = offs[c] + counts[c]
-    out_idx = np.empty(offs[nch], np.int64)
-    out_val = np.empty(offs[nch], np.float32)
-    for c in prange(nch):
-        o = offs[c]
-        if counts[c] <= _STG:
-            base = c * _STG
-            for j in range(counts[c]):
-                out_idx[o + j] = st_idx[base + j]
-                out_val[o + j] = st_val[base + j]
-        else:  # dense chunk: unconditional stores, advance on a hit (the guard keeps to our slice)
-            end = offs[c + 1]
-            for i in range(c * _CH, min(c * _CH + _CH, n)):
-                if o < end:
-                    out_idx[o] = i
-                    out_val[o] = x[i]
-                o += np.int64(_key(xu[i]) >= klo)
-    return out_idx, out_val
+    return _compact(xu, x, klo, 0, counts, st_idx, st_val)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -358,9 +376,9 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
     """``acc = g + r`` (float32) and, in the same pass, the indices (``+ base``, ascending) and
     values of ``acc``'s elements with ``key >= klo`` -- error feedback, the finite check and a
     threshold selection fused: each block of ``_BLK`` sums is stored and its keys' maximum tested
-    while it is in registers (as :func:`_select_ge` stages hits, a chunk with more than ``_STG``
-    counts them and is rescanned from ``acc``).  Returns ``(idx, val, top)``, ``top`` the largest
-    ``bits << 1`` of the sums (``>= INF_KEY << 1``: some sum is not finite)."""
+    while it is in the cache (hits staged as :func:`_select_ge` stages them).  Returns
+    ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums (``>= INF_KEY << 1``: some
+    sum is not finite)."""
     n = g.size
     nch = (n + _CH - 1) // _CH
     counts = np.zeros(nch, np.int64)
@@ -370,7 +388,6 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
     for c in prange(nch):
         lo = c * _CH
         hi = min(lo + _CH, n)
-        bs = c * _STG
         w = 0
         top = np.uint32(0)
         for b0 in range(lo, hi, _BLK):
@@ -383,44 +400,10 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
             m = _shifted_max(au, b0, b1)
             top = max(top, m)
             if m >= t2:
-                if b1 - b0 == _BLK:
-                    for s0 in range(b0, b1, _SUB):
-                        if _sub_hit(au, s0, t2):
-                            for i in range(s0, s0 + _SUB):
-                                if _key(au[i]) >= klo:
-                                    if w < _STG:
-                                        st_idx[bs + w] = i
-                                        st_val[bs + w] = acc[i]
-                                    w += 1
-                else:
-                    for i in range(b0, b1):
-                        if _key(au[i]) >= klo:
-                            if w < _STG:
-                                st_idx[bs + w] = i
-                                st_val[bs + w] = acc[i]
-                            w += 1
+                w = _stage_hits(au, acc, b0, b1, t2, klo, st_idx, st_val, c * _STG, w)
         counts[c] = w
         tops[c] = top
-    offs = np.empty(nch + 1, np.int64)
-    offs[0] = 0
-    for c in range(nch):
-        offs[c + 1] = offs[c] + counts[c]
-    out_idx = np.empty(offs[nch], np.int64)
-    out_val = np.empty(offs[nch], np.float32)
-    for c in prange(nch):
-        o = offs[c]
-        if counts[c] <= _STG:
-            bs = c * _STG
-            for j in range(counts[c]):
-                out_idx[o + j] = st_idx[bs + j] + base
-                out_val[o + j] = st_val[bs + j]
-        else:
-            end = offs[c + 1]
-            for i in range(c * _CH, min(c * _CH + _CH, n)):
-                if o < end:
-                    out_idx[o] = i + base
-                    out_val[o] = acc[i]
-                o += np.int64(_key(au[i]) >= klo)
+    out_idx, out_val = _compact(au, acc, klo, base, counts, st_idx, st_val)
     top = np.uint32(0)
     for c in range(nch):
         top = max(top, tops[c])
