@@ -342,6 +342,18 @@ def _kth_key(keys, k):
     return np.partition(keys, m - k)[m - k]
 
 
+@njit(cache=True, inline="always")
+def _sample_at(j, s, step, a, b, n64):
+    """The ``j``-th of ``s`` stratified sample positions in ``n64`` elements: stratum ``j`` spans
+    ``[j * step >> 32, (j + 1) * step >> 32)`` (the last one ends at ``n64``), and a hash of ``j``
+    picks the position within it."""
+    j64 = np.uint64(j)
+    lo = (j64 * step) >> np.uint64(32)
+    hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
+    h = (a * j64 + b) >> np.uint64(32)
+    return lo + ((h * (hi - lo)) >> np.uint64(32))
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _sample_keys(xu, s, step, a, b):
     """Keys at ``s`` stratified sample positions (one hashed position per stratum, see
@@ -349,11 +361,7 @@ def _sample_keys(xu, s, step, a, b):
     n64 = np.uint64(xu.size)
     out = np.empty(s, np.int64)
     for j in prange(s):
-        j64 = np.uint64(j)
-        lo = (j64 * step) >> np.uint64(32)
-        hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
-        h = (a * j64 + b) >> np.uint64(32)
-        out[j] = _key(xu[lo + ((h * (hi - lo)) >> np.uint64(32))])
+        out[j] = _key(xu[_sample_at(j, s, step, a, b, n64)])
     return out
 
 
@@ -363,11 +371,7 @@ def _sample_positions(n, s, step, a, b):
     n64 = np.uint64(n)
     out = np.empty(s, np.int64)
     for j in prange(s):
-        j64 = np.uint64(j)
-        lo = (j64 * step) >> np.uint64(32)
-        hi = ((j64 + np.uint64(1)) * step) >> np.uint64(32) if j + 1 < s else n64
-        h = (a * j64 + b) >> np.uint64(32)
-        out[j] = np.int64(lo + ((h * (hi - lo)) >> np.uint64(32)))
+        out[j] = np.int64(_sample_at(j, s, step, a, b, n64))
     return out
 
 
