@@ -59,6 +59,13 @@ def test_plan_buckets_with_bucket_bytes_is_one_plan():
     (dict(clip_norm=0), ["clip_norm=0"]),
     (dict(memory="residual", momentum=0.5), ["momentum=0.5 needs memory='momentum'"]),
     (dict(algorithm="oktopk", tau_prime=0), ["tau_prime=0"]),
+    # a misspelt keyword: named with the nearest valid one, the settings and the algorithm's options
+    (dict(algorithm="topk", desnity=0.1), ["desnity=0.1 is neither a setting nor an option of 'topk'",
+                                           "did you mean desnity -> density?", "accepted settings: algorithm,",
+                                           "options of 'topk': compressor"]),
+    (dict(algorithm="oktopk", tua=3, wire="int8"), ["tua=3, wire='int8' are neither", "tua -> tau",
+                                                    "wire -> wire_dtype", "options of 'oktopk': tau, tau_prime"]),
+    (dict(algorithm="gtopk", balance_factor=2), ["balance_factor=2 is neither", "options of 'gtopk': none"]),
 ])
 def test_bad_settings_name_the_argument(kwargs, words):
     with warnings.catch_warnings():

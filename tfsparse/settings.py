@@ -42,6 +42,7 @@ communication: a ``ValueError`` names the argument, the value and what is accept
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import warnings
@@ -49,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from . import _checks
-from .aggregators import available_aggregators, get_aggregator
+from .aggregators import aggregator_options, available_aggregators, get_aggregator
 from .memory import check_memory
 from .plan import BucketPlan, Plan, available_plans, make_plan
 from .schedules import check_density
@@ -76,6 +77,24 @@ def check_pipeline(pipeline) -> int:
                          f"the update of step t+1 applies step t's aggregated gradient; pipe-sgd-li2018 §3.1 "
                          f"shows K > 2 only adds staleness)")
     return int(pipeline)
+
+
+def check_option_names(algorithm: str, options: Mapping) -> None:
+    """Every key of ``options`` must be an option of ``algorithm`` (a keyword that is neither a
+    setting nor an option ends up here): a ``ValueError`` names it, the nearest valid keyword, the
+    settings and the algorithm's options."""
+    accepted = aggregator_options(algorithm)
+    unknown = sorted(k for k in options if k not in accepted)
+    if not unknown:
+        return
+    valid = sorted(NAMES | {"settings", "algorithm_options"}) + list(accepted)
+    hints = [f"{k} -> {m[0]}" for k in unknown for m in [difflib.get_close_matches(k, valid, 1, 0.55)] if m]
+    names = ", ".join(f"{k}={options[k]!r}" for k in unknown)
+    raise ValueError(f"invalid options for algorithm={algorithm!r}: {names} {'is' if len(unknown) == 1 else 'are'} "
+                     f"neither a setting nor an option of {algorithm!r}"
+                     + (f" (did you mean {'; '.join(hints)}?)" if hints else "")
+                     + f"; accepted settings: {', '.join(sorted(NAMES))}, settings= (a tfsparse.settings.Settings); "
+                     f"options of {algorithm!r}: {', '.join(accepted) or 'none'}")
 
 
 def check_algorithm(algorithm) -> str:
@@ -155,6 +174,7 @@ class Settings:
         self.density = check_density(self.density)
         self.wire_dtype = get_wire(self.wire_dtype).name
         self.options = dict(self.options)
+        check_option_names(self.algorithm, self.options)
         get_aggregator(self.algorithm, **self.options)  # validates the options
         self.plan = make_grouping(self.plan, self.algorithm)
         self.momentum = check_memory(self.memory, self.momentum).get("momentum")

@@ -21,6 +21,13 @@ def available_aggregators() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def aggregator_options(name: str) -> tuple[str, ...]:
+    """The option names the aggregator registered as ``name`` takes (its constructor's named
+    keyword arguments), in the constructor's order."""
+    params = inspect.signature(_REGISTRY[name]).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def get_aggregator(name: str, **options):
     """Instantiates the aggregator registered as ``name`` with ``options``."""
     if not isinstance(name, str) or name not in _REGISTRY:
@@ -30,7 +37,5 @@ def get_aggregator(name: str, **options):
     try:
         return cls(**options)
     except TypeError as e:
-        params = [p for p in inspect.signature(cls).parameters.values()
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        accepted = ", ".join(p.name for p in params) or "none"
+        accepted = ", ".join(aggregator_options(name)) or "none"
         raise ValueError(f"invalid options for algorithm={name!r}: {e}; accepted options: {accepted}") from None
