@@ -1,6 +1,8 @@
 # The two set-up commands of the README:
 #   make demo   installs what the demo needs and runs the 4-process sparse training demo
 #   make test   installs everything (Horovod included) and runs the whole test suite
+# and one for the documentation site (mkdocs.yml, pages in docs/):
+#   make docs   installs what make demo does (the doc tools included) and builds the site strictly into build/site
 # PYTHON (default python3) is the interpreter to use; an externally managed one (PEP 668, such as
 # Debian's python3) gets the project virtualenv .venv instead, and everything runs with that.
 PYTHON ?= python3
@@ -17,7 +19,7 @@ ifneq ($(RUN_PYTHON),$(PYTHON))
 export PATH := $(dir $(RUN_PYTHON)):$(PATH)
 endif
 
-.PHONY: demo test install install-horovod
+.PHONY: demo test docs install install-horovod
 
 install:
 	PYTHON='$(PYTHON)' bash tools/install.sh
@@ -30,3 +32,7 @@ demo: install
 
 test: install-horovod
 	$(RUN_PYTHON) -m pytest -ra $(PYTEST_ARGS)
+
+# --strict: a broken link, a missing anchor or a docstring the API reference cannot render fails
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(RUN_PYTHON) -m mkdocs build --strict

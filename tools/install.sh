@@ -2,7 +2,7 @@
 # One install script for tfsparse: system MPI, Python dependencies, the package itself
 # and (optionally) Horovod 0.28.1 built from source against the installed TensorFlow.
 #
-#   bash tools/install.sh                 # MPI + TF + TensorBoard + tfsparse[test]
+#   bash tools/install.sh                 # MPI + TF + TensorBoard + tfsparse[test] + the doc tools
 #   bash tools/install.sh --horovod       # ... and Horovod (about 5-10 min on 2 cores)
 #   bash tools/install.sh --print-python  # only print the interpreter it installs into
 #
@@ -80,6 +80,11 @@ if ! "$PY" -c "import tensorflow, keras, mpi4py, numba, sklearn, matplotlib, pyt
   echo "== installing Python dependencies"
   pipi "tensorflow-cpu==2.21.*" "tensorboard==2.21.*" "keras>=3.10" "numpy" "mpi4py>=4" "numba>=0.60" \
        "scikit-learn" "matplotlib" "pytest" "pytest-timeout"
+fi
+# the documentation site's tools: make docs, and tests/test_docs.py (make test) builds the site strictly
+if ! "$PY" -c "import mkdocs, material, mkdocstrings, mkdocstrings_handlers.python" 2>/dev/null; then
+  echo "== installing the documentation tools (MkDocs, Material for MkDocs, mkdocstrings)"
+  pipi "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=1.0,<2" "mkdocstrings-python>=2.0,<3"
 fi
 if ! "$PY" -c "import numba.cuda; from numba.cuda.cudadrv import nvvm" 2>/dev/null \
    || ! "$PY" -c "import importlib.metadata as m; m.version('numba-cuda')" 2>/dev/null; then

@@ -1,0 +1,79 @@
+"""The documentation: the site (mkdocs.yml, pages in docs/, the API reference mkdocstrings renders
+from the docstrings) builds with ``mkdocs build --strict`` -- a broken link, a missing anchor or a
+docstring the reference cannot render fails -- and the README stays a short front page whose
+relative links all point to files of this repository."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MAX_README_LINES = 260
+DOC_TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+needs_doc_tools = pytest.mark.skipif(
+    not all(_installed(m) for m in DOC_TOOLS),
+    reason="needs MkDocs, Material for MkDocs and mkdocstrings[python] (bash tools/install.sh installs them)")
+
+
+@needs_doc_tools
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    assert (tmp_path / "site" / "index.html").is_file()
+    # the API reference was rendered from the docstrings, not left empty
+    reference = (tmp_path / "site" / "api" / "strategies" / "index.html").read_text()
+    assert "SparseStrategy" in reference and "doc-heading" in reference
+
+
+def test_the_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines <= MAX_README_LINES, (f"README.md has {lines} lines (at most {MAX_README_LINES}): "
+                                       "move the details into a page of docs/")
+
+
+# [text](target) and ![alt](target), outside fenced code blocks; <...> autolinks are not relative
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _relative_links(text: str):
+    in_fence = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # http:, https:, mailto: ... and anchors within the README
+            yield number, target
+
+
+def test_every_relative_link_of_the_readme_points_to_a_file():
+    links = list(_relative_links(README.read_text()))
+    assert links, "the README links into docs/"
+    missing = [(number, target) for number, target in links
+               if not (REPO / target.split("#", 1)[0]).exists()]
+    assert not missing, f"README.md links to files that do not exist (line, target): {missing}"
+
+
+def test_the_link_check_sees_a_broken_link():
+    found = list(_relative_links("see [a page](docs/nope.md#x) and ![fig](docs/a.png)\n"
+                                 "```\n[not a link](inside/a/fence.md)\n```\n[web](https://example.org) [here](#top)\n"))
+    assert found == [(1, "docs/nope.md#x"), (1, "docs/a.png")]
