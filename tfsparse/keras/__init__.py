@@ -1,5 +1,7 @@
-"""Keras integration: :class:`DistributedOptimizer` and :mod:`tfsparse.keras.callbacks`."""
+"""Keras integration: :class:`DistributedOptimizer` and :mod:`tfsparse.keras.callbacks`,
+:func:`load_model` / :func:`load_weights` (a truncated file named as such)."""
 from . import callbacks, ownership
 from .optimizer import DistributedOptimizer
+from .saving import load_model, load_weights
 
-__all__ = ["DistributedOptimizer", "callbacks", "ownership"]
+__all__ = ["DistributedOptimizer", "callbacks", "ownership", "load_model", "load_weights"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import keras
 
-from .. import _checks, runtime
+from .. import _checks, files, runtime
 from ..collectives.agreement import check_agreement
 from .ownership import checkpointer_of, exchange_of, require_exchange
 
@@ -242,6 +242,27 @@ for _hook in _HOOKS:
     setattr(_RankZeroOnly, _hook, _forwarder(_hook))
 
 
+class _AtomicSaves:
+    """The model as Keras' ModelCheckpoint sees it: ``save`` and ``save_weights`` write a
+    temporary file beside the destination and rename it into place when complete
+    (:func:`tfsparse.files.replacing`), so a rank killed during a save leaves the previous
+    checkpoint loadable; every other attribute is the model's."""
+
+    def __init__(self, model):
+        self._wrapped = model
+
+    def save(self, filepath, *args, **kwargs):
+        with files.replacing(filepath) as tmp:
+            self._wrapped.save(str(tmp), *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        with files.replacing(filepath) as tmp:
+            self._wrapped.save_weights(str(tmp), *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
 class ModelCheckpoint(_RankZeroOnly):
     """``keras.callbacks.ModelCheckpoint`` for multi-process training: rank 0 writes, and the
     file holds **every rank's** exchange state -- residual (error feedback is per rank) and
@@ -254,12 +275,21 @@ class ModelCheckpoint(_RankZeroOnly):
     mean of the saved residuals, preserving the total pending update, and rank 0's
     aggregator state).  Both routes: the state is saved with a ``DistributedOptimizer``, or
     with the ``SparseStrategy`` the model was built in (load the file inside its scope).
+
+    Each file is written whole or not at all: to a temporary file beside it, renamed into place
+    when complete (:mod:`tfsparse.files`), so a crash during a save leaves the previous checkpoint
+    at that path loadable.
     """
 
     def __init__(self, filepath, save_freq="epoch", **kwargs):
         super().__init__(keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs), runtime.rank())
         self.save_freq = save_freq
         self._batches = 0
+
+    def set_model(self, model):
+        super().set_model(model)
+        if self._active:
+            self.callback.set_model(_AtomicSaves(model))
 
     def _gather(self):
         checkpointer = checkpointer_of(self.model)

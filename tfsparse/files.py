@@ -1,0 +1,119 @@
+"""Files written whole or not at all: a crash at any moment leaves the previous file loadable.
+
+Every file tfsparse writes -- the Keras checkpoints of
+:class:`tfsparse.keras.callbacks.ModelCheckpoint` and
+:class:`tfsparse.keras.callbacks.BackupAndRestore`, the benchmarks' JSON and figures -- is
+written to a temporary file beside its destination (same directory, so the same file system;
+its name ends like the destination's, so Keras and matplotlib pick the same format), flushed to
+disk, and renamed over the destination only when complete (``os.replace``: atomic on POSIX).
+A writer killed half-way leaves the old file untouched and a ``.tfsparse-partial-*`` file
+that the next save overwrites.
+
+:func:`check_saved_file` tells a truncated Keras file from a missing one (Keras says "File not
+found" for both).  Standard library only (h5py, where it imports, for
+``.h5`` files): every module may use it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import zipfile
+from pathlib import Path
+
+PARTIAL = ".tfsparse-partial-"
+"""Prefix of the temporary file beside a destination while it is written."""
+
+
+def partial_path(path) -> Path:
+    """Where :func:`replacing` writes ``path`` before renaming it: the same directory, the name
+    prefixed by :data:`PARTIAL` (so it keeps the destination's suffixes, ``.keras``,
+    ``.weights.h5``, ``.png``)."""
+    path = Path(path)
+    return path.with_name(PARTIAL + path.name)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system without fsync (some network mounts): the rename still orders it
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replacing(path):
+    """Yields the temporary path to write ``path``'s new content to; when the block ends without
+    an exception, the temporary file is flushed to disk and renamed over ``path`` (atomic), else
+    removed and ``path`` is left as it was.  The directory is created if needed."""
+    path = Path(path)
+    if path.parent != Path(""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(path)
+    try:
+        yield tmp
+        if not tmp.exists():
+            raise FileNotFoundError(f"nothing was written to {tmp} (the temporary file of {path})")
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk with the directory
+        _fsync(path.parent if path.parent != Path("") else Path("."))
+
+
+def write_text(path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically (:func:`replacing`)."""
+    with replacing(path) as tmp:
+        Path(tmp).write_text(text)
+
+
+def write_bytes(path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically (:func:`replacing`)."""
+    with replacing(path) as tmp:
+        Path(tmp).write_bytes(data)
+
+
+class TruncatedFile(ValueError):
+    """A saved file exists but is incomplete or not the format its name says."""
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def check_saved_file(path) -> None:
+    """Raises ``FileNotFoundError`` when ``path`` does not exist and :class:`TruncatedFile` when it
+    is not a complete file of the format its name says: a ``.keras`` file must be a readable zip
+    archive, a ``.h5`` file must be an HDF5 file as long as its superblock says (checked with h5py
+where it imports).  Other names are not checked."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    size = path.stat().st_size
+    if path.name.endswith(".keras"):
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise TruncatedFile(f"{path} ({size} bytes) is not a complete .keras file ({e}): the save that wrote it "
+                                f"was interrupted, or it is another kind of file") from None
+        if bad is not None:
+            raise TruncatedFile(f"{path} ({size} bytes) is damaged: its member {bad} does not match its checksum")
+    elif path.name.endswith(".h5"):
+        with open(path, "rb") as f:
+            head = f.read(len(_HDF5_SIGNATURE))
+        if head != _HDF5_SIGNATURE:
+            raise TruncatedFile(f"{path} ({size} bytes) is not an HDF5 file: the save that wrote it was interrupted, "
+                                f"or it is another kind of file")
+        try:
+            import h5py  # Keras' own reader of .h5 files; it compares the size with the superblock's
+        except ImportError:
+            return
+        try:
+            h5py.File(path, "r").close()
+        except OSError as e:
+            raise TruncatedFile(f"{path} ({size} bytes) is not a complete HDF5 file ({e}): the save that wrote it "
+                                f"was interrupted") from None
