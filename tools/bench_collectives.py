@@ -42,6 +42,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tfsparse import files  # noqa: E402
+
 ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn")
 
 
@@ -204,8 +208,8 @@ def main(argv=None) -> int:
         print(f"oktopk P={r['P']}: first step (fresh thresholds, + all-gather of reduced values): "
               f"{r['fresh_step_mean'] / 1e6:.4f} MB/rank")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"n": args.n, "density": args.density, "procs": args.procs, "rows": rows}, indent=1))
+    files.write_text(out, json.dumps({"n": args.n, "density": args.density, "procs": args.procs, "rows": rows},
+                                     indent=1))
     print(f"wrote {out}")
     return 0
 

@@ -36,6 +36,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tfsparse import files  # noqa: E402
+
 RECIPE = ["--memory", "momentum", "--warmup-epochs", "2"]
 GRADIENTFLOW = [  # (setting, label suffix, demo arguments)
     ("", "", ["--algorithms", "dense"]),
@@ -119,7 +123,7 @@ def plot(results, path):
     fig.suptitle(f"digits, {results['processes']} processes, {results['epochs']} epochs unless the label says otherwise, "
                  f"seeds {results.get('seeds', [0])}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def main():
@@ -146,9 +150,7 @@ def main():
                                                                "test_accuracy_seeds": []})
                     first["test_accuracy_seeds"].append(run["test_accuracy"])
                     first["test_accuracy"] = float(np.mean(first["test_accuracy_seeds"]))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+        files.write_text(args.out + ".json", json.dumps(results, indent=1))
     plot(results, args.out + ".png")
     print("\n| configuration | density | test accuracy (mean) | seeds | vs its synchronous dense (points) "
           "| bytes/step/rank |\n|---|---|---|---|---|---|")

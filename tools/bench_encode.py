@@ -37,6 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tfsparse import files  # noqa: E402
+
 CASES = {  # label -> (algorithm, options)
     "dragonn": ("dragonn", {}),
     "dgc": ("dgc", {"seed": 0}),
@@ -127,7 +129,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"DRAGONN vs DGC on the CPU -- {result['machine']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):
@@ -148,8 +150,7 @@ def main(argv=None):
                    "workers": args.workers, "repeats": args.repeats, "summary": summarize(result["rows"]),
                    "goal": {"what": GOAL[0], "target": GOAL[1]}})
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    files.write_text(out.with_suffix(".json"), json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     for key, s in result["summary"].items():
         print(f"{key}: encode dgc/dragonn {s['encode_dgc_over_dragonn']:.2f}x, DRAGONN's payloads: dense decoding / "

@@ -35,6 +35,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tfsparse import files  # noqa: E402
+
 WIDTHS = (1024, 4096, 4096, 1024)
 
 
@@ -146,8 +150,7 @@ def plot(rows, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -192,9 +195,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"  {r['algorithm']:<10}{r['wire']:<10}" + "  ".join(f"{k} {v}" for k, v in r["passes"].items() if v))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()
-                                                            if not k.startswith("worker")}, "rows": rows}, indent=1))
+    files.write_text(out, json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()
+                                                                   if not k.startswith("worker")}, "rows": rows},
+                                     indent=1))
     plot(rows, out.with_suffix(".png"), f"tools/bench_exchange.py: {machine}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

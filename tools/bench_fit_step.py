@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
-from tfsparse import traffic  # noqa: E402
+from tfsparse import files, traffic  # noqa: E402
 
 STEPS, SKIP = 12, 3
 MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch
@@ -147,7 +147,7 @@ def plot(results, path):
     ax2.set_yticklabels([])
     fig.suptitle(f"{results['processes']} processes, {results['network']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def table(results) -> str:
@@ -190,9 +190,7 @@ def main():
         if comm.rank == 0:
             print(json.dumps(results["runs"][-1]), flush=True)
     if comm.rank == 0:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+        files.write_text(args.out + ".json", json.dumps(results, indent=1))
         plot(results, args.out + ".png")
         print(table(results))
 

@@ -39,6 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tfsparse import files  # noqa: E402
+
 GOALS = {
     "topk_vs_tf_top_k": ("exact top-k speed-up over tf.math.top_k at density 0.001", 10.0),
     "select_vs_copy_bandwidth": ("threshold select bandwidth / one-pass copy bandwidth", 0.8),
@@ -410,7 +412,7 @@ def plot(rows, out_png: Path, payloads):
         ax2.legend(fontsize=6)
         ax2.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    files.save_figure(fig, out_png, dpi=120)
 
 
 def main(argv=None):
@@ -468,7 +470,7 @@ def main(argv=None):
               "config": {"sizes": sizes, "density": args.density, "repeats": args.repeats, "payloads": payloads},
               "goal_definitions": {key: {"what": what, "target": target} for key, (what, target) in GOALS.items()},
               "goals": goals, "results": rows, "wall_seconds": time.time() - t0}
-    (out / "bench_kernels.json").write_text(json.dumps(report, indent=1, default=float))
+    files.write_text(out / "bench_kernels.json", json.dumps(report, indent=1, default=float))
     plot(rows, out / "bench_kernels.png", payloads)
     print("\ngoals (per n):")
     for n, g in goals.items():

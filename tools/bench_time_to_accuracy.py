@@ -44,6 +44,7 @@ import keras  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
+from tfsparse import files  # noqa: E402
 
 TRAIN_ROWS, BATCH, LR, MOMENTUM = 1536, 32, 0.05, 0.9
 
@@ -177,7 +178,7 @@ def plot(results, path):
     fig.suptitle(f"{results['model']} ({results['runs'][0]['parameters'] / 1e6:.1f}M parameters), "
                  f"{results['processes']} processes, {results['network']}, {results['machine']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def table(results) -> str:
@@ -225,9 +226,7 @@ def main(argv=None):
                    "network": args.network,
                    "machine": f"{platform.node()}, {os.cpu_count()} cores", "batch_per_rank": BATCH,
                    "date": time.strftime("%Y-%m-%d"), "runs": runs}
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+        files.write_text(args.out + ".json", json.dumps(results, indent=1))
         plot(results, args.out + ".png")
         print(table(results))
     return 0

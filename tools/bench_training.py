@@ -56,6 +56,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FIT_STEP = REPO / "tools" / "bench_fit_step.py"
 DIGITS = REPO / "keras_examples" / "digits_demo.py"
+sys.path.insert(0, str(REPO))
+
+from tfsparse import files  # noqa: E402
+
 PHASES = ("encode", "comm", "decode", "other")
 COLORS = {"encode": "tab:orange", "comm": "tab:blue", "decode": "tab:green", "other": "tab:gray"}
 DIGITS_BATCH, DIGITS_LR, WARMUP_EPOCHS = 32, 0.05, 2
@@ -280,8 +284,7 @@ def plot(results, path: Path) -> None:
                  f"(bottom, density {tta.get('density', '?')}, {tta.get('epochs', '?')} epochs)\n"
                  f"{m.get('cpu_count', '?')} CPUs, kernel {m.get('kernel', '?')}, {m.get('date', '?')}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -385,8 +388,7 @@ def main(argv=None) -> int:
                         print(f"  {part} FAILED: {str(e)[-2000:]}", flush=True)
                 results["cells"].append(cell)
                 results["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-                json_path.parent.mkdir(parents=True, exist_ok=True)
-                json_path.write_text(json.dumps(results, indent=1))
+                files.write_text(json_path, json.dumps(results, indent=1))
     plot(results, png_path)
     print()
     print(tables(results))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tfsparse import files  # noqa: E402
 from tfsparse.collectives.alphabeta import AlphaBeta  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def plot(model: dict, path: str) -> None:
     ax.set_title(f"Pipe-SGD timing model, {model['processes']} processes, {model['network']} "
                  f"(l_compute {model['l_compute_ms']} ms)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None):
@@ -102,8 +103,7 @@ def main(argv=None):
     with open(args.results) as f:
         results = json.load(f)
     model = predict(results, ab)
-    with open(args.out + ".json", "w") as f:
-        json.dump(model, f, indent=1)
+    files.write_text(args.out + ".json", json.dumps(model, indent=1))
     plot(model, args.out + ".png")
     for r in model["runs"]:
         print(f"{r['label']:28s} measured {r['measured_ms']:8.1f} ms   model {r['model_measured_comm_ms']:8.1f} ms   "

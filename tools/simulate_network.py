@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tfsparse import files  # noqa: E402
 from tfsparse.collectives.alphabeta import AlphaBeta, parse_rate, parse_time  # noqa: E402
 from tfsparse.timing import ALGORITHMS, simulate  # noqa: E402
 
@@ -223,7 +224,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle("α-β model of each aggregator's message schedule (tools/simulate_network.py); "
                  "paper bars: end-to-end training speed-ups", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         result = sweep(args)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        files.write_text(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
         plot(result, out.with_suffix(".png"))
         if args.json:
             print(json.dumps(result))

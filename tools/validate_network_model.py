@@ -216,6 +216,8 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     sys.path.insert(0, str(REPO))
+    from tfsparse import files
+
     if args.reanalyze:
         stored = json.loads(Path(args.reanalyze).read_text())
         args.n, args.density, args.steps = (stored[key] for key in ("n", "density", "steps"))
@@ -237,11 +239,11 @@ def main(argv=None) -> int:
             print(f"{c['rate']:>7} {c['P']:>2} {r['algorithm']:<32} {1e3 * r['measured_s']:>8.1f}ms "
                   f"{1e3 * r['predicted_s']:>8.1f}ms {r['ratio']:>6.2f} {gamma}{flag}")
     out = Path(args.out or args.reanalyze or REPO / "results" / "validate_network_model.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "date": date,
-                               "ring_pinned": not args.mpi_default, "model_cores": args.cores or None,
-                               "model_burst": not args.no_burst, "steps": args.steps, "repeats": args.repeats,
-                               "n": args.n, "density": args.density, "cells": cells}, indent=1))
+    files.write_text(out, json.dumps({"machine": machine, "date": date,
+                                      "ring_pinned": not args.mpi_default, "model_cores": args.cores or None,
+                                      "model_burst": not args.no_burst, "steps": args.steps,
+                                      "repeats": args.repeats, "n": args.n, "density": args.density,
+                                      "cells": cells}, indent=1))
     print(f"wrote {out}")
     return 0
 
