@@ -77,6 +77,12 @@ def write_bytes(path, data: bytes) -> None:
         Path(tmp).write_bytes(data)
 
 
+def save_figure(fig, path, **kwargs) -> None:
+    """Saves the matplotlib figure ``fig`` to ``path`` atomically (``fig.savefig``, :func:`replacing`)."""
+    with replacing(path) as tmp:
+        fig.savefig(tmp, **kwargs)
+
+
 class TruncatedFile(ValueError):
     """A saved file exists but is incomplete or not the format its name says."""
 
