@@ -52,3 +52,32 @@ def test_init_refuses_an_unknown_cpu_allocator_before_anything(bad):
 
     with pytest.raises(ValueError, match=r"cpu_allocator=.* is not supported; accepted: 'bfc'"):
         tfsparse.init(cpu_allocator=bad)
+
+
+@pytest.mark.parametrize("kwargs,env,words", [
+    ({"stall_warning": -1}, {}, "stall_warning=-1 is not valid; accepted: a number in (0, inf), None or 0 (off)"),
+    ({"stall_timeout": "soon"}, {}, "stall_timeout='soon' is not valid"),
+    ({"stall_timeout": True}, {}, "stall_timeout=True is not valid"),
+    ({}, {"TFSPARSE_STALL_TIMEOUT": "ten"}, "TFSPARSE_STALL_TIMEOUT='ten' is not valid; accepted: a number of seconds"),
+    ({}, {"TFSPARSE_STALL_WARNING": "-5"}, "TFSPARSE_STALL_WARNING='-5' is not valid"),
+])
+def test_init_refuses_a_bad_stall_setting_before_anything(monkeypatch, kwargs, env, words):
+    import tfsparse
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as err:
+        tfsparse.init(**kwargs)
+    assert words in str(err.value)
+
+
+def test_stall_settings_come_from_the_environment_when_auto(monkeypatch):
+    from tfsparse.runtime import _stall_seconds
+
+    assert _stall_seconds("stall_warning", "auto", "TFSPARSE_STALL_WARNING", 60.0) == 60.0
+    monkeypatch.setenv("TFSPARSE_STALL_TIMEOUT", "90")
+    assert _stall_seconds("stall_timeout", "auto", "TFSPARSE_STALL_TIMEOUT", None) == 90.0
+    monkeypatch.setenv("TFSPARSE_STALL_TIMEOUT", "off")
+    assert _stall_seconds("stall_timeout", "auto", "TFSPARSE_STALL_TIMEOUT", None) is None
+    assert _stall_seconds("stall_timeout", 0, "TFSPARSE_STALL_TIMEOUT", None) is None
+    assert _stall_seconds("stall_timeout", 30, "TFSPARSE_STALL_TIMEOUT", None) == 30.0

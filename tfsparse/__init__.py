@@ -16,7 +16,8 @@ Keras nor TensorFlow.
 """
 from importlib import import_module
 
-from .runtime import init, is_initialized, local_rank, rank, size
+from .collectives.agreement import ConfigurationMismatch
+from .runtime import StepCountMismatch, init, is_initialized, local_rank, rank, size
 
 __version__ = "0.1.0"
 
@@ -43,5 +44,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'tfsparse' has no attribute {name!r}")
 
 
-__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "SparseStrategy", "GradientExchange",
+__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "ConfigurationMismatch", "StepCountMismatch", "SparseStrategy", "GradientExchange",
            "Pipelined", "Settings", "keras", "collectives", "data", "schedules", "WarmUp", "__version__"]

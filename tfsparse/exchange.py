@@ -50,6 +50,7 @@ import numpy as np
 from .bucket import Bucket, ExchangeStats, agreement, assemble, check_saved_layout, make_bucket
 from .collectives.agreement import check_agreement
 from .collectives.thread import CommThread
+from .collectives.watchdog import note_round
 from .plan import Layout
 from .schedules import check_density
 from .settings import Settings
@@ -335,6 +336,7 @@ class GradientExchange:
         index = b.check_start(self.bucket_states[b.spec.index - 1] if b.spec.index else None)
         t0 = time.perf_counter()
         if b.spec.index == 0:
+            note_round(self._next_round)  # what a stall report names
             self._round_t0[index] = t0
             if self.schedule is not None:
                 self._density = check_density(self.schedule(self._next_round), f"schedule({self._next_round})")

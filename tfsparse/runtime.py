@@ -1,10 +1,12 @@
 """Process-world setup: ``tfsparse.init()``, ``rank()``, ``size()``, ``local_rank()``."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
+from . import _checks
 from .collectives.communicator import Communicator
 
 _BACKENDS = ("auto", "mpi", "horovod")
@@ -13,7 +15,8 @@ _state: dict = {"comm": None, "local_rank": 0, "backend": None, "watch": None}
 
 def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True,
          cores_per_rank: int | str | None = "auto", plain_output: bool = True,
-         cpu_allocator: str | None = "bfc") -> Communicator:
+         cpu_allocator: str | None = "bfc", stall_warning: float | str | None = "auto",
+         stall_timeout: float | str | None = "auto") -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
 
     Args:
@@ -50,9 +53,21 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         2-core development VM, P = 4, the 17.1M MLP: 51,000 page faults and 280-380 ms of system
         time per step and rank, and a plain-Keras step of 830 ms instead of 587 ms.  ``None``:
         TensorFlow's default.
+      stall_warning: seconds a collective of the exchange (or a per-step agreement) may wait
+        before rank 0 logs which ranks have not arrived and what each was last doing (its round;
+        the collective it waits in, or how long ago it left its last one); repeated every that many
+        seconds while the stall lasts.  ``"auto"`` (default): ``TFSPARSE_STALL_WARNING`` if set,
+        else 60 (as Horovod's stall check); ``None`` or ``0``: no warning.
+      stall_timeout: seconds a collective may wait before every rank exits non-zero
+        (``MPI_Abort``) with that report.  ``"auto"`` (default): ``TFSPARSE_STALL_TIMEOUT`` if set,
+        else off (``None``), as Horovod's stall shutdown: a long validation or checkpoint on one rank
+        legitimately keeps the others waiting; set it above the longest such pause.  Both stall
+        settings need ``MPI_THREAD_MULTIPLE`` (the watch thread that also catches departed ranks).
     """
     _check_cores(cores_per_rank)
     _check_allocator(cpu_allocator)
+    stall_warning = _stall_seconds("stall_warning", stall_warning, "TFSPARSE_STALL_WARNING", 60.0)
+    stall_timeout = _stall_seconds("stall_timeout", stall_timeout, "TFSPARSE_STALL_TIMEOUT", None)
     if _state["comm"] is not None:
         if backend not in (None, "auto", _state["backend"]):
             raise ValueError(f"tfsparse is already initialised with backend={_state['backend']!r}; "
@@ -84,7 +99,8 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
     _state.update(comm=comm, local_rank=local, backend=backend)
     if abort_on_error and comm.size > 1:
         _abort_on_uncaught_exception(comm.rank, comm.size)
-        _watch_departures()
+    if comm.size > 1 and (abort_on_error or stall_warning is not None or stall_timeout is not None):
+        _watch(abort_on_error, stall_warning, stall_timeout)
     _share_cores(cores_per_rank, backend)
     if quiet_workers and comm.rank != 0:
         _quiet_worker()
@@ -232,10 +248,32 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
     sys.excepthook = hook
 
 
-def _watch_departures() -> None:
-    """Starts the departure watch (collective: every rank is in init()) and tells the other
-    ranks at a normal exit that this one is gone.  Registered after mpi4py's own ``atexit``
-    finalisation, so it runs before it."""
+def _stall_seconds(name: str, value, variable: str, default):
+    """``stall_warning`` / ``stall_timeout`` as seconds or None (off): ``"auto"`` reads
+    ``variable`` (a number of seconds; ``0``, ``off`` or ``none``: off), else ``default``."""
+    if isinstance(value, str) and value == "auto":
+        text = os.environ.get(variable)
+        if text is None:
+            return default
+        if text.strip().lower() in ("", "0", "off", "none"):
+            return None
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = float("nan")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"{variable}={text!r} is not valid; accepted: a number of seconds > 0, or 0/off/none")
+        return seconds
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    return _checks.real(name, value, 0.0, lo_open=True, hint=(
+        f", None or 0 (off), or 'auto' (the environment variable {variable})"))
+
+
+def _watch(departures: bool, stall_warning, stall_timeout) -> None:
+    """Starts the watch thread (collective: every rank is in init()) -- the departure watch and
+    the stall report -- and tells the other ranks at a normal exit that this one is gone.
+    Registered after mpi4py's own ``atexit`` finalisation, so it runs before it."""
     import atexit
 
     from mpi4py import MPI
@@ -244,7 +282,7 @@ def _watch_departures() -> None:
         return
     from .collectives.watchdog import DepartureWatch
 
-    watch = DepartureWatch()
+    watch = DepartureWatch(departures=departures, stall_warning=stall_warning, stall_timeout=stall_timeout)
     _state["watch"] = watch
     atexit.register(watch.depart)
 

@@ -18,6 +18,12 @@ also ends this rank itself should Open MPI's abort block): every rank exits non-
 ``grace`` plus a poll interval.  Ranks that finish together, or that keep working
 without communicating, are left alone.  It needs ``MPI_THREAD_MULTIPLE`` (as the exchange's
 communication thread does).
+
+The same thread reports stalls (:class:`DepartureWatch`'s ``stall_warning`` and
+``stall_timeout``, set by ``tfsparse.init``): a collective that waits too long makes rank 0 ask
+every rank for its :func:`report` -- its round (:func:`note_round`, set by the engine) and the
+collective it waits in or left last (:func:`tracked` records them) -- and log which ranks have
+not arrived (:func:`describe`); past the timeout the waiting rank aborts the job with that report.
 """
 from __future__ import annotations
 
@@ -32,24 +38,37 @@ import time
 import numpy as np
 
 _busy: dict[int, float] = {}  # thread ident -> when its outermost collective began
+#: what this process last did, for a stall report: the exchange's round (set by the engine when a
+#: round starts), the outermost collective entered last, and when it ended (None: still in it)
+progress: dict = {"round": None, "collective": None, "left": None}
 
 TAG = 0x7F5A
+TAG_STALL, TAG_QUERY, TAG_REPORT = TAG + 1, TAG + 2, TAG + 3
 
 
 def tracked(fn):
     """Marks the calling thread as blocked in a collective while ``fn`` runs."""
+    name = fn.__name__
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         me = threading.get_ident()
         outer = me not in _busy
         if outer:
             _busy[me] = time.monotonic()
+            progress["collective"], progress["left"] = name, None
         try:
             return fn(*args, **kwargs)
         finally:
             if outer:
                 _busy.pop(me, None)
+                progress["left"] = time.monotonic()
     return wrapper
+
+
+def note_round(index: int) -> None:
+    """The exchange's round ``index`` starts on this rank (what a stall report names)."""
+    progress["round"] = index
 
 
 ABORT_DEADLINE = 30.0
@@ -84,23 +103,80 @@ def blocked_since() -> float | None:
     return min(values) if values else None
 
 
+def report(rank: int) -> dict:
+    """This rank's part of a stall report: its round, and either the collective it waits in and
+    for how long, or how long ago it left its last collective (and which)."""
+    now = time.monotonic()
+    since = blocked_since()
+    left = progress["left"]
+    return {"rank": rank, "round": progress["round"], "collective": progress["collective"],
+            "waiting_s": None if since is None else now - since,
+            "idle_s": None if since is not None or left is None else now - left}
+
+
+def describe(reports: dict, size: int) -> str:
+    """The lines of a stall report: first the ranks that have not arrived (not in a collective,
+    or no answer), then those that wait; ``reports``: ``{rank: report(rank)}`` of the ranks that
+    answered."""
+    lines, late = [], []
+    for r in range(size):
+        rep = reports.get(r)
+        where = "" if rep is None or rep["round"] is None else f"round {rep['round']}, "
+        if rep is None:
+            late.append(r)
+            lines.append(f"  rank {r}: no answer (stuck without releasing Python's GIL, or gone)")
+        elif rep["waiting_s"] is None:
+            late.append(r)
+            last = (f"left its last collective ({rep['collective']}) {rep['idle_s']:.0f} s ago"
+                    if rep["idle_s"] is not None else "has not entered any collective yet")
+            lines.append(f"  rank {r}: {where}not in a collective: {last}")
+    for r in range(size):
+        rep = reports.get(r)
+        if rep is not None and rep["waiting_s"] is not None:
+            where = "" if rep["round"] is None else f"round {rep['round']}, "
+            lines.append(f"  rank {r}: {where}waiting in {rep['collective']} for {rep['waiting_s']:.0f} s")
+    head = (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} ha{'ve' if len(late) > 1 else 's'} "
+            f"not arrived" if late else "every rank waits (in different collectives?)")
+    return head + ":\n" + "\n".join(lines)
+
+
 class DepartureWatch:
-    """Aborts the job when a rank has left and this rank waits for it (module doc).
+    """Watches the other ranks from a daemon thread: aborts the job when a rank has left and
+    this rank waits for it (module doc), and reports stalls.
+
+    Stalls: when a collective of this rank has waited longer than ``stall_warning`` seconds,
+    rank 0 asks every rank what it is doing and logs which ranks have not arrived -- their round
+    and what they last did -- once per ``stall_warning`` seconds while the stall lasts (Horovod's
+    stall check).  When it has waited longer than ``stall_timeout`` seconds, the waiting rank
+    makes the same inquiry and ends every rank (``MPI_Abort``) with that message.  Each rank's
+    watch thread answers the inquiries, so a rank stuck in user code (sleeping, deadlocked, a
+    hung file system) is reported as long as it does not hold Python's GIL.
 
     Args:
       grace: seconds this rank may stay blocked in a collective after another rank left
         (a collective the departed rank already finished its part of completes well within it).
       poll: seconds between checks for notices.
+      departures: abort when a rank has left (``tfsparse.init(abort_on_error=True)``).
+      stall_warning: seconds of waiting before the warning (None: no warning).
+      stall_timeout: seconds of waiting before every rank is ended (None: never).
+      answer_within: seconds an inquiry waits for the ranks' answers.
     """
 
-    def __init__(self, grace: float = 10.0, poll: float = 0.25):
+    def __init__(self, grace: float = 10.0, poll: float = 0.25, *, departures: bool = True,
+                 stall_warning: float | None = 60.0, stall_timeout: float | None = None,
+                 answer_within: float = 5.0):
         from mpi4py import MPI
 
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD.Dup()  # collective: every rank constructs it in tfsparse.init()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self.grace, self.poll = float(grace), float(poll)
+        self.departures = departures
+        self.stall_warning, self.stall_timeout, self.answer_within = stall_warning, stall_timeout, answer_within
         self.departed: dict[int, float] = {}
+        self._warned: tuple | None = None  # (the stall's start, when rank 0 last logged it)
+        self._noticed: float | None = None  # rank 0: when another rank last said it waits too long
+        self._sends: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tfsparse-departure-watch", daemon=True)
         self._thread.start()
@@ -111,6 +187,68 @@ class DepartureWatch:
             buf = np.empty(1, np.int64)
             self._comm.Recv(buf, source=status.Get_source(), tag=TAG)
             self.departed.setdefault(int(buf[0]), time.monotonic())
+
+    def _send(self, obj, dest: int, tag: int) -> None:
+        self._sends = [q for q in self._sends if not q.Test()]
+        self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
+
+    def _answer(self) -> None:
+        """Answers other ranks' inquiries with :func:`report`; rank 0 also notes stall notices."""
+        status = self._MPI.Status()
+        while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_QUERY, status=status):
+            asker = self._comm.recv(source=status.Get_source(), tag=TAG_QUERY)
+            self._send(report(self.rank), asker, TAG_REPORT)
+        while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STALL, status=status):
+            self._comm.recv(source=status.Get_source(), tag=TAG_STALL)
+            self._noticed = time.monotonic()
+
+    def inquire(self) -> dict:
+        """Every rank's :func:`report` (``{rank: report}``; a rank that does not answer within
+        ``answer_within`` seconds is left out), answering others' inquiries meanwhile."""
+        for r in range(self.size):
+            if r != self.rank:
+                self._send(self.rank, r, TAG_QUERY)
+        reports = {self.rank: report(self.rank)}
+        status = self._MPI.Status()
+        deadline = time.monotonic() + self.answer_within
+        while len(reports) < self.size and time.monotonic() < deadline:
+            self._answer()
+            if self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_REPORT, status=status):
+                rep = self._comm.recv(source=status.Get_source(), tag=TAG_REPORT)
+                reports[rep["rank"]] = rep
+            else:
+                time.sleep(0.01)
+        return reports
+
+    def _check_stall(self) -> None:
+        since = blocked_since()
+        now = time.monotonic()
+        waited = None if since is None else now - since
+        if self.stall_timeout is not None and waited is not None and waited > self.stall_timeout:
+            text = describe(self.inquire(), self.size)
+            abort_world(self._MPI.COMM_WORLD,
+                        f"tfsparse: stall timeout: rank {self.rank} waited in {progress['collective']} for more than "
+                        f"{self.stall_timeout:g} s (tfsparse.init(stall_timeout=...) or TFSPARSE_STALL_TIMEOUT); "
+                        f"{text}\naborting all {self.size} ranks (MPI_Abort)\n")
+        if self.stall_warning is None:
+            return
+        mine = waited is not None and waited > self.stall_warning
+        if self.rank != 0:
+            if mine and (self._warned is None or self._warned[0] != since):
+                self._warned = (since, now)
+                self._send(self.rank, 0, TAG_STALL)  # rank 0 makes the inquiry and logs it
+            return
+        noticed = self._noticed is not None and now - self._noticed < 2 * self.stall_warning
+        if not (mine or noticed):
+            return
+        if self._warned is not None and now - self._warned[1] < self.stall_warning:
+            return
+        self._warned = (since, now)
+        self._noticed = None
+        text = describe(self.inquire(), self.size)
+        sys.stderr.write(f"tfsparse: a collective has waited more than {self.stall_warning:g} s (stall warning: "
+                         f"tfsparse.init(stall_warning=...) or TFSPARSE_STALL_WARNING); {text}\n")
+        sys.stderr.flush()
 
     def gone(self, wait: float = 0.5) -> list[int]:
         """The ranks known to have ended, after listening ``wait`` more seconds for notices."""
@@ -125,8 +263,10 @@ class DepartureWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             self._receive()
+            self._answer()
+            self._check_stall()
             since = blocked_since()
-            if not self.departed or since is None:
+            if not self.departures or not self.departed or since is None:
                 continue
             first = min(self.departed.values())
             if time.monotonic() - max(since, first) > self.grace:
