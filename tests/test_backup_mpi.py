@@ -1,0 +1,86 @@
+"""Fault tolerance on real mpirun: tfsparse.keras.callbacks.BackupAndRestore resumes an interrupted
+fit bit-identically to an uninterrupted one for every algorithm (P = 3, and P = 2), ranks that
+would resume from different backups raise the same error instead of hanging, and
+``tfsparse-run --max-restarts 1`` relaunches a job whose rank was killed, which resumes from the
+backup and ends with an uninterrupted run's weights."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from mpi_harness import launcher, mpirun, run_locked
+from test_resume_mpi import OPTIONS
+from tfsparse.keras.callbacks import BackupAndRestore
+
+ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc")
+CASES = [{"algo": a, "route": "strategy", "options": OPTIONS.get(a, {}),
+          **({"wire": "float16"} if a == "dense" else {})} for a in ALGOS] + [{"algo": "topk", "route": "optimizer"}]
+E, K = 4, 2  # tests/workers/backup.py: 4 epochs of 6 steps, interrupted after epoch 2
+
+
+def key(case):
+    return f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"backup_dir": ""}, ["backup_dir=''", "a non-empty path"]),
+    ({"backup_dir": None}, ["backup_dir=None", "a non-empty path"]),
+    ({"backup_dir": "b", "save_freq": 0}, ["save_freq=0", "an integer >= 1", "'epoch'"]),
+    ({"backup_dir": "b", "save_freq": "batch"}, ["save_freq='batch'", "an integer >= 1", "'epoch'"]),
+    ({"backup_dir": "b", "delete_checkpoint": "yes"}, ["delete_checkpoint='yes'", "True or False"]),
+    ({"backup_dir": "b", "double_checkpoint": 1}, ["double_checkpoint=1", "True or False"]),
+])
+def test_bad_arguments_name_the_argument_and_what_is_accepted(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        BackupAndRestore(**kwargs)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def check_resumed(results, cases):
+    for r, res in enumerate(results):
+        for case in cases:
+            k = key(case)
+            info = res["info"][k]
+            assert info["saved"]["epoch"] == K and info["saved"]["batch"] == 0, (k, r, info)
+            assert info["restored"] == {"file": BackupAndRestore.LATEST, **info["saved"]}, (k, r, info)
+            assert info["epochs_run"] == E - K and info["iterations"] == 6 * E, (k, r, info)
+            assert not info["live_dir_left"] and not info["backup_dir_left"], (k, r, info)  # deleted at the end
+            np.testing.assert_array_equal(res[f"{k}/resumed"], res[f"{k}/live"], err_msg=f"{k} on rank {r}")
+            np.testing.assert_array_equal(res[f"{k}/live"], results[0][f"{k}/live"])
+
+
+@pytest.mark.mpi
+def test_resumed_training_is_bit_identical_for_every_algorithm_p3(tmp_path):
+    results, _ = mpirun(3, "backup.py", tmp_path, "resume", json.dumps(CASES), timeout=540)
+    check_resumed(results, CASES)
+    assert {case["algo"] for case in CASES} == set(ALGOS)
+
+
+@pytest.mark.mpi
+def test_resumed_training_is_bit_identical_p2(tmp_path):
+    cases = [c for c in CASES if c["algo"] == "oktopk"]
+    results, _ = mpirun(2, "backup.py", tmp_path, "resume", json.dumps(cases), timeout=240)
+    check_resumed(results, cases)
+
+
+@pytest.mark.mpi
+def test_ranks_that_would_resume_from_different_epochs_raise_the_same_error(tmp_path):
+    results, _ = mpirun(3, "backup.py", tmp_path, "mismatch", json.dumps(CASES[1]), timeout=300)
+    good, empty, stale = (str(tmp_path / name) for name in ("good", "empty", "stale"))
+    for name, words in (("empty", [f"rank 1: no backup in {empty}", f"rank 0: epoch 2, batch 0 (latest.weights.h5 in "
+                                                                     f"{good}"]),
+                        ("stale", [f"rank 2: epoch 1, batch 0 (latest.weights.h5 in {stale}",
+                                   f"rank 1: epoch 2, batch 0 (latest.weights.h5 in {good}"])):
+        errors = [res["info"]["errors"][name] for res in results]
+        assert errors[0] is not None and all(e == errors[0] for e in errors), errors  # the same on every rank
+        assert errors[0]["type"] == "ConfigurationMismatch", errors[0]
+        for word in ["would resume from different backups", "the same backup_dir", *words]:
+            assert word in errors[0]["text"], errors[0]["text"]
+    for res in results:  # the backup was left alone: every rank on it then resumes at epoch 2
+        assert [saved["epoch"] for saved in res["info"]["saved"]] == [2, 1]
+        assert res["info"]["restored"]["epoch"] == 2 and res["info"]["epochs_run"] == E - 2
+        assert not res["info"]["good_left"]

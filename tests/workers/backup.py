@@ -1,0 +1,149 @@
+"""Worker: tfsparse.keras.callbacks.BackupAndRestore on every rank.
+
+argv: directory mode JSON
+
+* mode ``resume`` (JSON: a list of cases {"algo", "route", "wire", "options"}): for each case an
+  uninterrupted fit of E epochs (with the callback: it backs up and deletes its backup at the
+  end), and the same training interrupted after epoch K (a callback raises on every rank right
+  after the backup of epoch K is written), then a fresh model (a new strategy, a new optimizer)
+  in a new fit with a new callback on the same directory: it resumes at epoch K.  Saves both final
+  weights, what was restored and what the directories hold.
+* mode ``mismatch`` (JSON: one case): backups of epochs 1 and 2, then fits whose ranks see
+  different backups -- rank 1 an empty directory, the last rank a stale copy of epoch 1's
+  backup -- each must raise the same error on every rank; then every rank on the right
+  directory resumes.
+"""
+import json
+import os
+import shutil
+import sys
+
+import h5py
+import numpy as np
+import keras
+
+import tfsparse
+from mpi_harness import save_result
+from tfsparse.keras.callbacks import BackupAndRestore, BroadcastInitialState
+
+root, mode, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+comm = tfsparse.init(backend="mpi")
+rank, size = comm.rank, comm.size
+rng = np.random.default_rng(rank)
+x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)  # 6 steps per epoch
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+E, K = 4, 2
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter(keras.callbacks.Callback):
+    """Raises at the end of epoch ``epochs`` (1-based), after the callbacks before it ran."""
+
+    def __init__(self, epochs):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epochs:
+            raise Crash(f"interrupted after epoch {self.epochs}")
+
+
+def build():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh"),
+                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
+
+
+def settings(case):
+    return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
+                **case.get("options", {}))
+
+
+def fresh(case):
+    """A compiled model of this case's route (strategy: its own new strategy) and its callbacks."""
+    if case["route"] == "strategy":
+        with tfsparse.SparseStrategy(**settings(case)).scope():
+            model = build()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
+        return model, []
+    model = build()
+    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **settings(case)),
+                  LOSS)
+    return model, [BroadcastInitialState()]
+
+
+def fit(model, callbacks):
+    return model.fit(x, y, batch_size=16, epochs=E, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def interrupted(model, callbacks, after):
+    try:
+        fit(model, callbacks + [CrashAfter(after)])
+    except Crash:
+        pass
+    else:
+        raise AssertionError("the interrupting callback did not stop fit")
+    comm.barrier()  # rank 0 has written the backup
+
+
+def progress(directory):
+    path = os.path.join(directory, BackupAndRestore.LATEST)
+    if not os.path.exists(path):
+        return None
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs[BackupAndRestore.ATTRIBUTE])
+
+
+def key(case):
+    return f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}"
+
+
+flat = lambda m: np.concatenate([w.ravel() for w in m.get_weights()])  # noqa: E731
+arrays, info = {}, {}
+if mode == "resume":
+    for i, case in enumerate(spec):
+        k = key(case)
+        live_dir, backup_dir = os.path.join(root, f"live{i}"), os.path.join(root, f"backup{i}")
+        live, cbs = fresh(case)
+        fit(live, cbs + [BackupAndRestore(live_dir)])
+        comm.barrier()
+        first, cbs = fresh(case)
+        interrupted(first, cbs + [BackupAndRestore(backup_dir)], K)
+        saved = progress(backup_dir)
+        comm.barrier()
+        resumed, cbs = fresh(case)
+        callback = BackupAndRestore(backup_dir)
+        history = fit(resumed, cbs + [callback])
+        comm.barrier()  # rank 0 has deleted the backup
+        arrays[f"{k}/live"], arrays[f"{k}/resumed"] = flat(live), flat(resumed)
+        info[k] = {"saved": saved, "restored": callback.restored, "epochs_run": len(history.history["loss"]),
+                   "iterations": int(resumed.optimizer.iterations.numpy()),
+                   "live_dir_left": os.path.exists(live_dir), "backup_dir_left": os.path.exists(backup_dir)}
+elif mode == "mismatch":
+    case = spec
+    good, empty, stale = (os.path.join(root, name) for name in ("good", "empty", "stale"))
+    model, cbs = fresh(case)
+    interrupted(model, cbs + [BackupAndRestore(good, delete_checkpoint=False)], 1)
+    if rank == 0:
+        shutil.copytree(good, stale)  # epoch 1's backup
+    comm.barrier()
+    model, cbs = fresh(case)
+    interrupted(model, cbs + [BackupAndRestore(good)], 2)
+    saved = [progress(good), progress(stale)]
+    errors = {}
+    for name, mine in (("empty", empty if rank == 1 else good), ("stale", stale if rank == size - 1 else good)):
+        model, cbs = fresh(case)
+        try:
+            fit(model, cbs + [BackupAndRestore(mine)])
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test checks its type and text)
+            errors[name] = {"type": type(e).__name__, "text": str(e)}
+    model, cbs = fresh(case)
+    callback = BackupAndRestore(good)
+    history = fit(model, cbs + [callback])
+    info = {"errors": errors, "restored": callback.restored, "epochs_run": len(history.history["loss"]),
+            "saved": saved, "good_left": os.path.exists(good)}
+save_result(rank, **arrays, info=info)
