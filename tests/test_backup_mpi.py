@@ -6,12 +6,13 @@ backup and ends with an uninterrupted run's weights."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
 import pytest
 
-from mpi_harness import launcher, mpirun, run_locked
+from mpi_harness import REPO, launcher, mpirun, run_locked
 from test_resume_mpi import OPTIONS
 from tfsparse.keras.callbacks import BackupAndRestore
 
@@ -84,3 +85,30 @@ def test_ranks_that_would_resume_from_different_epochs_raise_the_same_error(tmp_
         assert [saved["epoch"] for saved in res["info"]["saved"]] == [2, 1]
         assert res["info"]["restored"]["epoch"] == 2 and res["info"]["epochs_run"] == E - 2
         assert not res["info"]["good_left"]
+
+
+@pytest.mark.mpi
+def test_max_restarts_relaunches_a_killed_job_which_resumes_from_its_backup(tmp_path):
+    """``tfsparse-run -np 2 --max-restarts 1``: rank 1 kills itself in epoch 2 of the first launch;
+    the relaunched job resumes from the backup of epoch 2 and ends with the weights of a job that
+    was never killed."""
+    worker = str(REPO / "tests" / "workers" / "backup_restart.py")
+    runs = {}
+    for name in ("kill", "nokill"):
+        (tmp_path / name).mkdir()
+        runs[name] = run_locked([launcher("tfsparse-run"), "-np", "2", "--max-restarts", "1", sys.executable, worker,
+                                 str(tmp_path / name), name], timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    killed, clean = runs["kill"], runs["nokill"]
+    assert "rank 1: kills itself in epoch 2" in killed, killed[-3000:]
+    restarts = [line for line in killed.splitlines() if line.startswith("tfsparse-run:")]
+    assert len(restarts) == 1 and re.fullmatch(r"tfsparse-run: the job failed \(exit status \d+\); restart 1 of 1",
+                                               restarts[0]), killed[-3000:]
+    assert (tmp_path / "kill" / "launches.txt").read_text() == "started at epoch 0\nstarted at epoch 2\n"
+    assert killed.count("fit returned after 2 epochs") == 2, killed[-3000:]  # the relaunch ran epochs 2 and 3
+    assert "tfsparse-run:" not in clean and clean.count("fit returned after 4 epochs") == 2, clean[-3000:]
+    assert (tmp_path / "nokill" / "launches.txt").read_text() == "started at epoch 0\n"
+    for rank in range(2):
+        np.testing.assert_array_equal(np.load(tmp_path / "kill" / f"weights{rank}.npy"),
+                                      np.load(tmp_path / "nokill" / f"weights{rank}.npy"), err_msg=f"rank {rank}")
+    for name in ("kill", "nokill"):
+        assert not (tmp_path / name / "backup").exists()  # deleted when fit completed

@@ -150,3 +150,109 @@ def test_a_pass_through_x_reaches_every_rank(tmp_path, monkeypatch):
     run_locked([launcher("tfsparse-run"), "-np", "2", "-x", "TFSPARSE_TEST_FOO=from-x", "--tag-output",
                 sys.executable, str(script), str(tmp_path)], timeout=120)
     assert sorted(p.read_text() for p in tmp_path.glob("rank*.txt")) == ["from-x", "from-x"]
+
+
+# -- --max-restarts: relaunch the whole job when it fails ------------------------------------
+
+def test_max_restarts_is_tfsparse_runs_own_option_not_mpiruns(capsys):
+    assert run.split_argv(["-np", "2", "--max-restarts", "3", "--tag-output", "p", "--max-restarts", "1"]) == (
+        ["-np", "2", "--max-restarts", "3"], ["--tag-output"], ["p", "--max-restarts", "1"])
+    assert "max-restarts" not in run.MPIRUN_FLAGS  # mpirun's unrelated flag is not passed through
+    assert run.make_parser().parse_args(["-np", "2", "--max-restarts=2"]).max_restarts == 2
+    assert run.make_parser().parse_args(["-np", "2"]).max_restarts == 0
+    cmd = dry_run(capsys, "-np", "2", "--max-restarts", "3", "python", "t.py", "--max-restarts", "1")
+    assert cmd.count("--max-restarts") == 1 and cmd[-3:] == ["t.py", "--max-restarts", "1"]  # the program's
+    cmd = dry_run(capsys, "-np", "2", "--mpi-args", "--max-restarts 2", "python", "t.py")  # mpirun's own
+    assert contains(cmd, ["--max-restarts", "2", shutil.which("python")])
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5", ""])
+def test_a_bad_max_restarts_is_a_usage_error_naming_the_value(capsys, value):
+    err = usage_error(capsys, "-np", "2", "--max-restarts", value, "python", "t.py")
+    assert f"--max-restarts: {value!r} is not valid; accepted: an integer >= 0" in err, err
+
+
+@pytest.mark.parametrize("codes, max_restarts, calls, result", [
+    ([0], 3, 1, 0),  # success: launched once
+    ([3, 0], 3, 2, 0),  # one failure, then success
+    ([3, 137, 5], 2, 3, 5),  # every launch fails: N restarts, the last status
+    ([3], 0, 1, 3),  # the default: no restart
+])
+def test_run_with_restarts_relaunches_a_failed_job_up_to_n_times(capsys, codes, max_restarts, calls, result):
+    done = []
+
+    def launch():
+        done.append(codes[len(done)])
+        return done[-1]
+
+    assert run.run_with_restarts(launch, max_restarts) == result and len(done) == calls
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"tfsparse-run: the job failed (exit status {codes[i]}); restart {i + 1} of {max_restarts}"
+                     for i in range(calls - 1)]
+
+
+def test_an_interrupted_job_is_not_relaunched(capsys):
+    assert run.run_with_restarts(lambda: 130, 5, interrupted=lambda: True) == 130
+    assert capsys.readouterr().err == ""
+
+
+def _failing_mpirun(folder, fails):
+    """A fake mpirun next to the running Python: exits 3 the first ``fails`` times, then 0; each
+    launch appends a line to $FAKE_MPIRUN_LOG."""
+    path = _fake_program(folder, "mpirun")
+    path.write_text('#!/bin/sh\necho launch >> "$FAKE_MPIRUN_LOG"\n'
+                    f'[ "$(wc -l < "$FAKE_MPIRUN_LOG")" -gt {fails} ] && exit 0\nexit 3\n')
+    return path
+
+
+class _Network:
+    """Stands in for tfsparse.network.EmulatedNetwork (a real one needs root): records that it was
+    built and removed, adds nothing to the command line."""
+    built: list = []
+    subnet = "10.77.0.0/24"
+
+    def __init__(self, np_, spec):
+        self.built.append(str(spec))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.built.append("removed")
+
+    def mpirun_args(self):
+        return []
+
+    def environment(self):
+        return {}
+
+    def wrap(self, command):
+        return command
+
+
+@pytest.mark.parametrize("net", [False, True])
+@pytest.mark.parametrize("fails, max_restarts, status", [(1, 1, 0), (2, 1, 3), (1, 0, 3), (0, 2, 0)])
+def test_tfsparse_run_relaunches_mpirun_with_and_without_net(tmp_path, monkeypatch, capsys, net, fails,
+                                                             max_restarts, status):
+    """The whole mpirun command relaunched (a fake mpirun that fails ``fails`` times); with --net
+    on the same emulated network, built once and removed once."""
+    _failing_mpirun(tmp_path / "venv" / "bin", fails)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    log = tmp_path / "launches.log"
+    monkeypatch.setenv("FAKE_MPIRUN_LOG", str(log))
+    monkeypatch.setattr(_Network, "built", [])
+    monkeypatch.setattr(run, "EmulatedNetwork", _Network)
+    execs = []
+    monkeypatch.setattr(run.os, "execvpe", lambda *args: execs.append(args))
+    argv = ["-np", "2", *(["--net", "1gbit"] if net else []), "--max-restarts", str(max_restarts), "/bin/true"]
+    code = run.main(argv)
+    if not net and max_restarts == 0:  # no restarts, no network: tfsparse-run becomes mpirun (exec), as before
+        assert len(execs) == 1 and execs[0][0].endswith("mpirun") and not log.exists()
+        return
+    assert code == status and not execs
+    launches = min(fails, max_restarts) + 1
+    assert log.read_text().count("launch") == launches
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "restart" in line] == [
+        f"tfsparse-run: the job failed (exit status 3); restart {i} of {max_restarts}" for i in range(1, launches)]
+    assert _Network.built == (["1gbit", "removed"] if net else [])

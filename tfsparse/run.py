@@ -21,6 +21,13 @@ can also go after ``--mpi-args`` as one quoted string.  A ``--bind-to`` of the c
 shaped to RATE in both directions, Open MPI restricted to TCP over those links (see
 :mod:`tfsparse.network`); the launcher then stays in the foreground and removes the namespaces
 and links when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM are passed on to mpirun).
+
+``--max-restarts N`` (like torchrun's; default 0) relaunches the whole mpirun job when it exits
+with a non-zero status, up to N times, one line on stderr per restart, and returns the last
+job's exit status; a job interrupted by Ctrl-C or SIGTERM is not relaunched.  A script that
+trains with :class:`tfsparse.keras.callbacks.BackupAndRestore` goes on from its last backup.
+(mpirun's own, unrelated ``--max-restarts`` -- Open MPI's per-process restarts -- is reached
+through ``--mpi-args "--max-restarts N"``.)
 """
 from __future__ import annotations
 
@@ -49,13 +56,27 @@ _MPIRUN_FLAGS_BY_ARITY = {
           set-cwd-to-session-dir show-progress tag-output timestamp-output tv use-hwthread-cpus
           use-regexp v verbose V version xml""",
     1: """am app bind-to cf cartofile cpu-list cpu-set cpus-per-proc cpus-per-rank debugger
-          default-hostfile hnp hostfile launch-agent machinefile map-by max-restarts max-vm-size N
+          default-hostfile hnp hostfile launch-agent machinefile map-by max-vm-size N
           npernode npersocket ompi-server output-filename path personality ppr prefix preload-files
           rank-by report-events report-pid report-uri rf rankfile stdin timeout tune wd wdir x
           xml-file xterm display output runtime-options add-host add-hostfile""",
     2: "gmca mca prtemca pmixmca",
 }
+# mpirun's own --max-restarts is left out: tfsparse-run's --max-restarts (relaunch the whole job)
+# takes its place; mpirun's goes through --mpi-args
 MPIRUN_FLAGS = {name: n for n, names in _MPIRUN_FLAGS_BY_ARITY.items() for name in names.split()}
+
+def _restarts(text: str) -> int:
+    """``--max-restarts``' value: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; accepted: an integer >= 0 (the number of times "
+                                         f"a failed job is relaunched)")
+    return value
+
 
 # tfsparse-run's own options: (flags, argparse keyword arguments)
 _OPTIONS = (
@@ -65,6 +86,10 @@ _OPTIONS = (
     (("--net",), dict(default=None, metavar="RATE[,latency=DELAY]",
                       help="run on an emulated network: each rank in its own network namespace, its link "
                            "shaped to RATE both ways (e.g. 1gbit, 100mbit,latency=50us); needs root")),
+    (("--max-restarts",), dict(dest="max_restarts", type=_restarts, default=0, metavar="N",
+                               help="relaunch the whole job when it fails (exits non-zero), up to N times "
+                                    "(default 0); a script with tfsparse.keras.callbacks.BackupAndRestore "
+                                    "resumes from its last backup")),
     (("--dry-run",), dict(action="store_true", help="print the mpirun command and exit")),
     (("-h", "--help"), dict(action="help", help="show this help message and exit")),
 )
@@ -99,6 +124,9 @@ examples:
       two hosts, ranks placed round-robin over the nodes
   tfsparse-run -np 2 --some-new-flag value -- python train.py
       a flag tfsparse-run does not know: end mpirun's flags with --
+  tfsparse-run -np 4 --max-restarts 3 python train.py
+      relaunch the job up to 3 times when it fails (the script resumes
+      from its tfsparse.keras.callbacks.BackupAndRestore backup)
   tfsparse-run -np 4 --dry-run python train.py
       print the mpirun command line instead of running it"""
 
@@ -225,32 +253,73 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = "", mpi_flags=()) -> int:
-    """Builds the emulated network, runs mpirun in it, removes it; returns mpirun's exit status.
+class _Launcher:
+    """Runs mpirun command lines one after the other in the foreground, passing Ctrl-C, SIGTERM
+    and SIGHUP on to the one running; remembers whether such a signal came (no restart then)."""
+
+    def __init__(self):
+        self.child: subprocess.Popen | None = None
+        self.interrupted = False
+
+    def _forward(self, signum, _frame):
+        self.interrupted = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+        elif self.child is None:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in _FORWARDED}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def run(self, cmd: list[str], env: dict) -> int:
+        """Runs ``cmd``; its exit status (128 + N for a job ended by signal N; 130 without
+        running it once interrupted)."""
+        if self.interrupted:
+            return 130
+        self.child = subprocess.Popen(cmd, env=env)
+        code = self.child.wait()
+        return 128 - code if code < 0 else code
+
+
+def run_with_restarts(launch, max_restarts: int, interrupted=lambda: False) -> int:
+    """Calls ``launch()`` (one whole job; returns its exit status) and again, up to
+    ``max_restarts`` times, while it fails and ``interrupted()`` is false; prints one line per
+    restart on stderr; returns the last exit status."""
+    restarts = 0
+    while True:
+        code = launch()
+        if code == 0 or restarts >= max_restarts or interrupted():
+            return code
+        restarts += 1
+        print(f"tfsparse-run: the job failed (exit status {code}); restart {restarts} of {max_restarts}",
+              file=sys.stderr, flush=True)
+
+
+def run_locally(cmd: list[str], env: dict, max_restarts: int = 0) -> int:
+    """Runs the mpirun command line ``cmd`` in the foreground, relaunched up to ``max_restarts``
+    times while it fails (:func:`run_with_restarts`); returns the last exit status."""
+    with _Launcher() as launcher:
+        return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
+
+
+def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = "", mpi_flags=(),
+                   max_restarts: int = 0) -> int:
+    """Builds the emulated network, runs mpirun in it (relaunched up to ``max_restarts`` times
+    while it fails, on the same network), removes it; returns the last mpirun's exit status.
 
     Signals are passed on to mpirun (which stops the ranks) and the network is removed after
     it exits, whatever the outcome.
     """
-    child: list[subprocess.Popen] = []
-
-    def forward(signum, _frame):
-        if child:
-            child[0].send_signal(signum)
-        else:
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
-    try:
-        with EmulatedNetwork(np_, spec) as net:
-            cmd, env = build_command(np_, command, mpi_args, network=net, mpi_flags=mpi_flags)
-            print(f"tfsparse-run: {np_} ranks on an emulated network, {spec} per rank link "
-                  f"(both directions), subnet {net.subnet}", file=sys.stderr, flush=True)
-            child.append(subprocess.Popen(cmd, env=env))
-            code = child[0].wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    with _Launcher() as launcher, EmulatedNetwork(np_, spec) as net:
+        cmd, env = build_command(np_, command, mpi_args, network=net, mpi_flags=mpi_flags)
+        print(f"tfsparse-run: {np_} ranks on an emulated network, {spec} per rank link "
+              f"(both directions), subnet {net.subnet}", file=sys.stderr, flush=True)
+        return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -281,7 +350,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if spec is not None and not args.dry_run:
         try:
-            return run_on_network(args.np, spec, command, args.mpi_args, mpi_flags)
+            return run_on_network(args.np, spec, command, args.mpi_args, mpi_flags, args.max_restarts)
         except (RuntimeError, PermissionError, ValueError) as e:
             print(f"tfsparse-run: {e}", file=sys.stderr)
             return 1
@@ -291,6 +360,11 @@ def main(argv=None) -> int:
         print(shlex.join(cmd))
         return 0
     sys.stdout.flush()
+    if args.max_restarts > 0:
+        try:
+            return run_locally(cmd, env, args.max_restarts)
+        except KeyboardInterrupt:
+            return 130
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached
 
