@@ -157,7 +157,7 @@ def test_checkpoint_holds_every_ranks_residual_and_restores(tmp_path):
 @pytest.mark.parametrize("case", ["uneven_steps", "uneven_steps_optimizer"])
 def test_uneven_step_counts_fail_fast_instead_of_hanging(case):
     _, text = mpirun(3, "pitfalls.py", case, timeout=150, expect_fail=True)
-    assert "different numbers of batches per epoch: [4, 6, 6]" in text
+    assert "different numbers of batches per epoch (rank 0: 4, rank 1: 6, rank 2: 6)" in text
 
 
 @pytest.mark.parametrize("case, expected", [

@@ -1,11 +1,14 @@
 """Faults that must neither hang nor lose data, under real mpirun (P = 2 and 3): a rank killed
 while it writes a checkpoint leaves the previous checkpoint loadable; a rank that stops is
-reported by name while the others wait, and a stall longer than the timeout ends every rank."""
+reported by name while the others wait, and a stall longer than the timeout ends every rank;
+data that runs out at different steps on different ranks ends the epoch together (or raises, by
+policy), an empty shard is named, and StepCountMismatch reaches the caller's except."""
 from __future__ import annotations
 
 import re
 import time
 
+import numpy as np
 import pytest
 
 from mpi_harness import mpirun
@@ -50,3 +53,29 @@ def test_a_stall_longer_than_the_timeout_ends_every_rank(nproc):
     assert time.time() - stopped < 4 + 30, text[-3000:]  # the timeout plus 30 s, every rank ended
     assert "stall timeout: rank 0 waited" in text and "rank 1 has not arrived" in text, text[-3000:]
     assert "fit returned" not in text and time.time() - started < 150, text[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_data_of_unknown_length_that_runs_out_early_ends_the_epoch_on_every_rank(nproc):
+    res, _ = mpirun(nproc, "uneven.py", "end", timeout=240)
+    for r in res:
+        assert r["steps"] == [9, 9, 9]  # the last rank has 9 batches, the others 10
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+        assert r["eval"] == res[0]["eval"]
+
+
+def test_uneven_data_error_policy_raises_step_count_mismatch():
+    _, text = mpirun(3, "uneven.py", "error", timeout=240, expect_fail=True)
+    assert "StepCountMismatch" in text and "rank 2 ran out of data after 9 batches" in text, text[-3000:]
+
+
+def test_an_empty_shard_is_named():
+    _, text = mpirun(2, "uneven.py", "empty", timeout=240, expect_fail=True)
+    assert "rank 1 has no data for fit (an empty shard)" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_step_count_mismatch_reaches_the_callers_except(nproc):
+    res, _ = mpirun(nproc, "uneven.py", "known", timeout=240)
+    for r in res:
+        assert r["caught"] is not None and "rank 0: 4, rank 1: 6" in r["caught"], r

@@ -1,5 +1,6 @@
 """Data helpers: equal-sized per-rank shards, so every rank runs the same number of steps; tf.data
-pipelines without the autotuner's epoch-end stalls."""
+pipelines without the autotuner's epoch-end stalls; and, for data of unknown length, a per-step
+agreement that keeps the ranks in step when their data runs out at different steps."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,3 +54,88 @@ def without_autotune(dataset):
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)
+
+
+#: what a multi-rank ``fit``/``evaluate`` does when the ranks' datasets of unknown length run
+#: out at different steps (:func:`agree_on_data`)
+UNEVEN_POLICIES = ("end", "error")
+
+
+def check_uneven_policy(uneven_data) -> str:
+    if not isinstance(uneven_data, str) or uneven_data not in UNEVEN_POLICIES:
+        raise ValueError(f"uneven_data={uneven_data!r} is not supported; accepted: 'end' (when one rank's data runs "
+                         f"out, every rank ends the epoch at that step) or 'error' (raise StepCountMismatch)")
+    return uneven_data
+
+
+class DataAgreement:
+    """The per-step vote behind :func:`agree_on_data`: every rank says whether it has a batch for
+    the next step; the step runs when all have one.  ``collective(fn)`` runs ``fn(comm)`` over the
+    ranks (the exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`);
+    ``what``: ``"fit"`` or ``"evaluate"``, for the messages."""
+
+    def __init__(self, collective, policy: str = "end", what: str = "fit"):
+        self.collective = collective
+        self.policy = check_uneven_policy(policy)
+        self.what = what
+
+    def __call__(self, step, has_data) -> bool:
+        """Collective: whether every rank has batch ``step`` (counted from the iterator's start)."""
+        flag = np.array([1.0 if bool(has_data) else 0.0])
+        have = [bool(f[0]) for f in self.collective(lambda comm: comm.allgather(flag))]
+        if all(have):
+            return True
+        step = int(step)
+        if not any(have):
+            if step == 0:
+                raise ValueError(f"no rank has any data for {self.what}: the dataset is empty on every rank")
+            return False
+        out = [r for r, h in enumerate(have) if not h]
+        ranks = f"rank{'s' if len(out) > 1 else ''} {', '.join(map(str, out))}"
+        if step == 0:
+            raise ValueError(f"{ranks} ha{'ve' if len(out) > 1 else 's'} no data for {self.what} (an empty shard) "
+                             f"while the other ranks have some: give every rank data (tfsparse.data.shard)")
+        if self.policy == "error":
+            raise runtime.StepCountMismatch(
+                f"{ranks} ran out of data after {step} batches while the other ranks still have some "
+                f"(uneven_data='error'); give every rank the same number of batches, or use uneven_data='end' to "
+                f"end the epoch on every rank at the shortest rank")
+        return False
+
+
+def _unflagged(_step, flagged_element):
+    return flagged_element[1]
+
+
+def agree_on_data(dataset, agreement: DataAgreement):
+    """``dataset`` (a ``tf.data.Dataset``) whose batches every rank takes only when every rank has
+    one: each batch is paired with ``True``, the data is followed by endless ``False`` fillers,
+    and a ``take_while`` asks ``agreement`` (one collective of a flag per rank and batch, with the
+    batch's index since the iterator began) whether to go on.  Under the ``"end"`` policy, when some rank runs out the iterator ends on every
+    rank at that batch -- Keras ends the epoch there on every rank, so the ranks stay in step
+    and no rank waits in a collective for one that has already moved on; the batches the other
+    ranks had left are not used in that epoch.  Elements must be (nests of) dense tensors."""
+    import tensorflow as tf
+
+    spec = dataset.element_spec
+    if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        raise ValueError(f"a dataset of unknown length with non-dense elements ({spec}) cannot be agreed on per step; "
+                         f"give every rank the same number of batches and set steps_per_epoch")
+    filler = tf.nest.map_structure(lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), spec)
+
+    if type(spec) is tuple:  # tf.data passes a tuple's items as arguments (other nests as one)
+        def flagged(*element):
+            return tf.constant(True), tuple(element)
+    else:
+        def flagged(element):
+            return tf.constant(True), element
+
+    def vote(step, flagged_element):
+        go = tf.numpy_function(agreement, [step, flagged_element[0]], tf.bool, stateful=True,
+                               name="tfsparse_data_agreement")
+        go.set_shape([])
+        return go
+
+    tail = tf.data.Dataset.from_tensors((tf.constant(False), filler)).repeat()
+    both = dataset.map(flagged).concatenate(tail).enumerate()  # the step index restarts with each iterator
+    return both.take_while(vote).map(_unflagged)

@@ -329,13 +329,23 @@ class StepCountMismatch(RuntimeError):
 
 
 def check_step_counts(comm, steps: int) -> None:
-    """All ranks compare their number of batches; raises on every rank if they differ."""
+    """All ranks compare their number of batches (-1: unknown); raises on every rank if they differ."""
     got = comm.allgather(np.array([steps], dtype=np.int64))
-    counts = [int(g[0]) for g in got]
-    if len(set(counts)) > 1:
-        raise StepCountMismatch(
-            f"ranks were given different numbers of batches per epoch: {counts} (rank: batches). "
-            f"Every collective step needs all ranks, so this would hang. Give every rank the same number "
-            f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
-            f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
+    raise_on_uneven_counts([int(g[0]) for g in got])
+
+
+def raise_on_uneven_counts(counts: list[int]) -> None:
+    """Raises :class:`StepCountMismatch` when the ranks' numbers of batches ``counts`` (rank
+    order; -1: unknown) differ, naming each rank's count and any rank without data."""
+    if len(set(counts)) <= 1:
+        return
+    listed = ", ".join(f"rank {r}: {'unknown' if c < 0 else c}" for r, c in enumerate(counts))
+    empty = [r for r, c in enumerate(counts) if c == 0]
+    none = (f" Rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} ha{'ve' if len(empty) > 1 else 's'} "
+            f"no data at all (an empty shard).") if empty else ""
+    raise StepCountMismatch(
+        f"ranks were given different numbers of batches per epoch ({listed}).{none} "
+        f"Every collective step needs all ranks, so this would hang. Give every rank the same number "
+        f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
+        f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
 

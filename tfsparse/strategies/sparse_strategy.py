@@ -38,21 +38,22 @@ from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, 
                            reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
-from ..data import without_autotune
+from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import Settings
 from ..keras.ownership import check_optimizer
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
-from ..runtime import StepCountMismatch, check_step_counts  # noqa: F401  (StepCountMismatch: public here too)
+from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (public here too)
 
 _SYNCED_STEPS = ("train_step", "test_step")
 
 
 class SparseExtended(OneDeviceExtended):
-    def __init__(self, container, device, exchange: Pipelined):
+    def __init__(self, container, device, exchange: Pipelined, uneven_data: str = "end"):
         super().__init__(container, device)
         self.exchange = exchange
+        self.uneven_data = uneven_data
         self.checkpointer = Checkpointer(exchange)
         self.saved_by_optimizer = False  # a DistributedOptimizer owns the exchange (and saves its state)
         self._names = None  # the variable paths of the model whose train step was traced last
@@ -84,10 +85,28 @@ class SparseExtended(OneDeviceExtended):
         if steps is None and tf.executing_eagerly():
             card = int(dataset.cardinality().numpy())
             steps = card if card >= 0 else None
-        self._pending_steps = steps
-        if keras_running() == "fit":
+        running = keras_running()
+        if running == "fit":
             self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
+        self._pending_steps = None
+        if self.exchange.comm.size > 1 and running in ("fit", "evaluate") and tf.executing_eagerly():
+            dataset = self._agree_on_steps(dataset, steps, running)
+        else:
+            self._pending_steps = steps  # compared at the first step, fused with its metric averaging
         return without_autotune(dataset)
+
+    def _agree_on_steps(self, dataset, steps, running: str):
+        """Before ``fit``/``evaluate`` iterates: the ranks compare their numbers of batches (one
+        allgather, here on the caller's thread, so that a :class:`StepCountMismatch` reaches the
+        caller as itself).  Known and equal: nothing more; known and different: the mismatch;
+        unknown on some rank: every rank's dataset votes before each batch
+        (:func:`tfsparse.data.agree_on_data`, under the ``uneven_data`` policy)."""
+        mine = np.array([-1 if steps is None else steps], np.int64)
+        counts = [int(c[0]) for c in self.exchange.run_collective(lambda c: c.allgather(mine))]
+        if min(counts) >= 0:
+            raise_on_uneven_counts(counts)
+            return dataset
+        return agree_on_data(dataset, DataAgreement(self.exchange.run_collective, self.uneven_data, running))
 
     # -- gradient exchange ------------------------------------------------
     def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
@@ -279,13 +298,23 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         exchange stays there: the gradients are viewed in place, only the payload crosses to
         the host (:mod:`tfsparse.tf_glue`).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
+      uneven_data: what ``fit``/``evaluate`` do when the ranks' datasets have unknown length (a
+        ``filter``, a generator) and run out at different steps -- the ranks vote before every
+        batch (one small collective per step, :func:`tfsparse.data.agree_on_data`): ``"end"``
+        (default) ends the epoch on every rank at the step where the first rank runs out (the
+        other ranks' remaining batches are not used in that epoch, as with
+        ``drop_remainder``); ``"error"`` raises :class:`StepCountMismatch` there.  A rank with no
+        data at all raises a ``ValueError`` naming it.  Datasets of known length are compared
+        before the first step: different numbers of batches raise :class:`StepCountMismatch`
+        on every rank (pass the same ``steps_per_epoch`` everywhere, or shard evenly).
 
     Every argument is validated before any communication.  Use as ``with strategy.scope():``
     or directly ``with strategy:``.
     """
 
     def __init__(self, algorithm: str | None = None, density: float | None = None, *, settings: Settings | None = None,
-                 device: str | None = None, communicator=None, **kwargs):
+                 device: str | None = None, communicator=None, uneven_data: str = "end", **kwargs):
+        uneven_data = check_uneven_policy(uneven_data)
         engine = GradientExchange(algorithm, density, settings=settings, communicator=communicator, **kwargs)
         exchange = Pipelined(engine)
         if communicator is None:
@@ -293,7 +322,7 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         if device is None:
             gpus = tf.config.list_logical_devices("GPU")
             device = f"/gpu:{runtime.local_rank() % len(gpus)}" if gpus else "/cpu:0"
-        super(OneDeviceStrategy, self).__init__(SparseExtended(self, device, exchange))
+        super(OneDeviceStrategy, self).__init__(SparseExtended(self, device, exchange, uneven_data))
         self._scope_stack: list = []
 
     @property

@@ -1,0 +1,52 @@
+"""tfsparse.data.agree_on_data in one process: the per-step vote's policies, with a stand-in
+collective that returns every rank's flag (the MPI cases: tests/test_reliability_mpi.py)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfsparse import StepCountMismatch
+from tfsparse.data import DataAgreement, agree_on_data
+
+
+class Ranks:
+    """A collective over P ranks where rank ``r`` has ``batches[r]`` batches (this rank is 0)."""
+
+    def __init__(self, batches):
+        self.batches, self.calls = batches, []
+
+    def __call__(self, fn):
+        step = len(self.calls)
+        self.calls.append(step)
+
+        class Comm:
+            def allgather(_, flag):
+                return [flag] + [np.array([1.0 if step < n else 0.0]) for n in self.batches[1:]]
+
+        return fn(Comm())
+
+
+def run(batches, policy="end", spec_kind="tuple"):
+    x = np.arange(batches[0] * 4, dtype=np.float32).reshape(-1, 2)
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, 0]) if spec_kind == "tuple" else x).batch(2)
+    return [e for e in agree_on_data(ds, DataAgreement(Ranks(batches), policy))]
+
+
+def test_every_rank_ends_at_the_shortest_rank():
+    got = run([4, 4, 3])
+    assert len(got) == 3 and got[0][0].shape == (2, 2)  # structure kept
+    assert len(run([3, 5], spec_kind="plain")) == 3  # this rank the shortest: it ends at its own end
+    assert len(run([4, 4])) == 4
+
+
+def test_error_policy_and_empty_shards():
+    # raised in tf.data's thread, it reaches the caller as TensorFlow's error with its message
+    with pytest.raises(tf.errors.UnknownError, match="StepCountMismatch: rank 2 ran out of data after 3 batches"):
+        run([4, 4, 3], "error")
+    with pytest.raises(StepCountMismatch, match="rank 1 ran out of data after 2 batches"):
+        vote = DataAgreement(Ranks([4, 2]), "error")
+        for step in range(3):
+            vote(step, True)
+    with pytest.raises(tf.errors.OpError, match="rank 1 has no data for fit"):
+        run([4, 0])
+    with pytest.raises(ValueError, match="uneven_data='join' is not supported; accepted: 'end'"):
+        DataAgreement(Ranks([1]), "join")
