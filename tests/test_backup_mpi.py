@@ -112,3 +112,77 @@ def test_max_restarts_relaunches_a_killed_job_which_resumes_from_its_backup(tmp_
                                       np.load(tmp_path / "nokill" / f"weights{rank}.npy"), err_msg=f"rank {rank}")
     for name in ("kill", "nokill"):
         assert not (tmp_path / name / "backup").exists()  # deleted when fit completed
+
+
+# -- one process (P = 1): what the backup holds and which one is restored -----------------------
+
+def _one_process_fit(directory, epochs_before_crash=None, **kwargs):
+    """A fresh model in a fresh SparseStrategy (P = 1), fit for 4 epochs of 6 steps with a
+    BackupAndRestore on ``directory``; interrupted after ``epochs_before_crash`` epochs when given.
+    Returns (callback, weights, epochs run)."""
+    import keras
+
+    import tfsparse
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfter(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch + 1 == epochs_before_crash:
+                raise Crash()
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)
+    keras.utils.set_random_seed(7)
+    with tfsparse.SparseStrategy("topk", 0.1, communicator=tfsparse.init()).scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = BackupAndRestore(directory, **kwargs)
+    try:
+        history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                            callbacks=[callback, CrashAfter()])
+    except Crash:
+        return callback, None, None
+    return callback, np.concatenate([w.ravel() for w in model.get_weights()]), len(history.history["loss"])
+
+
+def _progress(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs[BackupAndRestore.ATTRIBUTE])
+
+
+def test_double_checkpoint_restores_the_previous_backup_when_the_latest_is_damaged(tmp_path):
+    backup = tmp_path / "backup"
+    _one_process_fit(backup, 2, double_checkpoint=True)
+    latest, previous = backup / BackupAndRestore.LATEST, backup / BackupAndRestore.PREVIOUS
+    assert _progress(latest)["epoch"] == 2 and _progress(previous)["epoch"] == 1
+    latest.write_bytes(latest.read_bytes()[:2000])  # cut short
+    callback, _, epochs_run = _one_process_fit(backup, double_checkpoint=True)
+    assert callback.restored["file"] == BackupAndRestore.PREVIOUS and callback.restored["epoch"] == 1
+    assert epochs_run == 3 and not backup.exists()  # epochs 1 to 3, then deleted
+
+
+def test_an_unreadable_backup_is_an_error_not_a_fresh_start(tmp_path):
+    backup = tmp_path / "backup"
+    _one_process_fit(backup, 1)
+    latest = backup / BackupAndRestore.LATEST
+    latest.write_bytes(latest.read_bytes()[:2000])
+    with pytest.raises(OSError, match=r"the backup cannot be read on any rank: .*latest.weights.h5.*2000 bytes"):
+        _one_process_fit(backup)
+
+
+def test_batch_backups_record_the_batch_and_one_on_an_epochs_last_batch_resumes_exactly(tmp_path):
+    _, live, _ = _one_process_fit(tmp_path / "live")
+    backup = tmp_path / "backup"
+    _one_process_fit(backup, 2, save_freq=4)  # backups after batches 4, 8, 12 of 6-batch epochs
+    assert {k: v for k, v in _progress(backup / BackupAndRestore.LATEST).items() if k in ("epoch", "batch")} == \
+        {"epoch": 2, "batch": 0}  # batch 12: the end of epoch 2
+    callback, resumed, epochs_run = _one_process_fit(backup, save_freq=4, delete_checkpoint=False)
+    assert callback.restored["epoch"] == 2 and epochs_run == 2
+    np.testing.assert_array_equal(resumed, live)
+    last = _progress(backup / BackupAndRestore.LATEST)  # kept (delete_checkpoint=False): the end of epoch 4
+    assert (last["epoch"], last["batch"], last["id"]) == (4, 0, callback.restored["id"])

@@ -384,12 +384,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       save_freq: ``"epoch"`` (a backup at the end of each epoch) or an integer N >= 1 (a backup
         every N batches).  As with Keras' callback, a backup taken within an epoch resumes at
         that epoch's first batch, from the backup's weights: the batches of that epoch before the
-        backup are trained again, so only epoch backups resume bit-identically.
+        backup are trained again, so only backups at an epoch's end (every epoch's, or a
+        batch backup on its last batch) resume bit-identically.
       delete_checkpoint: delete the backup when ``fit`` completes (default True).
       double_checkpoint: keep the previous backup too (``previous.weights.h5``), restored when the
         latest one is missing or unreadable (default False).
 
-    The model must be built before ``fit`` (an ``keras.Input`` layer, or a call on a batch) --
+    The model must be built before ``fit`` (a ``keras.Input`` layer, or a call on a batch) --
     Keras' condition; a model trained in a :class:`~tfsparse.SparseStrategy` is restored in that
     strategy's scope.  The arguments and the data (order included: ``shuffle=False`` or a seeded
     pipeline) must be the same in the relaunched job.
@@ -537,8 +538,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         import h5py
 
-        progress = {"epoch": self._epoch, "batch": self._batch, "id": self._run_id,
-                    "ranks": runtime.communicator().size}
+        epoch, batch = self._epoch, self._batch
+        steps = (self.params or {}).get("steps")
+        if steps and batch >= steps:  # the epoch's last batch: the backup of a whole epoch
+            epoch, batch = epoch + 1, 0
+        progress = {"epoch": epoch, "batch": batch, "id": self._run_id, "ranks": runtime.communicator().size}
         latest = self._path(self.LATEST)
         with files.replacing(latest) as tmp:
             self.model.save_weights(str(tmp))
