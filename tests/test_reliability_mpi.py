@@ -79,3 +79,23 @@ def test_step_count_mismatch_reaches_the_callers_except(nproc):
     res, _ = mpirun(nproc, "uneven.py", "known", timeout=240)
     for r in res:
         assert r["caught"] is not None and "rank 0: 4, rank 1: 6" in r["caught"], r
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_one_traceback_when_a_rank_raises(nproc):
+    _, text = mpirun(nproc, "faults.py", "raise", "mpi", timeout=180, expect_fail=True)
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    assert "RuntimeError: a callback failed on rank 1" in text, text[-3000:]
+    for r in set(range(nproc)) - {1}:  # the others: one line each, naming the rank that failed
+        assert f"tfsparse: rank {r} stops: rank 1 failed with RuntimeError" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_an_error_raised_alike_on_every_rank_is_printed_once(nproc):
+    """Known batch counts differ: every rank raises the same StepCountMismatch; rank 0 prints its
+    traceback, the others one line each."""
+    _, text = mpirun(nproc, "uneven.py", "known_uncaught", timeout=180, expect_fail=True)
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    for r in range(1, nproc):
+        assert (f"tfsparse: rank {r} stopped with StepCountMismatch: ranks were given different numbers of batches "
+                f"per epoch (rank 0: 4, rank 1: 6") in text and "the same error as on rank 0" in text, text[-3000:]

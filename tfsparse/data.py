@@ -93,8 +93,9 @@ class DataAgreement:
         out = [r for r, h in enumerate(have) if not h]
         ranks = f"rank{'s' if len(out) > 1 else ''} {', '.join(map(str, out))}"
         if step == 0:
-            raise ValueError(f"{ranks} ha{'ve' if len(out) > 1 else 's'} no data for {self.what} (an empty shard) "
-                             f"while the other ranks have some: give every rank data (tfsparse.data.shard)")
+            raise runtime.StepCountMismatch(
+                f"{ranks} ha{'ve' if len(out) > 1 else 's'} no data for {self.what} (an empty shard) while the other "
+                f"ranks have some: give every rank data (tfsparse.data.shard)")
         if self.policy == "error":
             raise runtime.StepCountMismatch(
                 f"{ranks} ran out of data after {step} batches while the other ranks still have some "

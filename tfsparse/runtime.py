@@ -223,18 +223,55 @@ def _share_cores(cores_per_rank, backend: str) -> None:
             pass
 
 
+#: exceptions that every rank raises alike (agreements); only rank 0 prints their traceback
+_ALIKE_EVERYWHERE = ("ConfigurationMismatch", "StepCountMismatch")
+
+
+def _raised_alike_everywhere(exc) -> bool:
+    """Whether ``exc`` is an agreement's error, which every rank raises with the same message --
+    itself, or wrapped by TensorFlow (raised in a ``tf.numpy_function``: its message then starts
+    with the class name)."""
+    names = {t.__name__ for t in type(exc).__mro__}
+    return bool(names & set(_ALIKE_EVERYWHERE)) or any(f"{n}:" in str(exc) for n in _ALIKE_EVERYWHERE)
+
+
 def _abort_on_uncaught_exception(rank: int, size: int) -> None:
-    """Chains ``sys.excepthook``: after the usual traceback, ``MPI_Abort`` on the world
-    (:func:`~tfsparse.collectives.watchdog.abort_world`)."""
+    """Chains ``sys.excepthook``: one traceback per failure, then ``MPI_Abort`` on the world
+    (:func:`~tfsparse.collectives.watchdog.abort_world`).
+
+    The rank that fails first prints its traceback and tells the others (each prints one line
+    naming it) before it aborts the job; a rank whose own exception comes after another rank's
+    announced failure prints one line instead of its traceback, as does every rank but 0 for an
+    agreement's error (:data:`_ALIKE_EVERYWHERE`: the same message on every rank) -- those ranks
+    leave the abort to the rank that printed, and abort themselves only 10 s later (one
+    ``MPI_Abort`` per job: Open MPI prints its abort notice per aborting rank)."""
     import sys
 
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        watch = _state.get("watch")
+        alike = _raised_alike_everywhere(exc)
+        earlier = watch.first_failure() if watch is not None else None
+        quiet = watch is not None and ((alike and rank != 0) or earlier is not None)
         try:
-            previous(exc_type, exc, tb)
+            if quiet:
+                first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:200]
+                why = (f"the same error as on rank 0, which prints the traceback" if alike and earlier is None else
+                       f"after rank {earlier[0]} failed with {earlier[1]} (its traceback is printed by rank {earlier[0]})")
+                sys.stdout.flush()
+                sys.stderr.write(f"tfsparse: rank {rank} stopped with {exc_type.__name__}: {first} -- {why}\n")
+                sys.stderr.flush()
+                watch.failing = True
+            else:
+                previous(exc_type, exc, tb)
+                if watch is not None and not alike:
+                    watch.announce_failure(exc_type.__name__)
         finally:
-            watch = _state.get("watch")
+            if quiet:
+                import time
+
+                time.sleep(10.0)  # the rank that printed the traceback aborts the job meanwhile
             gone = watch.gone() if watch is not None else []
             cause = (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
                      f"finished or fit returned early on that rank)") if gone else ""

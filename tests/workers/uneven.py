@@ -5,7 +5,8 @@
   each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data.
 * ``error``: the same data with uneven_data="error": fit raises StepCountMismatch.
 * ``empty``: the last rank's filter keeps nothing: a ValueError naming it.
-* ``known``: arrays of known, different lengths: ``except tfsparse.StepCountMismatch`` catches it.
+* ``known``: arrays of known, different lengths: ``except tfsparse.StepCountMismatch`` catches it;
+  ``known_uncaught``: the same, not caught.
 """
 import sys
 
@@ -46,6 +47,9 @@ with tfsparse.SparseStrategy("topk", 0.5, uneven_data="error" if case == "error"
     model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 count = Count()
+if case == "known_uncaught":  # the error reaches the top of every rank
+    n = 64 if rank == 0 else 96
+    model.fit(x[:n], y[:n], batch_size=16, epochs=1, verbose=0)
 if case == "known":
     n = 64 if rank == 0 else 96
     try:

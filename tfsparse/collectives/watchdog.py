@@ -43,7 +43,7 @@ _busy: dict[int, float] = {}  # thread ident -> when its outermost collective be
 progress: dict = {"round": None, "collective": None, "left": None}
 
 TAG = 0x7F5A
-TAG_STALL, TAG_QUERY, TAG_REPORT = TAG + 1, TAG + 2, TAG + 3
+TAG_STALL, TAG_QUERY, TAG_REPORT, TAG_FAILED = TAG + 1, TAG + 2, TAG + 3, TAG + 4
 
 
 def tracked(fn):
@@ -174,6 +174,8 @@ class DepartureWatch:
         self.departures = departures
         self.stall_warning, self.stall_timeout, self.answer_within = stall_warning, stall_timeout, answer_within
         self.departed: dict[int, float] = {}
+        self.failed: dict[int, str] = {}  # rank -> the exception that stopped it (announce_failure)
+        self.failing = False  # this rank stops with an exception of its own: say nothing of others'
         self._warned: tuple | None = None  # (the stall's start, when rank 0 last logged it)
         self._noticed: float | None = None  # rank 0: when another rank last said it waits too long
         self._sends: list = []
@@ -187,6 +189,42 @@ class DepartureWatch:
             buf = np.empty(1, np.int64)
             self._comm.Recv(buf, source=status.Get_source(), tag=TAG)
             self.departed.setdefault(int(buf[0]), time.monotonic())
+
+    def _receive_failures(self) -> None:
+        status = self._MPI.Status()
+        while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_FAILED, status=status):
+            source = status.Get_source()
+            name = self._comm.recv(source=source, tag=TAG_FAILED)
+            if not self.failed and not self.failing:
+                sys.stdout.flush()
+                sys.stderr.write(f"tfsparse: rank {self.rank} stops: rank {source} failed with {name} "
+                                 f"(its traceback is printed by rank {source})\n")
+                sys.stderr.flush()
+            self.failed.setdefault(source, name)
+
+    def announce_failure(self, name: str, linger: float = 1.0) -> None:
+        """Tells every other rank that this one stops with the exception ``name`` (each prints one
+        line naming it), and waits up to ``linger`` seconds for their watch threads to take it
+        before the caller aborts the job."""
+        self.failing = True
+        for r in range(self.size):
+            if r != self.rank:
+                self._send(name, r, TAG_FAILED)
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline and not all(q.Test() for q in self._sends):
+            time.sleep(0.02)
+        time.sleep(max(0.0, min(2 * self.poll, deadline - time.monotonic())))  # their next poll prints
+
+    def first_failure(self, wait: float = 0.3) -> tuple[int, str] | None:
+        """``(rank, exception name)`` of a rank that announced its failure, after listening
+        ``wait`` more seconds; None when none did."""
+        deadline = time.monotonic() + wait
+        while not self.failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.failed:
+            return None
+        rank = min(self.failed)
+        return rank, self.failed[rank]
 
     def _send(self, obj, dest: int, tag: int) -> None:
         self._sends = [q for q in self._sends if not q.Test()]
@@ -263,6 +301,7 @@ class DepartureWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             self._receive()
+            self._receive_failures()
             self._answer()
             self._check_stall()
             since = blocked_since()
