@@ -99,3 +99,12 @@ def test_an_error_raised_alike_on_every_rank_is_printed_once(nproc):
     for r in range(1, nproc):
         assert (f"tfsparse: rank {r} stopped with StepCountMismatch: ranks were given different numbers of batches "
                 f"per epoch (rank 0: 4, rank 1: 6") in text and "the same error as on rank 0" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_gradient_accumulation_exchanges_once_per_applied_update(nproc):
+    res, _ = mpirun(nproc, "accumulate.py", timeout=240)
+    for r in res:
+        assert r["iterations"] == 4 and r["rounds"] == 4  # 8 steps, accumulated in pairs
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+        np.testing.assert_allclose(r["weights"], r["reference"], rtol=1e-5, atol=1e-6)

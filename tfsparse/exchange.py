@@ -379,6 +379,25 @@ class GradientExchange:
                 self._round += 1
         return out.dense
 
+    def request_side_channel(self) -> None:
+        """Asks for :attr:`side_channel` from now on (collective when the exchange is built
+        already: every rank calls it at the same point).  For callers whose own collectives may
+        be issued before this step's buckets on one rank and after them on another -- Keras'
+        gradient accumulation exchanges inside a ``tf.cond``, which TensorFlow does not order
+        against the step's metric averaging.  Raises ``ValueError`` where the transport cannot
+        run two collectives at once from two threads (Horovod's, or no ``MPI_THREAD_MULTIPLE``)."""
+        comm = self.comm
+        if comm.size == 1:
+            return
+        if not (comm.thread_safe and comm.concurrent_collectives):
+            raise ValueError(f"this exchange's transport ({type(comm).__name__}) cannot run the step's metric "
+                             f"averaging beside its gradient rounds, which Keras' gradient_accumulation_steps needs "
+                             f"under SparseStrategy; use tfsparse.init(backend='mpi') with MPI_THREAD_MULTIPLE, or "
+                             f"accumulate without the optimizer's gradient_accumulation_steps")
+        self.side_channel = True
+        if self._runner is not None and self._side is None and isinstance(self._runner, CommThread):
+            self._side = comm.duplicate()
+
     def run_collective(self, fn):
         """Runs ``fn(comm)`` on the communication thread, after the buckets already started,
         over the exchange's communicator, and returns its result (e.g. the per-step metric

@@ -119,7 +119,13 @@ class SparseExtended(OneDeviceExtended):
         """At the trace of ``model``'s train step: its optimizers are checked against the exchange
         (``memory="momentum"`` with an optimizer's own momentum raises) and its trainable
         variables name the gradients."""
-        check_optimizer(self.exchange, getattr(model, "optimizer", None))
+        optimizer = getattr(model, "optimizer", None)
+        check_optimizer(self.exchange, optimizer)
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            # Keras exchanges the accumulated gradient inside a tf.cond, once per applied update;
+            # TensorFlow orders that cond after nothing else of the step, so the metric averaging
+            # takes a communicator and thread of its own instead of queueing behind the buckets
+            self.exchange.request_side_channel()
         self._names = [str(v.path) for v in model.trainable_variables]
 
     def _names_for(self, values):
