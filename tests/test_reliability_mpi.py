@@ -108,3 +108,14 @@ def test_gradient_accumulation_exchanges_once_per_applied_update(nproc):
         assert r["iterations"] == 4 and r["rounds"] == 4  # 8 steps, accumulated in pairs
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         np.testing.assert_allclose(r["weights"], r["reference"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_batchnorm_statistics_of_a_custom_loop_are_averaged_by_one_call(nproc):
+    res, _ = mpirun(nproc, "custom_loop_bn.py", timeout=240)
+    mean_before = np.mean([r["before"].astype(np.float64) for r in res], axis=0)
+    assert not np.array_equal(res[0]["before"], res[1]["before"])  # each rank's own statistics
+    for r in res:
+        np.testing.assert_array_equal(r["after"], res[0]["after"])
+        np.testing.assert_allclose(r["after"], mean_before, rtol=1e-6)
+        np.testing.assert_array_equal(r["trainable"], res[0]["trainable"])

@@ -10,6 +10,8 @@
 * :class:`BackupAndRestore` — fault tolerance: one backup of every rank's state, restored when a
   relaunched job (``tfsparse-run --max-restarts``) starts ``fit`` again.
 * :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
+* :func:`average_moving_statistics` — BatchNorm's moving statistics averaged over the ranks (the
+  call for custom training loops).
 """
 from __future__ import annotations
 
@@ -46,6 +48,41 @@ def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> Non
             n = int(np.prod(v.shape, dtype=np.int64))
             v.assign(flat[off:off + n].reshape(v.shape))
             off += n
+
+
+def average_moving_statistics(model, communicator=None) -> int:
+    """Replaces the model's moving statistics -- the non-trainable float weights of its trainable
+    layers that training updates, BatchNormalization's moving mean and variance -- by their mean
+    over the ranks (one allreduce, in float64); returns how many variables it averaged.
+
+    Each rank computes them from its own batches, so they drift apart while the trainable
+    weights stay identical.  ``fit`` averages them for you (under ``SparseStrategy`` after every
+    step; with ``MetricAverage`` at each epoch's end); in a custom training loop call this once
+    per epoch (or before saving or evaluating) on every rank:
+
+    >>> for epoch in range(epochs):
+    ...     for x, y in dataset:
+    ...         train_step(x, y)          # with tfsparse.keras.DistributedOptimizer
+    ...     tfsparse.keras.callbacks.average_moving_statistics(model)
+
+    The collective runs over the model's exchange (after its rounds in flight) when it has one,
+    else over ``communicator`` (default: the world).
+    """
+    from ..strategies.sparse_strategy import moving_statistics
+
+    weights = moving_statistics(model)
+    comm = communicator or runtime.communicator()
+    if comm.size > 1 and weights:
+        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in weights]
+        flat = np.concatenate([x.reshape(-1) for x in values])
+        exchange = exchange_of(model)
+        total = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
+        off = 0
+        for v, x in zip(weights, values):
+            v.assign((total[off:off + x.size] / comm.size).reshape(x.shape).astype(
+                keras.backend.standardize_dtype(v.dtype)))
+            off += x.size
+    return len(weights)
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -172,15 +209,9 @@ class MetricAverage(keras.callbacks.Callback):
                     logs[key] = float(value)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._average_moving_statistics()
+        average_moving_statistics(self.model)
         self._average(logs, bool(getattr(self.model, "stop_training", False)))
 
-    def _average_moving_statistics(self):
-        from ..strategies.sparse_strategy import moving_statistics
-
-        weights = moving_statistics(self.model)
-        if weights and runtime.communicator().size > 1:
-            self._mean_into(weights)
 
     def _mean_into(self, variables, stop=None):
         """Each of ``variables`` replaced by its mean over ranks (one allreduce, which also
