@@ -59,3 +59,4 @@ def test_loading_a_truncated_checkpoint_says_so(tmp_path):
         cut.write_bytes((tmp_path / name).read_bytes()[:3119])
         with pytest.raises(files.TruncatedFile, match="3119 bytes"):
             load(cut)
+

@@ -365,3 +365,12 @@ def test_the_exchanged_gradient_is_the_decoded_vector_itself(algorithm):
         for address, nbytes in seen[-2:]:
             assert any(s <= address and address + nbytes <= s + v.nbytes for s, v in zip(starts, vectors))
     assert len(vectors) <= 3  # reused, not one per step
+
+
+def test_rank_zero_only_refuses_keras_backup_and_restore(tmp_path):
+    import keras
+
+    import tfsparse.keras
+
+    with pytest.raises(ValueError, match=r"tfsparse.keras.callbacks.BackupAndRestore\(backup_dir\) on every rank"):
+        tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.BackupAndRestore(str(tmp_path)))

@@ -376,7 +376,15 @@ def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callba
     there creates no file.  The wrapper's ``model`` is the model on every rank.
 
     >>> callbacks=[tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.ModelCheckpoint("ckpt.keras"))]
+
+    Keras' ``BackupAndRestore`` is refused (``ValueError``): on rank 0 alone it would resume that
+    rank at a later epoch than the others, which then wait for it forever; use
+    :class:`BackupAndRestore` on every rank.
     """
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        raise ValueError(f"rank_zero_only({type(callback).__name__}(...)) would resume rank 0 alone at the backup's "
+                         f"epoch while the other ranks start afresh and wait for it; pass "
+                         f"tfsparse.keras.callbacks.BackupAndRestore(backup_dir) on every rank instead")
     return _RankZeroOnly(callback, runtime.rank())
 from .density_schedule import DensitySchedule  # noqa: E402,F401
 
