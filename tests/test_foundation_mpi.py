@@ -212,7 +212,7 @@ def test_harness_reports_a_hang_as_a_failure(tmp_path):
 HELLO = ("import os, sys, numpy as np, tfsparse\nc = tfsparse.init()\n"
          "open(f'{sys.argv[1]}/rank{c.rank}.txt', 'w').write("
          "f'{tfsparse.runtime.backend()} {c.rank} {c.size} {c.allreduce(np.ones(2))[0]} '"
-         "f'{os.environ.get(\"TF_CPU_ALLOCATOR_USE_BFC\")}')\n")
+         "f'{os.environ.get(\"TF_CPU_ALLOCATOR_USE_BFC\")} tf={\"tensorflow\" in sys.modules}')\n")
 
 
 def hello_lines(tmp_path):
@@ -224,8 +224,10 @@ def test_tfsparse_run_launches_ranks_on_the_mpi_backend_by_default(tmp_path):
     script.write_text(HELLO)  # tfsparse.init() with backend "auto": MPI unless horovodrun launched the job
     run_locked([sys.executable, "-m", "tfsparse.run", "-np", "3", sys.executable, str(script), str(tmp_path)],
                timeout=120, env={"TFSPARSE_BACKEND": "auto"})
-    # init() asks TensorFlow for its reusing host allocator before anything allocates
-    assert hello_lines(tmp_path) == ["mpi 0 3 3.0 true", "mpi 1 3 3.0 true", "mpi 2 3 3.0 true"]
+    # init() asks TensorFlow for its reusing host allocator before anything allocates, and a numpy
+    # program stays without TensorFlow on every rank (quieting a worker does not import Keras)
+    assert hello_lines(tmp_path) == ["mpi 0 3 3.0 true tf=False", "mpi 1 3 3.0 true tf=False",
+                                     "mpi 2 3 3.0 true tf=False"]
 
 
 @pytest.mark.horovod
@@ -235,7 +237,7 @@ def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     script.write_text(HELLO)  # horovodrun next to sys.executable: a venv need not be activated
     run_locked([launcher("horovodrun"), "-np", "2", "-H", "localhost:2",
                 sys.executable, str(script), str(tmp_path)], timeout=180)
-    assert hello_lines(tmp_path) == ["horovod 0 2 2.0 true", "horovod 1 2 2.0 true"]
+    assert hello_lines(tmp_path) == ["horovod 0 2 2.0 true tf=True", "horovod 1 2 2.0 true tf=True"]
 
 
 @pytest.mark.parametrize("case, algorithm, route", [

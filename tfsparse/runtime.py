@@ -111,16 +111,29 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
 
 def _quiet_worker() -> None:
     """Ranks other than 0: no progress bars (Keras' interactive logging off), no Python
-    warnings (rank 0 shows the same ones) and only errors from TensorFlow's and absl's loggers."""
+    warnings (rank 0 shows the same ones) and only errors from TensorFlow's and absl's loggers.
+    Keras is not imported for it (a numpy-only program would pay TensorFlow's start-up and print
+    its start-up lines): when Keras is not imported yet, :func:`quiet_keras` does its part when
+    tfsparse's Keras-facing modules are imported."""
     import logging
+    import sys
     import warnings
 
-    import keras
-
-    keras.config.disable_interactive_logging()
     warnings.simplefilter("ignore")
     for name in ("tensorflow", "absl", "keras"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    _state["quiet_keras"] = True
+    if "keras" in sys.modules:
+        quiet_keras()
+
+
+def quiet_keras() -> None:
+    """Turns Keras' interactive logging (progress bars) off on this rank when
+    ``init(quiet_workers=True)`` asked for it; called by ``tfsparse.keras`` as it is imported."""
+    if _state.get("quiet_keras"):
+        import keras
+
+        keras.config.disable_interactive_logging()
 
 
 class _PlainText:
