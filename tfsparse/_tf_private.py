@@ -4,8 +4,9 @@ SparseStrategy subclasses ``OneDeviceStrategy``/``OneDeviceExtended`` (one devic
 per process) and overrides a handful of hooks; it is a Keras ``KerasSaveable`` so that
 Keras model files hold the exchange's state; the exchange refuses XLA; and when Keras
 distributes a dataset, the strategy reads how many steps its epoch iterator will run and for
-which model method.  Those are private APIs, so they are imported here alone, behind a version
-check.
+which model method; ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
+to resume from, as Keras' own callback does.  Those are private APIs, so they are used here alone,
+behind a version check.
 """
 from __future__ import annotations
 
@@ -98,3 +99,10 @@ def keras_running(max_depth: int = 16):
                 isinstance(frame.f_locals.get("self"), keras.Model):
             return frame.f_code.co_name
     return None
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes Keras' running ``fit`` continue from ``epoch`` (None: as asked): Keras' own
+    ``BackupAndRestore`` sets the model's private ``_initial_epoch``, which ``fit`` reads after
+    ``on_train_begin``."""
+    model._initial_epoch = epoch

@@ -24,6 +24,7 @@ import numpy as np
 import keras
 
 from .. import _checks, files, runtime
+from .._tf_private import set_initial_epoch
 from ..collectives.agreement import check_agreement
 from .ownership import checkpointer_of, exchange_of, require_exchange
 
@@ -548,7 +549,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)  # its variables exist before the load
             load_weights(self.model, self._path(backup["file"]))
-        self.model._initial_epoch = int(backup["epoch"])  # Keras' fit starts there (as Keras' callback)
+        set_initial_epoch(self.model, int(backup["epoch"]))  # Keras' fit starts there (as Keras' callback)
         self._epoch = int(backup["epoch"])
         self._run_id = backup["id"]
         self.restored = backup
@@ -592,7 +593,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- the end of a successful fit ------------------------------------------
     def on_train_end(self, logs=None):
-        self.model._initial_epoch = None  # a later fit on this model starts where it is asked to
+        set_initial_epoch(self.model, None)  # a later fit on this model starts where it is asked to
         if not self.delete_checkpoint:
             return
         comm = runtime.communicator()
