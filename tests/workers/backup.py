@@ -24,14 +24,13 @@ import keras
 
 import tfsparse
 from mpi_harness import save_result
-from tfsparse.keras.callbacks import BackupAndRestore, BroadcastInitialState
+from resume_cases import data, fresh
+from tfsparse.keras.callbacks import BackupAndRestore
 
 root, mode, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 comm = tfsparse.init(backend="mpi")
 rank, size = comm.rank, comm.size
-rng = np.random.default_rng(rank)
-x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)  # 6 steps per epoch
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+x, y = data(rank)
 E, K = 4, 2
 
 
@@ -49,30 +48,6 @@ class CrashAfter(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch + 1 == self.epochs:
             raise Crash(f"interrupted after epoch {self.epochs}")
-
-
-def build():
-    keras.utils.set_random_seed(7)
-    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh"),
-                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
-
-
-def settings(case):
-    return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
-                **case.get("options", {}))
-
-
-def fresh(case):
-    """A compiled model of this case's route (strategy: its own new strategy) and its callbacks."""
-    if case["route"] == "strategy":
-        with tfsparse.SparseStrategy(**settings(case)).scope():
-            model = build()
-            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
-        return model, []
-    model = build()
-    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **settings(case)),
-                  LOSS)
-    return model, [BroadcastInitialState()]
 
 
 def fit(model, callbacks):

@@ -15,45 +15,19 @@ import keras
 
 import tfsparse
 from mpi_harness import save_result
+from resume_cases import data, fresh, settings
 from tfsparse.keras.callbacks import BroadcastInitialState, ModelCheckpoint
 from tfsparse.keras.ownership import exchange_of, owner_of
 
 ckdir, cases = sys.argv[1], json.loads(sys.argv[2])
 comm = tfsparse.init(backend="mpi")
 rank = comm.rank
-rng = np.random.default_rng(rank)
-x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)  # 6 steps per epoch
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+x, y = data(rank)
 E1, E2 = 2, 2
-
-
-def build():
-    keras.utils.set_random_seed(7)
-    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(24, activation="tanh"),
-                             keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
 
 
 def fit(model, epochs, callbacks=()):
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
-
-
-def settings(case):
-    return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
-                plan=case.get("bucket_bytes"), **case.get("options", {}))
-
-
-def fresh(case):
-    """A compiled model of this case's route (strategy: its own new strategy)."""
-    if case["route"] == "strategy":
-        strategy = tfsparse.SparseStrategy(**settings(case))
-        with strategy.scope():
-            model = build()
-            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
-        return model, []
-    model = build()
-    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **settings(case)),
-                  LOSS)
-    return model, [BroadcastInitialState()]
 
 
 def load(case, path):
