@@ -119,3 +119,11 @@ def test_batchnorm_statistics_of_a_custom_loop_are_averaged_by_one_call(nproc):
         np.testing.assert_array_equal(r["after"], res[0]["after"])
         np.testing.assert_allclose(r["after"], mean_before, rtol=1e-6)
         np.testing.assert_array_equal(r["trainable"], res[0]["trainable"])
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_configuration_mismatch_reaches_the_callers_except(nproc):
+    res, _ = mpirun(nproc, "uneven.py", "other_algorithm", timeout=240)
+    for r in res:
+        assert r["caught"] is not None, r
+        assert f"rank {nproc - 1} differs from rank 0" in r["caught"] and "'gtopk' vs 'topk'" in r["caught"], r

@@ -280,6 +280,14 @@ class GradientExchange:
         what = agreement(self.config(), self.plan, self.comm, layout, buckets)
         check_agreement(self.comm, "the gradient exchange", what, _AGREE_HINT)
 
+    def agree_on_settings(self) -> None:
+        """Collective, on the caller's thread: every rank has the same settings and transport, or
+        every rank raises the same ``ConfigurationMismatch`` -- as the first round's agreement
+        does (which also compares the gradients and buckets), but where the caller catches it as
+        itself (``SparseStrategy`` calls it as ``fit`` or ``evaluate`` starts)."""
+        what = {"settings": self.config(), "transport": type(self.comm).__name__}
+        self.run_collective(lambda c: check_agreement(c, "the gradient exchange", what, _AGREE_HINT))
+
     def close(self) -> None:
         """Stops the communication thread (after the jobs already submitted)."""
         if self._runner is not None:

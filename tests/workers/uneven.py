@@ -7,6 +7,8 @@
 * ``empty``: the last rank's filter keeps nothing: a ValueError naming it.
 * ``known``: arrays of known, different lengths: ``except tfsparse.StepCountMismatch`` catches it;
   ``known_uncaught``: the same, not caught.
+* ``other_algorithm``: the last rank uses gtopk, the others topk: ``except
+  tfsparse.ConfigurationMismatch`` catches it on every rank.
 """
 import sys
 
@@ -47,6 +49,17 @@ with tfsparse.SparseStrategy("topk", 0.5, uneven_data="error" if case == "error"
     model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 count = Count()
+if case == "other_algorithm":  # the last rank configured differently: caught as itself everywhere
+    with tfsparse.SparseStrategy("gtopk" if last else "topk", 0.5):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        caught = None
+    except tfsparse.ConfigurationMismatch as e:
+        caught = str(e)
+    save_result(rank, caught=caught)
+    sys.exit(0)
 if case == "known_uncaught":  # the error reaches the top of every rank
     n = 64 if rank == 0 else 96
     model.fit(x[:n], y[:n], batch_size=16, epochs=1, verbose=0)

@@ -96,11 +96,12 @@ class SparseExtended(OneDeviceExtended):
         return without_autotune(dataset)
 
     def _agree_on_steps(self, dataset, steps, running: str):
-        """Before ``fit``/``evaluate`` iterates: the ranks compare their numbers of batches (one
-        allgather, here on the caller's thread, so that a :class:`StepCountMismatch` reaches the
-        caller as itself).  Known and equal: nothing more; known and different: the mismatch;
+        """Before ``fit``/``evaluate`` iterates: the ranks compare the exchange's settings and
+        their numbers of batches (two small allgathers, here on the caller's thread, so that a
+        ``ConfigurationMismatch`` or :class:`StepCountMismatch` reaches the caller as itself).  Known and equal: nothing more; known and different: the mismatch;
         unknown on some rank: every rank's dataset votes before each batch
         (:func:`tfsparse.data.agree_on_data`, under the ``uneven_data`` policy)."""
+        self.exchange.agree_on_settings()  # a ConfigurationMismatch reaches the caller as itself
         mine = np.array([-1 if steps is None else steps], np.int64)
         counts = [int(c[0]) for c in self.exchange.run_collective(lambda c: c.allgather(mine))]
         if min(counts) >= 0:
