@@ -33,7 +33,7 @@ def positive_int(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="results/checkpoint_resume", help="checkpoint and backup directory")
     parser.add_argument("--epochs", type=positive_int, default=6, help="in all: half before the resume")
     parser.add_argument("--fail-at-epoch", type=positive_int, default=None,

@@ -29,7 +29,7 @@ def fraction(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="gtopk", choices=["gtopk", "topk"])
     parser.add_argument("--density", type=fraction, default=0.02, help="fraction of gradient elements sent")
     parser.add_argument("--epochs", type=positive_int, default=8)

@@ -36,7 +36,7 @@ def fraction(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="topk", choices=["dense", "topk", "gtopk", "oktopk", "dgc"])
     parser.add_argument("--density", type=fraction, default=0.05)
     parser.add_argument("--epochs", type=positive_int, default=5)

@@ -39,7 +39,7 @@ def fraction(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--density", type=fraction, default=0.15, help="the fraction of chunks sent")
     parser.add_argument("--chunk-size", type=positive_int, default=64, help="elements per chunk (paper: 32768)")
     parser.add_argument("--epochs", type=positive_int, default=20)

@@ -44,7 +44,7 @@ def positive_float(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=positive_int, default=20)
     parser.add_argument("--dsync-epochs", type=non_negative_int, default=4,
                         help="synchronous float32 epochs before pipelining (0: none)")

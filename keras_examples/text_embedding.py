@@ -31,7 +31,7 @@ def fraction(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", default="topk",
                         choices=["dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn"])
     parser.add_argument("--density", type=fraction, default=0.05)

@@ -45,7 +45,7 @@ def accuracy(text):
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mlp17m", choices=["mlp17m", "conv"],
                         help="the tool's 17.1M-parameter MLP or its 8.4M-parameter conv net")
     parser.add_argument("--epochs", type=positive_int, default=7)
