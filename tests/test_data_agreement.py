@@ -48,5 +48,16 @@ def test_error_policy_and_empty_shards():
             vote(step, True)
     with pytest.raises(tf.errors.OpError, match="rank 1 has no data for fit"):
         run([4, 0])
-    with pytest.raises(ValueError, match="uneven_data='join' is not supported; accepted: 'end'"):
-        DataAgreement(Ranks([1]), "join")
+    with pytest.raises(ValueError, match="uneven_data='drop' is not supported; accepted: 'end'"):
+        DataAgreement(Ranks([1]), "drop")
+
+
+def test_join_repeats_the_first_batch_with_zero_weights_until_every_rank_is_done():
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    ds = tf.data.Dataset.from_tensor_slices((x, np.arange(6))).batch(2)
+    got = [[t.numpy() for t in e] for e in agree_on_data(ds, DataAgreement(Ranks([3, 5]), "join"))]
+    assert len(got) == 5
+    np.testing.assert_array_equal([w for _, _, w in got], [[1, 1]] * 3 + [[0, 0]] * 2)
+    np.testing.assert_array_equal(got[4][0], got[0][0])
+    with pytest.raises(ValueError, match=r"uneven_data='join' needs \(x, y\)"):
+        agree_on_data(tf.data.Dataset.from_tensor_slices(x).batch(2), DataAgreement(Ranks([3]), "join"))

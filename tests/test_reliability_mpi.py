@@ -127,3 +127,12 @@ def test_configuration_mismatch_reaches_the_callers_except(nproc):
     for r in res:
         assert r["caught"] is not None, r
         assert f"rank {nproc - 1} differs from rank 0" in r["caught"] and "'gtopk' vs 'topk'" in r["caught"], r
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_join_trains_on_every_batch_with_zero_weights_where_a_rank_ran_out(nproc):
+    res, _ = mpirun(nproc, "uneven.py", "join", timeout=240)
+    for r in res:
+        assert r["steps"] == [10, 10]  # every batch of the ranks with 10; the last rank joins with weight 0
+        np.testing.assert_array_equal(r["weights"], res[0]["weights"])
+        np.testing.assert_array_equal(r["weights"], r["reference"])

@@ -58,21 +58,24 @@ def without_autotune(dataset):
 
 #: what a multi-rank ``fit``/``evaluate`` does when the ranks' datasets of unknown length run
 #: out at different steps (:func:`agree_on_data`)
-UNEVEN_POLICIES = ("end", "error")
+UNEVEN_POLICIES = ("end", "join", "error")
 
 
 def check_uneven_policy(uneven_data) -> str:
     if not isinstance(uneven_data, str) or uneven_data not in UNEVEN_POLICIES:
         raise ValueError(f"uneven_data={uneven_data!r} is not supported; accepted: 'end' (when one rank's data runs "
-                         f"out, every rank ends the epoch at that step) or 'error' (raise StepCountMismatch)")
+                         f"out, every rank ends the epoch at that step), 'join' (ranks that ran out contribute "
+                         f"zero-weighted batches until every rank is done, as Horovod's join) or 'error' (raise "
+                         f"StepCountMismatch)")
     return uneven_data
 
 
 class DataAgreement:
     """The per-step vote behind :func:`agree_on_data`: every rank says whether it has a batch for
-    the next step; the step runs when all have one.  ``collective(fn)`` runs ``fn(comm)`` over the
-    ranks (the exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`);
-    ``what``: ``"fit"`` or ``"evaluate"``, for the messages."""
+    the next step; under ``"end"`` and ``"error"`` the step runs when all have one, under
+    ``"join"`` while any has one.  ``collective(fn)`` runs ``fn(comm)`` over the ranks (the
+    exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`); ``what``: ``"fit"`` or
+    ``"evaluate"``, for the messages."""
 
     def __init__(self, collective, policy: str = "end", what: str = "fit"):
         self.collective = collective
@@ -80,7 +83,7 @@ class DataAgreement:
         self.what = what
 
     def __call__(self, step, has_data) -> bool:
-        """Collective: whether every rank has batch ``step`` (counted from the iterator's start)."""
+        """Collective: whether the ranks take batch ``step`` (counted from the iterator's start)."""
         flag = np.array([1.0 if bool(has_data) else 0.0])
         have = [bool(f[0]) for f in self.collective(lambda comm: comm.allgather(flag))]
         if all(have):
@@ -101,35 +104,70 @@ class DataAgreement:
                 f"{ranks} ran out of data after {step} batches while the other ranks still have some "
                 f"(uneven_data='error'); give every rank the same number of batches, or use uneven_data='end' to "
                 f"end the epoch on every rank at the shortest rank")
-        return False
+        return self.policy == "join"
 
 
 def _unflagged(_step, flagged_element):
     return flagged_element[1]
 
 
+def _weighted(element, weight: float):
+    """A Keras ``(x, y[, sample_weight])`` element as ``(x, y, sample_weight * weight)`` (ones
+    where it had none)."""
+    import tensorflow as tf
+
+    x, y, w = (tuple(element) + (None,))[:3]
+    if w is None:
+        w = tf.ones(tf.shape(tf.nest.flatten(y)[0])[:1], tf.float32)
+    return x, y, w * tf.cast(weight, w.dtype)
+
+
 def agree_on_data(dataset, agreement: DataAgreement):
-    """``dataset`` (a ``tf.data.Dataset``) whose batches every rank takes only when every rank has
-    one: each batch is paired with ``True``, the data is followed by endless ``False`` fillers,
-    and a ``take_while`` asks ``agreement`` (one collective of a flag per rank and batch, with the
-    batch's index since the iterator began) whether to go on.  Under the ``"end"`` policy, when some rank runs out the iterator ends on every
-    rank at that batch -- Keras ends the epoch there on every rank, so the ranks stay in step
-    and no rank waits in a collective for one that has already moved on; the batches the other
-    ranks had left are not used in that epoch.  Elements must be (nests of) dense tensors."""
+    """``dataset`` (a ``tf.data.Dataset``) whose batches the ranks take together: each batch is
+    paired with ``True``, the data is followed by endless ``False`` fillers, and a ``take_while``
+    asks ``agreement`` (one collective of a flag per rank and batch, with the batch's index since
+    the iterator began) whether to go on.
+
+    * ``"end"``: when some rank runs out, the iterator ends on every rank at that batch -- Keras
+      ends the epoch there on every rank, so the ranks stay in step and no rank waits in a
+      collective for one that has already moved on; the batches the other ranks had left are not
+      used in that epoch.
+    * ``"join"`` (Horovod's ``hvd.join``): the iterator goes on while any rank has data; a rank
+      that ran out takes its epoch's first batch again with every sample weight 0 -- its gradient,
+      and its part of the weighted metrics, are zero -- so the ranks with data train on all of it.
+      Elements must be Keras' ``(x, y)`` or ``(x, y, sample_weight)`` tuples; every batch gets a
+      sample weight (ones where there was none, which changes no result).  Training steps on the
+      repeated batch still update BatchNormalization's moving statistics of that rank.
+    * ``"error"``: :class:`~tfsparse.runtime.StepCountMismatch` where some rank runs out.
+
+    Elements must be (nests of) dense tensors."""
     import tensorflow as tf
 
     spec = dataset.element_spec
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
         raise ValueError(f"a dataset of unknown length with non-dense elements ({spec}) cannot be agreed on per step; "
                          f"give every rank the same number of batches and set steps_per_epoch")
-    filler = tf.nest.map_structure(lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), spec)
+    if agreement.policy == "join":
+        if type(spec) is not tuple or len(spec) not in (2, 3):
+            raise ValueError(f"uneven_data='join' needs (x, y) or (x, y, sample_weight) elements (the batches of a "
+                             f"rank that ran out are weighted 0); got elements {spec}")
 
-    if type(spec) is tuple:  # tf.data passes a tuple's items as arguments (other nests as one)
         def flagged(*element):
-            return tf.constant(True), tuple(element)
+            return tf.constant(True), _weighted(element, 1.0)
+
+        def zero_weighted(*element):
+            return tf.constant(False), _weighted(element, 0.0)
+
+        tail = dataset.take(1).map(zero_weighted).repeat()
     else:
-        def flagged(element):
-            return tf.constant(True), element
+        filler = tf.nest.map_structure(lambda s: tf.zeros([0 if d is None else d for d in s.shape], s.dtype), spec)
+        tail = tf.data.Dataset.from_tensors((tf.constant(False), filler)).repeat()
+        if type(spec) is tuple:  # tf.data passes a tuple's items as arguments (other nests as one)
+            def flagged(*element):
+                return tf.constant(True), tuple(element)
+        else:
+            def flagged(element):
+                return tf.constant(True), element
 
     def vote(step, flagged_element):
         go = tf.numpy_function(agreement, [step, flagged_element[0]], tf.bool, stateful=True,
@@ -137,6 +175,5 @@ def agree_on_data(dataset, agreement: DataAgreement):
         go.set_shape([])
         return go
 
-    tail = tf.data.Dataset.from_tensors((tf.constant(False), filler)).repeat()
     both = dataset.map(flagged).concatenate(tail).enumerate()  # the step index restarts with each iterator
     return both.take_while(vote).map(_unflagged)

@@ -4,6 +4,9 @@
   the last rank 9 (the others 10); under the default uneven_data="end" every rank runs 9 steps in
   each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data.
 * ``error``: the same data with uneven_data="error": fit raises StepCountMismatch.
+* ``join``: the same data with uneven_data="join": 10 steps per epoch on every rank, the last
+  rank's 10th batch zero-weighted; and a reference fit on known-length arrays with that batch
+  written out with sample weights 0.
 * ``empty``: the last rank's filter keeps nothing: a ValueError naming it.
 * ``known``: arrays of known, different lengths: ``except tfsparse.StepCountMismatch`` catches it;
   ``known_uncaught``: the same, not caught.
@@ -71,6 +74,27 @@ if case == "known":
     except tfsparse.StepCountMismatch as e:
         caught = str(e)
     save_result(rank, caught=caught)
+    sys.exit(0)
+if case == "join":  # the last rank's 10th batch: its first batch again, weighted 0
+    keep = 144 if last else 160
+
+    def seeded(uneven_data):
+        with tfsparse.SparseStrategy("topk", 0.5, uneven_data=uneven_data):
+            keras.utils.set_random_seed(7)
+            m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            m.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return m
+
+    model = seeded("join")
+    model.fit(dataset(keep), epochs=2, verbose=0, callbacks=[count])
+    reference = seeded("end")  # known length: the same batches, the zero-weighted one written out
+    pad = 160 - keep
+    weights = np.concatenate([np.ones(keep, np.float32), np.zeros(pad, np.float32)])
+    reference.fit(np.concatenate([x[:keep], x[:pad]]), np.concatenate([y[:keep], y[:pad]]), sample_weight=weights,
+                  batch_size=16, epochs=2, shuffle=False, verbose=0)
+    save_result(rank, steps=count.steps, weights=np.concatenate([w.ravel() for w in model.get_weights()]),
+                reference=np.concatenate([w.ravel() for w in reference.get_weights()]))
     sys.exit(0)
 keep = {"end": 144 if last else 160, "error": 144 if last else 160, "empty": 0 if last else 160}[case]
 model.fit(dataset(keep), epochs=3, verbose=0, callbacks=[count])

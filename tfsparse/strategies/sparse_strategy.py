@@ -310,7 +310,9 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         batch (one small collective per step, :func:`tfsparse.data.agree_on_data`): ``"end"``
         (default) ends the epoch on every rank at the step where the first rank runs out (the
         other ranks' remaining batches are not used in that epoch, as with
-        ``drop_remainder``); ``"error"`` raises :class:`StepCountMismatch` there.  A rank with no
+        ``drop_remainder``); ``"join"`` (Horovod's ``hvd.join``) goes on until every rank is done,
+        a rank that ran out taking zero-weighted batches (its gradient is zero); ``"error"``
+        raises :class:`StepCountMismatch` there.  A rank with no
         data at all raises a :class:`StepCountMismatch` naming it.  Datasets of known length are compared
         before the first step: different numbers of batches raise :class:`StepCountMismatch`
         on every rank (pass the same ``steps_per_epoch`` everywhere, or shard evenly).
