@@ -1,6 +1,9 @@
 # The two set-up commands of the README:
 #   make demo   installs what the demo needs and runs the 4-process sparse training demo
 #   make test   installs everything (Horovod included) and runs the whole test suite
+# and, for development (not CI):
+#   make test-fast  installs what make demo does and runs the `fast` subset (tests/conftest.py: the tests
+#                   not marked mpi, the slow ones left out, and one small MPI job per area), ~5 min on 2 cores
 # and one for the documentation site (mkdocs.yml, pages in docs/):
 #   make docs   installs what make demo does (the doc tools included) and builds the site strictly into build/site
 # PYTHON (default python3) is the interpreter to use; an externally managed one (PEP 668, such as
@@ -19,7 +22,7 @@ ifneq ($(RUN_PYTHON),$(PYTHON))
 export PATH := $(dir $(RUN_PYTHON)):$(PATH)
 endif
 
-.PHONY: demo test docs install install-horovod
+.PHONY: demo test test-fast docs install install-horovod
 
 install:
 	PYTHON='$(PYTHON)' bash tools/install.sh
@@ -32,6 +35,9 @@ demo: install
 
 test: install-horovod
 	$(RUN_PYTHON) -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: install
+	$(RUN_PYTHON) -m pytest -ra -m fast $(PYTEST_ARGS)
 
 # --strict: a broken link, a missing anchor or a docstring the API reference cannot render fails
 docs: install
