@@ -21,19 +21,13 @@ What it shows:
 
 ``--tiny``: one epoch, then one resumed epoch.  Digits from scikit-learn (bundled).
 """
-import argparse
 import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
+from example_utils import argument_parser, digits, positive_int, quiet_tensorflow
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--dir", default="results/checkpoint_resume", help="checkpoint and backup directory")
     parser.add_argument("--epochs", type=positive_int, default=6, help="in all: half before the resume")
     parser.add_argument("--fail-at-epoch", type=positive_int, default=None,
@@ -52,20 +46,14 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
+    quiet_tensorflow()
     import keras
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     tfsparse.init()
     rank = tfsparse.rank()
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_local, y_local = tfsparse.data.shard(x[:1500], y[:1500])
+    x_local, y_local, x_test, y_test = digits()
     checkpoint = os.path.join(args.dir, "model.keras")
     failed_once = os.path.join(args.dir, "failed-once")
     first = args.epochs // 2
@@ -92,7 +80,7 @@ def main():
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     history = model.fit(x_local, y_local, batch_size=32, epochs=first, callbacks=callbacks(), verbose=0)
-    _, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if rank == 0:
         print(f"first fit: epochs {[e + 1 for e in history.epoch]} trained in this launch, "
               f"test accuracy {accuracy:.4f}, checkpoint {checkpoint}", flush=True)
@@ -102,7 +90,7 @@ def main():
         model = tfsparse.keras.load_model(checkpoint)   # each rank takes its own residual back
     history = model.fit(x_local, y_local, batch_size=32, initial_epoch=first, epochs=args.epochs,
                         callbacks=callbacks(), verbose=0)
-    _, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if rank == 0:
         print(f"resumed from {checkpoint}: epochs {[e + 1 for e in history.epoch]}")
         print(f"test accuracy: {accuracy:.4f}")

@@ -10,26 +10,12 @@ prints the test accuracy, which every rank computes alike (the weights are ident
 rank).  ``--tiny`` trains one epoch, for a run of a few seconds.  scikit-learn's bundled digits:
 nothing is downloaded.
 """
-import argparse
-import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+from example_utils import argument_parser, digits, fraction, positive_int, quiet_tensorflow
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--algorithm", default="gtopk", choices=["gtopk", "topk"])
     parser.add_argument("--density", type=fraction, default=0.02, help="fraction of gradient elements sent")
     parser.add_argument("--epochs", type=positive_int, default=8)
@@ -40,20 +26,14 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
+    quiet_tensorflow()
     import keras
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     tfsparse.init()                                  # the MPI world (or Horovod's under horovodrun)
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32").reshape(-1, 8, 8, 1)   # 8x8 grey images, one channel
-    perm = np.random.default_rng(0).permutation(len(x))      # the same order on every rank
-    x, y = x[perm], y[perm]
-    x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
-    x_local, y_local = tfsparse.data.shard(x_train, y_train)  # equal shards: equal step counts
+    # this rank's equal shard of the digits as 8x8 grey images, one channel (example_utils)
+    x_local, y_local, x_test, y_test = digits(images=True)
 
     strategy = tfsparse.SparseStrategy(algorithm=args.algorithm, density=args.density)
     with strategy.scope():                           # variables start from rank 0's values

@@ -17,26 +17,12 @@ What it shows, in the order a loop needs it:
 
 Digits from scikit-learn (bundled, nothing is downloaded).  ``--tiny``: one epoch.
 """
-import argparse
-import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+from example_utils import argument_parser, digits, fraction, positive_int, quiet_tensorflow
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--algorithm", default="topk", choices=["dense", "topk", "gtopk", "oktopk", "dgc"])
     parser.add_argument("--density", type=fraction, default=0.05)
     parser.add_argument("--epochs", type=positive_int, default=5)
@@ -47,22 +33,16 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    quiet_tensorflow()
     import numpy as np
     import keras
     import tensorflow as tf
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     world = tfsparse.init()                          # the communicator of every rank
     rank, size = world.rank, world.size
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm].astype("int32")
-    x_local, y_local = tfsparse.data.shard(x[:1500], y[:1500])   # equal shards: equal step counts
-    x_test, y_test = x[1500:], y[1500:]
+    x_local, y_local, x_test, y_test = digits()     # this rank's equal shard (example_utils)
 
     keras.utils.set_random_seed(rank)                # different initial weights per rank on purpose ...
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128),

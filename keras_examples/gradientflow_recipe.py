@@ -20,26 +20,12 @@ The settings are docs/gradientflow.md's (its convergence table's "csc +mc +warmu
 Rank 0 prints each epoch's density and bytes per step, then the test accuracy.  ``--tiny``: two
 epochs, one of them warm-up.  Digits from scikit-learn (bundled, nothing is downloaded).
 """
-import argparse
-import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+from example_utils import argument_parser, digits, fraction, positive_int, quiet_tensorflow
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--density", type=fraction, default=0.15, help="the fraction of chunks sent")
     parser.add_argument("--chunk-size", type=positive_int, default=64, help="elements per chunk (paper: 32768)")
     parser.add_argument("--epochs", type=positive_int, default=20)
@@ -53,19 +39,13 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
+    quiet_tensorflow()
     import keras
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     tfsparse.init()
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_local, y_local = tfsparse.data.shard(x[:1500], y[:1500])
+    x_local, y_local, x_test, y_test = digits()
 
     strategy = tfsparse.SparseStrategy(
         algorithm="csc", density=args.density, chunk_size=args.chunk_size,   # coarse-grained sparsity
@@ -83,7 +63,7 @@ def main():
                  tfsparse.keras.callbacks.CommunicationStats()]
     history = model.fit(x_local, y_local, batch_size=32, epochs=args.epochs, callbacks=callbacks,
                         verbose=0)
-    _, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if tfsparse.rank() == 0:
         for epoch, (density, sent) in enumerate(zip(history.history["density"], history.history["comm_bytes"])):
             print(f"epoch {epoch + 1}: density {density:.3f}, {sent:.0f} bytes sent per step and rank, "

@@ -12,26 +12,12 @@ Horovod must be installed with MPI (``make install-horovod``); ``-H localhost:2`
 horovodrun a long probe of the network interfaces.  ``--tiny``: two epochs.  Digits from
 scikit-learn (bundled, nothing is downloaded).
 """
-import argparse
-import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+from example_utils import argument_parser, digits, fraction, positive_int, quiet_tensorflow
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--algorithm", default="topk",
                         choices=["dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn", "csc"])
     parser.add_argument("--density", type=fraction, default=0.01)
@@ -42,19 +28,13 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
+    quiet_tensorflow()
     import keras
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     tfsparse.init()                                  # "auto": Horovod under horovodrun, else MPI
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_local, y_local = tfsparse.data.shard(x[:1500], y[:1500])
+    x_local, y_local, x_test, y_test = digits()
 
     strategy = tfsparse.SparseStrategy(algorithm=args.algorithm, density=args.density)
     with strategy.scope():
@@ -66,7 +46,7 @@ def main():
                       metrics=["accuracy"])
     model.fit(x_local, y_local, batch_size=32, epochs=2 if args.tiny else args.epochs,
               verbose=2 if tfsparse.rank() == 0 else 0)
-    _, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if tfsparse.rank() == 0:
         print(f"backend: {tfsparse.runtime.backend()}, {tfsparse.size()} processes, "
               f"{args.algorithm} at density {args.density}")

@@ -18,33 +18,13 @@ The settings are docs/pipe-sgd.md's:
 Rank 0 prints each epoch's mode (D-Sync or pipelined), bytes per step and accuracy, then the test
 accuracy.  ``--tiny``: two epochs, the first of them D-Sync.  Digits from scikit-learn (bundled).
 """
-import argparse
-import os
 
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 0")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
-    return value
+from example_utils import (argument_parser, digits, non_negative_int, positive_float, positive_int,
+                           quiet_tensorflow)
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--epochs", type=positive_int, default=20)
     parser.add_argument("--dsync-epochs", type=non_negative_int, default=4,
                         help="synchronous float32 epochs before pipelining (0: none)")
@@ -58,19 +38,13 @@ def parse_args():
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
+    quiet_tensorflow()
     import keras
-    from sklearn.datasets import load_digits
 
     import tfsparse
 
     tfsparse.init()
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_local, y_local = tfsparse.data.shard(x[:1500], y[:1500])
+    x_local, y_local, x_test, y_test = digits()
     batch = 32
     steps = args.epochs * -(-len(x_local) // batch)
 
@@ -86,7 +60,7 @@ def main():
     callbacks = [tfsparse.keras.callbacks.DSyncWarmUp(epochs=args.dsync_epochs),   # D-Sync first
                  tfsparse.keras.callbacks.CommunicationStats()]
     history = model.fit(x_local, y_local, batch_size=batch, epochs=args.epochs, callbacks=callbacks, verbose=0)
-    _, accuracy = model.evaluate(x[1500:], y[1500:], verbose=0)
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     if tfsparse.rank() == 0:
         for epoch, sent in enumerate(history.history["comm_bytes"]):
             mode = "D-Sync float32" if epoch < args.dsync_epochs else "pipelined int8"

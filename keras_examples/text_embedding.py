@@ -10,28 +10,14 @@ a few keywords of its class (class c owns the keywords ``c*8 .. c*8+7``), so the
 decidable from the tokens and a bag-of-embeddings model learns it.  Every rank generates the same
 data from the same seed and takes its own shard.  ``--tiny``: a smaller vocabulary, two epochs.
 """
-import argparse
-import os
+
+from example_utils import argument_parser, fraction, positive_int, quiet_tensorflow
 
 CLASSES, KEYWORDS_PER_CLASS, LENGTH, KEYWORDS_PER_SEQUENCE = 4, 8, 24, 4
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
-
-
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--algorithm", default="topk",
                         choices=["dense", "topk", "gtopk", "oktopk", "dgc", "gaussiank", "dragonn"])
     parser.add_argument("--density", type=fraction, default=0.05)
@@ -51,8 +37,6 @@ def parse_args():
 def make_data(n, vocab, rng):
     """n sequences of LENGTH token ids and their classes: background tokens drawn from the ids after
     the keywords, then KEYWORDS_PER_SEQUENCE of the class's keywords put at random positions."""
-    import numpy as np
-
     y = rng.integers(0, CLASSES, n)
     x = rng.integers(CLASSES * KEYWORDS_PER_CLASS, vocab, (n, LENGTH))
     for i in range(n):
@@ -63,7 +47,7 @@ def make_data(n, vocab, rng):
 
 def main():
     args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    quiet_tensorflow()
     import numpy as np
     import keras
 

@@ -17,10 +17,11 @@ figure.
 ``--tiny``: the tool's small convolutional model, two epochs, one setting (top-k) beside the
 compute-only run, target 0.3 -- about half a minute at P = 2.
 """
-import argparse
 import importlib.util
 import json
 from pathlib import Path
+
+from example_utils import argument_parser, fraction as accuracy, positive_int
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_time_to_accuracy.py"
 SETTINGS = [{"label": "dense f32", "algorithm": "dense"},
@@ -30,22 +31,8 @@ SETTINGS = [{"label": "dense f32", "algorithm": "dense"},
 TINY = [{"label": "topk 0.05", "algorithm": "topk", "density": 0.05}]
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
-
-
-def accuracy(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
-
-
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", default="mlp17m", choices=["mlp17m", "conv"],
                         help="the tool's 17.1M-parameter MLP or its 8.4M-parameter conv net")
     parser.add_argument("--epochs", type=positive_int, default=7)
