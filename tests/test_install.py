@@ -69,7 +69,8 @@ def test_an_externally_managed_python_gets_the_project_venv():
 def test_make_runs_the_demo_and_the_tests_with_the_project_venv():
     demo = make_dry_run("demo", "/usr/bin/python3")
     assert demo[0] == "PYTHON='/usr/bin/python3' bash tools/install.sh"  # installs into .venv (it decides)
-    assert demo[-1].startswith(f"{VENV_PY} -m tfsparse.run -np 4 {VENV_PY} keras_examples/digits_demo.py")
+    assert f"{VENV_PY} -m tfsparse.run -np 4 --net 1gbit {VENV_PY} keras_examples/time_to_accuracy.py --demo" in \
+        "\n".join(demo)
     assert make_dry_run("test", "/usr/bin/python3")[-1].startswith(f"{VENV_PY} -m pytest")
     done = subprocess.run(["git", "check-ignore", "-q", ".venv/bin/python"], cwd=REPO, timeout=60)
     assert done.returncode == 0, ".venv must be ignored by git"
@@ -80,8 +81,9 @@ def test_make_uses_a_plain_interpreter_directly():
     if externally_managed(sys.executable):
         pytest.skip("needs a Python that is not externally managed (PEP 668); the tests run on one that is")
     assert make_dry_run("test", sys.executable)[-1].startswith(f"{sys.executable} -m pytest")
-    assert make_dry_run("demo", sys.executable)[-1].startswith(
-        f"{sys.executable} -m tfsparse.run -np 4 {sys.executable} keras_examples/digits_demo.py")
+    demo = "\n".join(make_dry_run("demo", sys.executable))  # an emulated network where it can, else shared memory
+    assert f"{sys.executable} -m tfsparse.run -np 4 --net 1gbit {sys.executable} keras_examples/time_to_accuracy.py" in demo
+    assert f"{sys.executable} -m tfsparse.run -np 4 {sys.executable} keras_examples/time_to_accuracy.py" in demo
 
 
 def test_bad_arguments_and_interpreters_are_refused():
