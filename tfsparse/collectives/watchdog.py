@@ -118,23 +118,20 @@ def describe(reports: dict, size: int) -> str:
     """The lines of a stall report: first the ranks that have not arrived (not in a collective,
     or no answer), then those that wait; ``reports``: ``{rank: report(rank)}`` of the ranks that
     answered."""
-    lines, late = [], []
-    for r in range(size):
+    late = [r for r in range(size) if r not in reports or reports[r]["waiting_s"] is None]
+    lines = []
+    for r in late + [r for r in range(size) if r not in late]:
         rep = reports.get(r)
-        where = "" if rep is None or rep["round"] is None else f"round {rep['round']}, "
         if rep is None:
-            late.append(r)
             lines.append(f"  rank {r}: no answer (stuck without releasing Python's GIL, or gone)")
-        elif rep["waiting_s"] is None:
-            late.append(r)
+            continue
+        where = "" if rep["round"] is None else f"round {rep['round']}, "
+        if rep["waiting_s"] is not None:
+            lines.append(f"  rank {r}: {where}waiting in {rep['collective']} for {rep['waiting_s']:.0f} s")
+        else:
             last = (f"left its last collective ({rep['collective']}) {rep['idle_s']:.0f} s ago"
                     if rep["idle_s"] is not None else "has not entered any collective yet")
             lines.append(f"  rank {r}: {where}not in a collective: {last}")
-    for r in range(size):
-        rep = reports.get(r)
-        if rep is not None and rep["waiting_s"] is not None:
-            where = "" if rep["round"] is None else f"round {rep['round']}, "
-            lines.append(f"  rank {r}: {where}waiting in {rep['collective']} for {rep['waiting_s']:.0f} s")
     head = (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} ha{'ve' if len(late) > 1 else 's'} "
             f"not arrived" if late else "every rank waits (in different collectives?)")
     return head + ":\n" + "\n".join(lines)

@@ -25,7 +25,7 @@ import keras
 
 from .. import _checks, files, runtime
 from .._tf_private import set_initial_epoch
-from ..collectives.agreement import check_agreement
+from ..collectives.agreement import ConfigurationMismatch, check_agreement
 from .ownership import checkpointer_of, exchange_of, require_exchange
 
 
@@ -74,16 +74,30 @@ def average_moving_statistics(model, communicator=None) -> int:
     weights = moving_statistics(model)
     comm = communicator or runtime.communicator()
     if comm.size > 1 and weights:
-        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in weights]
+        values = _float64(weights)
         flat = np.concatenate([x.reshape(-1) for x in values])
-        exchange = exchange_of(model)
-        total = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
-        off = 0
-        for v, x in zip(weights, values):
-            v.assign((total[off:off + x.size] / comm.size).reshape(x.shape).astype(
-                keras.backend.standardize_dtype(v.dtype)))
-            off += x.size
+        _assign(weights, values, _collective(model, lambda c: c.allreduce(flat), comm) / comm.size)
     return len(weights)
+
+
+def _collective(model, fn, communicator=None):
+    """``fn(comm)`` over the model's exchange (on its communication thread, after its rounds in
+    flight) when the model has one, else over ``communicator`` (default: the world)."""
+    exchange = exchange_of(model)
+    return exchange.run_collective(fn) if exchange is not None else fn(communicator or runtime.communicator())
+
+
+def _float64(variables) -> list:
+    return [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
+
+
+def _assign(variables, values, flat) -> None:
+    """Each of ``variables`` (shaped as ``values``, their float64 copies) takes its part of the
+    concatenated ``flat``, cast to its own dtype."""
+    off = 0
+    for v, x in zip(variables, values):
+        v.assign(flat[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
+        off += x.size
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -170,13 +184,11 @@ class MetricAverage(keras.callbacks.Callback):
     def _allreduce(self, values: np.ndarray, stop: bool | None = None) -> np.ndarray:
         """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training
         (``None``: nothing to agree on)."""
-        comm = runtime.communicator()
         flat = np.concatenate([np.asarray(values, np.float64).reshape(-1), [1.0 if stop else 0.0]])
-        exchange = exchange_of(self.model)
-        total = exchange.run_collective(lambda c: c.allreduce(flat)) if exchange is not None else comm.allreduce(flat)
+        total = _collective(self.model, lambda c: c.allreduce(flat))
         if stop is not None and total[-1] > 0:
             self.model.stop_training = True
-        return total[:-1] / comm.size
+        return total[:-1] / runtime.communicator().size
 
     def _average(self, logs, stop=None):
         logs = logs if logs is not None else {}
@@ -217,12 +229,9 @@ class MetricAverage(keras.callbacks.Callback):
     def _mean_into(self, variables, stop=None):
         """Each of ``variables`` replaced by its mean over ranks (one allreduce, which also
         agrees on ``stop``, see :meth:`_allreduce`)."""
-        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-        mean = self._allreduce(np.concatenate([x.reshape(-1) for x in values]) if values else np.empty(0), stop)
-        off = 0
-        for v, x in zip(variables, values):
-            v.assign(mean[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
-            off += x.size
+        values = _float64(variables)
+        _assign(variables, values,
+                self._allreduce(np.concatenate([x.reshape(-1) for x in values]) if values else np.empty(0), stop))
 
     def on_test_end(self, logs=None):
         self._average(logs)
@@ -506,14 +515,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _agree(self, view: dict) -> None:
         """Collective: every rank's view of the backup gathered; every rank raises the same
         ConfigurationMismatch when they differ, or the same error when the backup is unreadable."""
-        from ..collectives.agreement import ConfigurationMismatch
-
         text = np.frombuffer(json.dumps(view, sort_keys=True).encode(), np.uint8)
-        exchange = exchange_of(self.model)
-        comm = runtime.communicator()
-        if comm.size > 1:
-            parts = exchange.run_collective(lambda c: c.allgather(text)) if exchange is not None \
-                else comm.allgather(text)
+        if runtime.communicator().size > 1:
+            parts = _collective(self.model, lambda c: c.allgather(text))
             views = [json.loads(bytes(np.asarray(p, np.uint8)).decode()) for p in parts]
         else:
             views = [view]
@@ -596,11 +600,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         set_initial_epoch(self.model, None)  # a later fit on this model starts where it is asked to
         if not self.delete_checkpoint:
             return
-        comm = runtime.communicator()
-        if comm.size > 1:  # every rank finished fit before the backup goes
-            exchange = exchange_of(self.model)
+        if runtime.communicator().size > 1:  # every rank finished fit before the backup goes
             done = np.ones(1, np.float64)
-            exchange.run_collective(lambda c: c.allreduce(done)) if exchange is not None else comm.allreduce(done)
+            _collective(self.model, lambda c: c.allreduce(done))
         if runtime.rank() == 0:
             for name in (self.LATEST, self.PREVIOUS):
                 for path in (self._path(name), files.partial_path(self._path(name))):
