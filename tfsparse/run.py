@@ -66,6 +66,7 @@ _MPIRUN_FLAGS_BY_ARITY = {
 # takes its place; mpirun's goes through --mpi-args
 MPIRUN_FLAGS = {name: n for n, names in _MPIRUN_FLAGS_BY_ARITY.items() for name in names.split()}
 
+
 def _restarts(text: str) -> int:
     """``--max-restarts``' value: an integer >= 0."""
     try:

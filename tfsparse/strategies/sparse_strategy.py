@@ -44,7 +44,7 @@ from ..pipelined import Pipelined
 from ..settings import Settings
 from ..keras.ownership import check_optimizer
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
-from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (public here too)
+from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (StepCountMismatch: public here too)
 
 _SYNCED_STEPS = ("train_step", "test_step")
 
@@ -98,9 +98,10 @@ class SparseExtended(OneDeviceExtended):
     def _agree_on_steps(self, dataset, steps, running: str):
         """Before ``fit``/``evaluate`` iterates: the ranks compare the exchange's settings and
         their numbers of batches (two small allgathers, here on the caller's thread, so that a
-        ``ConfigurationMismatch`` or :class:`StepCountMismatch` reaches the caller as itself).  Known and equal: nothing more; known and different: the mismatch;
-        unknown on some rank: every rank's dataset votes before each batch
-        (:func:`tfsparse.data.agree_on_data`, under the ``uneven_data`` policy)."""
+        ``ConfigurationMismatch`` or :class:`StepCountMismatch` reaches the caller as itself).
+        Known and equal: nothing more; known and different: the mismatch; unknown on some rank:
+        every rank's dataset votes before each batch (:func:`tfsparse.data.agree_on_data`, under
+        the ``uneven_data`` policy)."""
         self.exchange.agree_on_settings()  # a ConfigurationMismatch reaches the caller as itself
         mine = np.array([-1 if steps is None else steps], np.int64)
         counts = [int(c[0]) for c in self.exchange.run_collective(lambda c: c.allgather(mine))]
@@ -312,10 +313,10 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         other ranks' remaining batches are not used in that epoch, as with
         ``drop_remainder``); ``"join"`` (Horovod's ``hvd.join``) goes on until every rank is done,
         a rank that ran out taking zero-weighted batches (its gradient is zero); ``"error"``
-        raises :class:`StepCountMismatch` there.  A rank with no
-        data at all raises a :class:`StepCountMismatch` naming it.  Datasets of known length are compared
-        before the first step: different numbers of batches raise :class:`StepCountMismatch`
-        on every rank (pass the same ``steps_per_epoch`` everywhere, or shard evenly).
+        raises :class:`StepCountMismatch` there.  A rank with no data at all raises a
+        :class:`StepCountMismatch` naming it.  Datasets of known length are compared before the
+        first step: different numbers of batches raise :class:`StepCountMismatch` on every rank
+        (pass the same ``steps_per_epoch`` everywhere, or shard evenly).
 
     Every argument is validated before any communication.  Use as ``with strategy.scope():``
     or directly ``with strategy:``.
