@@ -12,12 +12,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from mpi_jobs import kill_session, mpi_lock, session_processes
-from tfsparse.run import build_command, find_program
+from tfsparse.run import LauncherWatch, build_command, find_program
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,24 +80,35 @@ def job_env(env: dict | None = None) -> dict:
 
 def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
     """Holds the lock, runs ``cmd`` in a session of its own; kills every process of the session
-    on timeout (the ranks too: Open MPI gives each a process group of its own).
-    Returns (exit status, output)."""
+    on timeout (the ranks too: Open MPI gives each a process group of its own).  A launcher
+    still there :data:`tfsparse.run.LINGER_S` seconds after all its ranks ended is ended the
+    way tfsparse-run ends one (:class:`tfsparse.run.LauncherWatch`): exit status 1, and a line
+    saying so at the end of the output.  Returns (exit status, output)."""
     full_env = job_env(env)
     with mpi_lock():
         proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            text, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            running = session_processes(proc.pid)
-            left = kill_session(proc.pid)
-            text, _ = proc.communicate()
-            listing = "".join(f"\n  {pid} {line[:200]}" for pid, line in running.items())
-            raise MPIJobError(f"{what or cmd} timed out after {timeout}s (a hang); still running then "
-                              f"(pid, state, command):{listing}\n"
-                              + (f"still there after SIGKILL: {sorted(left)}\n" if left else "")
-                              + _tail(text)) from None
-    return proc.returncode, text
+        deadline = time.monotonic() + timeout
+        watch = LauncherWatch(proc.pid)  # an mpirun left alone after its ranks ended (Open MPI 4.1)
+        while True:
+            try:
+                text, _ = proc.communicate(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                return proc.returncode, text
+            except subprocess.TimeoutExpired:
+                if watch.lingers():
+                    kill_session(proc.pid)
+                    text, _ = proc.communicate()
+                    return 1, f"{text}\ntests: {watch.message(Path(cmd[0]).name)}\n"
+                if time.monotonic() >= deadline:
+                    break
+        running = session_processes(proc.pid)  # timed out: a hang
+        left = kill_session(proc.pid)
+        text, _ = proc.communicate()
+        listing = "".join(f"\n  {pid} {line[:200]}" for pid, line in running.items())
+        raise MPIJobError(f"{what or cmd} timed out after {timeout}s (a hang); still running then "
+                          f"(pid, state, command):{listing}\n"
+                          + (f"still there after SIGKILL: {sorted(left)}\n" if left else "")
+                          + _tail(text))
 
 
 def _tail(text: str, n: int = 6000) -> str:

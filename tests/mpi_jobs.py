@@ -2,8 +2,8 @@
 (:mod:`mpi_harness`) and the benchmarks in ``tools/`` -- not part of the library.
 
 The tests import it as ``mpi_jobs`` (``tests/`` is on their path), the tools as
-``tests.mpi_jobs`` (they put the repository root on ``sys.path``).  Standard library only,
-so importing it costs a tool nothing.
+``tests.mpi_jobs`` (they put the repository root on ``sys.path``).  It needs only the standard
+library and :mod:`tfsparse.run` (numpy, not TensorFlow), so importing it costs a tool little.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+
+from tfsparse.run import process_table
 
 MPI_LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 
@@ -33,25 +35,11 @@ def mpi_lock(announce: bool = False):
         yield
 
 
-def _process_table() -> dict[int, tuple[str, int, int]]:
-    """``{pid: (state, parent pid, session id)}`` of every process ``/proc`` shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):  # gone meanwhile
-                continue
-            table[int(entry)] = (fields[0].decode(), int(fields[1]), int(fields[3]))
-    return table
-
-
 def session_processes(leader: int) -> dict[int, str]:
     """The live processes of the session ``leader`` leads (a launcher started with
     ``start_new_session=True``) and its descendants, whatever session they moved to:
     ``{pid: "state command line"}`` (zombies left out)."""
-    table = _process_table()
+    table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (_, parent, _) in table.items():
         children.setdefault(parent, []).append(pid)

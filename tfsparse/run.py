@@ -28,6 +28,12 @@ job's exit status; a job interrupted by Ctrl-C or SIGTERM is not relaunched.  A 
 trains with :class:`tfsparse.keras.callbacks.BackupAndRestore` goes on from its last backup.
 (mpirun's own, unrelated ``--max-restarts`` -- Open MPI's per-process restarts -- is reached
 through ``--mpi-args "--max-restarts N"``.)
+
+tfsparse-run stays in the foreground and watches mpirun (:class:`LauncherWatch`): Open MPI 4.1's
+``mpirun`` at times outlives every rank of a job that ended in ``MPI_Abort`` (its runtime logs
+``ORTE_ERROR_LOG: Data unpack would read past end of buffer in file .../show_help.c`` and then
+waits forever), so an mpirun that is still there :data:`LINGER_S` seconds after its last rank
+ended is ended, with a line on stderr, and the job's exit status is 1.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .network import EmulatedNetwork, NetSpec
@@ -251,6 +258,95 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
     return cmd, env
 
 
+LINGER_S = 20.0
+"""Seconds mpirun may outlive the last of its ranks before :class:`LauncherWatch` ends it."""
+
+
+def process_table() -> dict[int, tuple[str, int, int]]:
+    """``{pid: (state, parent pid, session id)}`` of every process ``/proc`` shows (empty where
+    there is no ``/proc``)."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+            table[int(entry)] = (fields[0].decode(), int(fields[1]), int(fields[3]))
+    return table
+
+
+def live_descendants(pid: int, table: dict | None = None) -> set[int]:
+    """The processes below ``pid`` (children, their children, ...) that are not zombies."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for child, (_, parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return {p for p in found if table[p][0] != "Z"}
+
+
+class LauncherWatch:
+    """Tells when a launcher (``mpirun``) has outlived every process it started by ``linger``
+    seconds -- Open MPI 4.1's runtime can hang so after an ``MPI_Abort`` (see the module's
+    docstring).  :meth:`lingers` is polled while the launcher runs; it is false until the
+    launcher has had children once, so a launch that is still starting is never taken for one."""
+
+    def __init__(self, pid: int, linger: float = LINGER_S):
+        self.pid, self.linger = pid, linger
+        self._started = False
+        self._alone_since: float | None = None
+        self._usable = os.path.isdir("/proc")
+
+    def lingers(self) -> bool:
+        if not self._usable:
+            return False
+        if live_descendants(self.pid):
+            self._started, self._alone_since = True, None
+            return False
+        if not self._started:
+            return False
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        return now - self._alone_since > self.linger
+
+    def message(self, name: str = "mpirun") -> str:
+        return (f"{name} (pid {self.pid}) was still running {self.linger:g} s after the last "
+                f"of its ranks had ended (Open MPI's runtime hangs so at times after an MPI_Abort); "
+                f"ended it, exit status 1")
+
+
+def wait_for_launcher(child: subprocess.Popen, linger: float = LINGER_S, poll: float = 0.5) -> int:
+    """Waits for ``child`` (mpirun) to exit and returns its status; ends it (SIGTERM, then
+    SIGKILL) and returns 1 when it outlives its ranks by ``linger`` seconds (:class:`LauncherWatch`)."""
+    watch = LauncherWatch(child.pid, linger)
+    while True:
+        try:
+            return child.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            pass
+        if watch.lingers():
+            print(f"tfsparse-run: {watch.message()}", file=sys.stderr, flush=True)
+            child.terminate()
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            return 1
+
+
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -283,7 +379,7 @@ class _Launcher:
         if self.interrupted:
             return 130
         self.child = subprocess.Popen(cmd, env=env)
-        code = self.child.wait()
+        code = wait_for_launcher(self.child)
         return 128 - code if code < 0 else code
 
 
@@ -361,13 +457,10 @@ def main(argv=None) -> int:
         print(shlex.join(cmd))
         return 0
     sys.stdout.flush()
-    if args.max_restarts > 0:
-        try:
-            return run_locally(cmd, env, args.max_restarts)
-        except KeyboardInterrupt:
-            return 130
-    os.execvpe(cmd[0], cmd, env)
-    return 0  # not reached
+    try:
+        return run_locally(cmd, env, args.max_restarts)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
