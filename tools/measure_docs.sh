@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Re-runs the measurements behind the documentation's tables and figures, one job at a time
+# (each takes the tests' MPI lock), with the code as it is.  Writes results/docs/<name>.{json,png,log};
+# the pages say which step made each table.  Usage:
+#
+#   bash tools/measure_docs.sh                 # every step, in this order (about an hour on 2 cores)
+#   bash tools/measure_docs.sh fit17m_1gbit gf_1gbit   # some steps
+#   bash tools/measure_docs.sh --list          # the steps and their commands
+#
+# Needs what `make test` installs (TensorFlow, mpi4py, Open MPI); the --net steps need root (or
+# CAP_NET_ADMIN) and tc.  Nothing else may run on the machine meanwhile: these are timings.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=results/docs
+mkdir -p "$OUT"
+LOCK="$($PYTHON -c 'import tempfile; print(tempfile.gettempdir())')/tfsparse-mpi.lock"
+RUN="flock $LOCK $PYTHON -m tfsparse.run"  # the tools that launch mpirun themselves take the lock
+NET1G="--net 1gbit"
+
+HOROVOD='{"label":"horovod none","algorithm":"horovod","compression":"none"},
+ {"label":"horovod fp16","algorithm":"horovod","compression":"fp16"},'
+FIT17M='[{"label":"dense f32","algorithm":"dense"},
+ {"label":"dense f32, 4 MB buckets","algorithm":"dense","plan":4194304},
+ {"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
+ {"label":"dense int8","algorithm":"dense","wire_dtype":"int8"},
+ {"label":"dense int8, 4 MB buckets","algorithm":"dense","wire_dtype":"int8","plan":4194304},
+ {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2},
+ {"label":"dense int8 pipeline=2, 4 MB buckets","algorithm":"dense","wire_dtype":"int8","pipeline":2,"plan":4194304},
+ {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
+ {"label":"topk 0.01","algorithm":"topk","density":0.01},{"label":"dragonn 0.01","algorithm":"dragonn","density":0.01}]'
+SPARSE25M='[{"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001},
+ {"label":"topk","algorithm":"topk","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001}]'
+SHM17M='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk","algorithm":"gtopk","density":0.01},
+ {"label":"oktopk","algorithm":"oktopk","density":0.01},{"label":"topk","algorithm":"topk","density":0.01},
+ {"label":"dragonn","algorithm":"dragonn","density":0.01}]'
+GF='[{"label":"dense f32 fused","algorithm":"dense"},
+ {"label":"dense f32, 4 MB buckets","algorithm":"dense","plan":4194304},
+ {"label":"dense f16 fused","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
+ {"label":"csc 0.15 f32 fused","algorithm":"csc","density":0.15},
+ {"label":"csc 0.15 f16, 4 MB buckets","algorithm":"csc","density":0.15,"wire_dtype":"float16","plan":4194304}]'
+PIPE='[{"label":"D-Sync f32","algorithm":"dense"},
+ {"label":"D-Sync bf16 (T)","algorithm":"dense","wire_dtype":"bfloat16"},
+ {"label":"D-Sync int8 (Q)","algorithm":"dense","wire_dtype":"int8"},
+ {"label":"Pipe-SGD f32","algorithm":"dense","pipeline":2},
+ {"label":"Pipe-SGD bf16 (T)","algorithm":"dense","wire_dtype":"bfloat16","pipeline":2},
+ {"label":"Pipe-SGD int8 (Q)","algorithm":"dense","wire_dtype":"int8","pipeline":2}]'
+DRAGONN='[{"label":"dense","algorithm":"dense"},{"label":"topk","algorithm":"topk","density":0.001},
+ {"label":"dgc","algorithm":"dgc","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001},
+ {"label":"dragonn, plan=cost_model","algorithm":"dragonn","density":0.001,"plan":"cost_model"},
+ {"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001}]'
+
+TTA='[{"label":"dense f32","algorithm":"dense"},
+ {"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
+ {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2},
+ {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
+ {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
+TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
+ {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
+ {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
+ {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
+
+declare -A STEP
+STEP[fit17m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '[${HOROVOD}${FIT17M#[}' --model mlp17m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp17m_1gbit"
+STEP[fit25m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$SPARSE25M' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp25m_1gbit"
+STEP[fit17m_shm]="$RUN -np 4 $PYTHON tools/bench_fit_step.py '$SHM17M' --model mlp17m --network 'shared memory' --out $OUT/fit_step_mlp17m_shm"
+STEP[gf_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$GF' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/gf_1gbit"
+STEP[pipe_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$PIPE' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/pipe_1gbit && $PYTHON tools/pipe_sgd_timing.py $OUT/pipe_1gbit.json --bandwidth 1gbit --latency 0 --out $OUT/pipe_timing"
+STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/dragonn_1gbit"
+STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
+STEP[tta_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 7 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit"
+STEP[demo]="flock $LOCK make demo"  # writes results/demo.{json,png}
+STEP[encode]="$PYTHON tools/bench_encode.py --out $OUT/bench_encode"
+STEP[exchange]="$PYTHON tools/bench_exchange.py --wires float32,float16,bfloat16,int8 --label 'shared memory' --out $OUT/bench_exchange.json"
+STEP[traffic]="$PYTHON tools/bench_exchange.py --algorithms dense,topk,gtopk,oktopk,dragonn,gaussiank,dgc,csc --wires float32,float16,int8 --plans fused --np 4 --steps 3 --warmup 1 --out $OUT/traffic.json"
+STEP[kernels]="$PYTHON tools/bench_kernels.py --sizes 1M,4M,16M,64M,128M --out $OUT"
+STEP[collectives]="$PYTHON tools/bench_collectives.py --out $OUT/bench_collectives.json"
+STEP[convergence]="flock $LOCK $PYTHON tools/bench_convergence.py --out $OUT/bench_convergence"
+STEP[convergence_dragonn]="flock $LOCK $PYTHON tools/bench_convergence.py --suite dragonn --out $OUT/bench_dragonn"
+STEP[convergence_pipesgd]="flock $LOCK $PYTHON tools/bench_convergence.py --suite pipesgd --seeds 0 1 2 3 --out $OUT/bench_pipesgd"
+STEP[simulate]="$PYTHON tools/simulate_network.py --sweep --out $OUT/simulate_network"
+STEP[validate_100mbit]="$PYTHON tools/validate_network_model.py --rates 100mbit --n 4000000 --density 0.01 --repeats 3 --out $OUT/validate_network_model_100mbit.json"
+STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out $OUT/validate_network_model.json"
+ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit tta_conv encode exchange traffic
+ kernels collectives convergence convergence_dragonn convergence_pipesgd simulate validate_100mbit validate_1gbit
+ tta_1gbit demo"
+
+if [[ "${1:-}" == "--list" ]]; then
+    for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
+    exit 0
+fi
+for name in "${@:-$ORDER}"; do
+    [[ -n "${STEP[$name]:-}" ]] || { echo "unknown step '$name'; accepted: $ORDER" >&2; exit 2; }
+done
+for name in ${@:-$ORDER}; do
+    echo "== $name ($(date -u +%H:%M:%S)): ${STEP[$name]}"
+    start=$SECONDS
+    bash -c "${STEP[$name]}" > "$OUT/$name.log" 2>&1 || { echo "   $name FAILED, see $OUT/$name.log"; continue; }
+    echo "   $name done in $((SECONDS - start)) s"
+done
