@@ -101,3 +101,20 @@ def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path
         assert run["step_ms_median"] > 0 and run["stall_s"] >= 0
     assert topk["comm_bytes"] > 0 and topk["time_to_target_s"] is not None
     assert "| topk |" in text and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_measure_docs_lists_its_steps_and_refuses_an_unknown_one():
+    """tools/measure_docs.sh: ``--list`` names every step with the command it runs (each a tool of
+    tools/, make demo, or a launch of one under tfsparse-run); an unknown step is refused before
+    anything runs, naming the accepted ones."""
+    listed = subprocess.run(["bash", "tools/measure_docs.sh", "--list"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    steps = [line[:-1] for line in listed.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert {"fit17m_1gbit", "gf_1gbit", "pipe_1gbit", "dragonn_1gbit", "tta_1gbit", "tta_conv", "demo"} <= set(steps)
+    for tool in ("bench_fit_step", "bench_time_to_accuracy", "bench_exchange", "bench_convergence", "bench_encode",
+                 "bench_kernels", "bench_collectives", "validate_network_model", "simulate_network"):
+        assert f"tools/{tool}.py" in listed.stdout and (REPO / "tools" / f"{tool}.py").exists()
+    refused = subprocess.run(["bash", "tools/measure_docs.sh", "fit17m_1gbit", "nope"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "unknown step 'nope'; accepted: fit17m_1gbit" in refused.stderr
