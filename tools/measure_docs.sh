@@ -92,10 +92,11 @@ if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
     exit 0
 fi
-for name in "${@:-$ORDER}"; do
-    [[ -n "${STEP[$name]:-}" ]] || { echo "unknown step '$name'; accepted: $ORDER" >&2; exit 2; }
+if (($#)); then names=("$@"); else read -ra names <<< "$(echo $ORDER)"; fi
+for name in "${names[@]}"; do
+    [[ -n "${STEP[$name]:-}" ]] || { echo "unknown step '$name'; accepted: $(echo $ORDER)" >&2; exit 2; }
 done
-for name in ${@:-$ORDER}; do
+for name in "${names[@]}"; do
     echo "== $name ($(date -u +%H:%M:%S)): ${STEP[$name]}"
     start=$SECONDS
     bash -c "${STEP[$name]}" > "$OUT/$name.log" 2>&1 || { echo "   $name FAILED, see $OUT/$name.log"; continue; }
