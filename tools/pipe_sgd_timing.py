@@ -20,7 +20,9 @@ Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)``.
     python tools/pipe_sgd_timing.py results/pipe_1gbit.json --bandwidth 1gbit --latency 0 \\
         --out results/pipe_timing
 
-Writes ``<out>.json`` (per run: measured and both predictions, ms) and ``<out>.png``.
+Writes ``<out>.json`` (per run: measured and both predictions, ms) and ``<out>.png``.  Runs
+that are not tfsparse's dense exchange (the compute floor ``bench_fit_step.py`` measures first,
+Horovod's runs) are left out.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ def predict(results: dict, ab: AlphaBeta) -> dict:
     l_compute = base["step_ms"] - base["encode_ms"] - base["wait_ms"]
     rows = []
     for r in runs:
+        if r.get("algorithm") != "dense":  # the compute floor and Horovod's runs have no exchange to model
+            continue
         pipelined = int(r.get("pipeline", 1)) == 2
         measured_comm = r["comm_ms"] + r["decode_ms"]
         ab_comm = 1e3 * ring_seconds(ab, p, r["mb_per_step"] * 1e6)
