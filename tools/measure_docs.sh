@@ -81,11 +81,12 @@ STEP[collectives]="$PYTHON tools/bench_collectives.py --out $OUT/bench_collectiv
 STEP[convergence]="flock $LOCK $PYTHON tools/bench_convergence.py --out $OUT/bench_convergence"
 STEP[convergence_dragonn]="flock $LOCK $PYTHON tools/bench_convergence.py --suite dragonn --out $OUT/bench_dragonn"
 STEP[convergence_pipesgd]="flock $LOCK $PYTHON tools/bench_convergence.py --suite pipesgd --seeds 0 1 2 3 --out $OUT/bench_pipesgd"
+STEP[accuracy]="$PYTHON -m pytest -s -q tests/test_algorithms_fit.py -k 'accuracy_within_two_points or half_precision_wire'"  # the tests take the lock
 STEP[simulate]="$PYTHON tools/simulate_network.py --sweep --out $OUT/simulate_network"
 STEP[validate_100mbit]="$PYTHON tools/validate_network_model.py --rates 100mbit --n 4000000 --density 0.01 --repeats 3 --out $OUT/validate_network_model_100mbit.json"
 STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out $OUT/validate_network_model.json"
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit tta_conv encode exchange traffic
- kernels collectives convergence convergence_dragonn convergence_pipesgd simulate validate_100mbit validate_1gbit
+ kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
  tta_1gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
