@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tfsparse.run import process_table
+from tfsparse.run import live_descendants, process_table
 
 MPI_LOCK = Path(tempfile.gettempdir()) / "tfsparse-mpi.lock"
 
@@ -40,16 +40,8 @@ def session_processes(leader: int) -> dict[int, str]:
     ``start_new_session=True``) and its descendants, whatever session they moved to:
     ``{pid: "state command line"}`` (zombies left out)."""
     table = process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (_, parent, _) in table.items():
-        children.setdefault(parent, []).append(pid)
     found = {pid for pid, (_, _, session) in table.items() if session == leader}
-    todo = [leader]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
+    found |= live_descendants(leader, table)
     live = {}
     for pid in sorted(found):
         if pid in table and table[pid][0] != "Z":
