@@ -14,16 +14,20 @@ import pytest
 
 from mpi_harness import REPO, launcher, mpirun, run_locked
 from test_resume_mpi import OPTIONS
+from tfsparse.aggregators.registry import available_aggregators
+from workers.resume_cases import key
 from tfsparse.keras.callbacks import BackupAndRestore
 
-ALGOS = ("dense", "topk", "gtopk", "oktopk", "dgc")
-CASES = [{"algo": a, "route": "strategy", "options": OPTIONS.get(a, {}),
-          **({"wire": "float16"} if a == "dense" else {})} for a in ALGOS] + [{"algo": "topk", "route": "optimizer"}]
+GRADIENTFLOW = {"wire": "float16", "memory": "momentum", "momentum": 0.9, "bucket_bytes": 1024,
+                "options": {"chunk_size": 16, "chunk_selection": "previous"}}
+CASES = ([{"algo": a, "route": "strategy", "options": OPTIONS.get(a, {}),
+           **({"wire": "float16"} if a == "dense" else {})} for a in ("dense", "topk", "gtopk", "oktopk", "dgc",
+                                                                      "gaussiank", "dragonn")]
+         + [{"algo": "csc", "route": "strategy", **GRADIENTFLOW},                       # GradientFlow's recipe
+            {"algo": "dense", "route": "strategy", "wire": "int8", "pipeline": 2},      # Pipe-SGD, K = 2
+            {"algo": "topk", "route": "strategy", "pipeline": 2},
+            {"algo": "topk", "route": "optimizer"}])
 E, K = 4, 2  # tests/workers/backup.py: 4 epochs of 6 steps, interrupted after epoch 2
-
-
-def key(case):
-    return f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}"
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -58,7 +62,7 @@ def check_resumed(results, cases):
 def test_resumed_training_is_bit_identical_for_every_algorithm_p3(tmp_path):
     results, _ = mpirun(3, "backup.py", tmp_path, "resume", json.dumps(CASES), timeout=540)
     check_resumed(results, CASES)
-    assert {case["algo"] for case in CASES} == set(ALGOS)
+    assert {case["algo"] for case in CASES} == set(available_aggregators())
 
 
 @pytest.mark.mpi
@@ -88,26 +92,27 @@ def test_ranks_that_would_resume_from_different_epochs_raise_the_same_error(tmp_
 
 
 @pytest.mark.mpi
-def test_max_restarts_relaunches_a_killed_job_which_resumes_from_its_backup(tmp_path):
-    """``tfsparse-run -np 2 --max-restarts 1``: rank 1 kills itself in epoch 2 of the first launch;
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_max_restarts_relaunches_a_killed_job_which_resumes_from_its_backup(tmp_path, nproc):
+    """``tfsparse-run -np 2|3 --max-restarts 1``: rank 1 kills itself in epoch 2 of the first launch;
     the relaunched job resumes from the backup of epoch 2 and ends with the weights of a job that
     was never killed."""
     worker = str(REPO / "tests" / "workers" / "backup_restart.py")
     runs = {}
     for name in ("kill", "nokill"):
         (tmp_path / name).mkdir()
-        runs[name] = run_locked([launcher("tfsparse-run"), "-np", "2", "--max-restarts", "1", sys.executable, worker,
-                                 str(tmp_path / name), name], timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+        runs[name] = run_locked([launcher("tfsparse-run"), "-np", str(nproc), "--max-restarts", "1", sys.executable,
+                                 worker, str(tmp_path / name), name], timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     killed, clean = runs["kill"], runs["nokill"]
     assert "rank 1: kills itself in epoch 2" in killed, killed[-3000:]
     restarts = [line for line in killed.splitlines() if line.startswith("tfsparse-run:")]
     assert len(restarts) == 1 and re.fullmatch(r"tfsparse-run: the job failed \(exit status \d+\); restart 1 of 1",
                                                restarts[0]), killed[-3000:]
     assert (tmp_path / "kill" / "launches.txt").read_text() == "started at epoch 0\nstarted at epoch 2\n"
-    assert killed.count("fit returned after 2 epochs") == 2, killed[-3000:]  # the relaunch ran epochs 2 and 3
-    assert "tfsparse-run:" not in clean and clean.count("fit returned after 4 epochs") == 2, clean[-3000:]
+    assert killed.count("fit returned after 2 epochs") == nproc, killed[-3000:]  # the relaunch ran epochs 2 and 3
+    assert "tfsparse-run:" not in clean and clean.count("fit returned after 4 epochs") == nproc, clean[-3000:]
     assert (tmp_path / "nokill" / "launches.txt").read_text() == "started at epoch 0\n"
-    for rank in range(2):
+    for rank in range(nproc):
         np.testing.assert_array_equal(np.load(tmp_path / "kill" / f"weights{rank}.npy"),
                                       np.load(tmp_path / "nokill" / f"weights{rank}.npy"), err_msg=f"rank {rank}")
     for name in ("kill", "nokill"):

@@ -24,7 +24,7 @@ import keras
 
 import tfsparse
 from mpi_harness import save_result
-from resume_cases import data, fresh
+from resume_cases import data, fresh, key
 from tfsparse.keras.callbacks import BackupAndRestore
 
 root, mode, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -70,10 +70,6 @@ def progress(directory):
         return None
     with h5py.File(path, "r") as f:
         return json.loads(f.attrs[BackupAndRestore.ATTRIBUTE])
-
-
-def key(case):
-    return f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}"
 
 
 flat = lambda m: np.concatenate([w.ravel() for w in m.get_weights()])  # noqa: E731

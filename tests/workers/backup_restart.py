@@ -1,4 +1,4 @@
-"""Worker launched by ``tfsparse-run -np 2 --max-restarts 1``: trains 4 epochs with
+"""Worker launched by ``tfsparse-run -np 2|3 --max-restarts 1``: trains 4 epochs with
 tfsparse.keras.callbacks.BackupAndRestore in DIR/backup.  With ``kill``, rank 1 kills itself
 (SIGKILL) in the middle of epoch 2 on the first launch only (DIR/killed, a marker file, says it
 happened); the relaunched job resumes from the backup of epoch 2.

@@ -1,6 +1,8 @@
 """What the resume workers (resume.py: ModelCheckpoint; backup.py: BackupAndRestore) share: each
 rank's data, the model, and a fresh compiled model of a case {"algo", "route", "wire",
-"bucket_bytes", "options"} -- through a new SparseStrategy or a DistributedOptimizer."""
+"bucket_bytes", "options", and optionally "memory", "momentum", "pipeline"} -- through a new
+SparseStrategy or a DistributedOptimizer.  A case with ``memory="momentum"`` (momentum correction)
+gets an SGD without momentum of its own."""
 import numpy as np
 import keras
 
@@ -23,8 +25,19 @@ def build():
 
 
 def settings(case):
+    extra = {name: case[name] for name in ("memory", "momentum", "pipeline") if name in case}
     return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
-                plan=case.get("bucket_bytes"), **case.get("options", {}))
+                plan=case.get("bucket_bytes"), **extra, **case.get("options", {}))
+
+
+def key(case):
+    """The case's name in the results (backup.py and its test)."""
+    return (f"{case['route']}:{case['algo']}:{case.get('wire', 'float32')}" +
+            "".join(f":{name}={case[name]}" for name in ("memory", "pipeline") if name in case))
+
+
+def sgd(case):
+    return keras.optimizers.SGD(0.05, momentum=0.0 if case.get("memory") == "momentum" else 0.9)
 
 
 def fresh(case):
@@ -33,9 +46,9 @@ def fresh(case):
     if case["route"] == "strategy":
         with tfsparse.SparseStrategy(**settings(case)).scope():
             model = build()
-            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
+            model.compile(sgd(case), LOSS)
         return model, []
     model = build()
-    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **settings(case)),
+    model.compile(tfsparse.keras.DistributedOptimizer(sgd(case), **settings(case)),
                   LOSS)
     return model, [BroadcastInitialState()]
