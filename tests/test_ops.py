@@ -336,6 +336,55 @@ def test_candidates_give_the_exact_topk_and_the_hash_table():
         same_bits(a, b)
 
 
+SPECIAL = np.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 3e38], np.float32)
+
+
+def _sparse(rng, n, count):
+    idx = np.sort(rng.choice(n, count, replace=False)).astype(np.int64)
+    val = rng.standard_normal(count).astype(np.float32)
+    val[rng.integers(0, count, min(count, 6))] = SPECIAL[:min(count, 6)]
+    return idx, val
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merge_sum_is_unique_then_scatter_bit_for_bit(seed):
+    """gTop-k's ⊤ sums two sparse vectors: one linear merge gives what np.unique of the
+    concatenation, a in zeros and b added give -- -0.0, NaN, Inf and overflow included."""
+    rng = np.random.default_rng(seed)
+    a_idx, a_val = _sparse(rng, 5000, 900)
+    b_idx, b_val = _sparse(rng, 5000, 1300)
+    union, inverse = np.unique(np.concatenate([a_idx, b_idx]), return_inverse=True)
+    summed = np.zeros(union.size, np.float32)
+    summed[inverse[:a_idx.size]] = a_val
+    with np.errstate(invalid="ignore", over="ignore"):
+        summed[inverse[a_idx.size:]] += b_val
+    got_idx, got_val = cpu.merge_sum(a_idx.astype(np.int32), a_val, b_idx, b_val)
+    same_bits(got_idx, union)
+    same_bits(got_val, summed)
+    for a, b in ((a_idx[:0], b_idx), (a_idx, b_idx[:0])):
+        same_bits(cpu.intersect_sorted(a, b), np.empty(0, np.int64))
+    same_bits(cpu.intersect_sorted(a_idx, b_idx), np.intersect1d(a_idx, b_idx, assume_unique=True))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_ties_low_is_numpys_dense_selection(seed):
+    """The dense top-k (k above n / 16): every larger magnitude and the lowest-index ties at the
+    k-th, NaN counted as Inf, indices ascending -- numpy's partition-mask-sort path, no sort."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(50, 4000))
+    x = np.round(rng.standard_normal(n) * 3).astype(np.float32) / 2  # many ties
+    x[rng.integers(0, n, 6)] = SPECIAL
+    for k in (1, n // 16 + 1, n // 2, n - 1):
+        mag = np.abs(x)
+        mag[np.isnan(mag)] = np.inf
+        t = mag[np.argpartition(mag, n - k)[n - k]]
+        above = np.flatnonzero(mag > t)
+        ref = np.sort(np.concatenate([above, np.flatnonzero(mag == t)[:k - above.size]]))
+        idx, val = cpu.topk_ties_low(x, k)
+        same_bits(idx, ref.astype(np.int64))
+        same_bits(val, x[ref])
+
+
 def test_sample_positions_are_where_the_samples_read():
     x = mixed(BIG, 6)
     s = C.sample_count(x.size, 0.01)

@@ -70,12 +70,9 @@ def top_merge(a_idx, a_val, b_idx, b_val, k: int) -> tuple[np.ndarray, np.ndarra
     """``G~^a ⊤ G~^b`` (gtopk-ssgd-shi2019 §III-C, Definition 1): the exact top-k (by
     magnitude) of the sum of two sparse vectors.  Inputs and output: ascending unique int64
     indices with float32 values; the output has ``min(k, |I^a ∪ I^b|)`` entries."""
-    a_idx = np.asarray(a_idx, dtype=np.int64)
-    b_idx = np.asarray(b_idx, dtype=np.int64)
-    union, inverse = np.unique(np.concatenate([a_idx, b_idx]), return_inverse=True)
-    summed = np.zeros(union.size, dtype=np.float32)
-    summed[inverse[:a_idx.size]] = a_val
-    summed[inverse[a_idx.size:]] += np.asarray(b_val, dtype=np.float32)
+    from ..ops import cpu
+
+    union, summed = cpu.merge_sum(a_idx, a_val, b_idx, b_val)  # one linear merge of the sorted inputs
     keep = topk_indices(summed, k)
     return union[keep], summed[keep]
 
@@ -168,7 +165,9 @@ class GTopKAllreduce(Aggregator):
         else:
             g_idx, g_val = cur_idx, cur_val.astype(np.float32, copy=False)
         # Alg. 3 lines 21-22 (gMask) and Alg. 4 line 10: Mask ∩ gMask leaves the residual
-        contributed = np.intersect1d(local_idx, g_idx, assume_unique=True)
+        from ..ops import cpu
+
+        contributed = cpu.intersect_sorted(local_idx, g_idx)  # a linear merge: both are ascending
         self.last_info = {"rounds": len(rounds), "received_bytes": received, "local_count": int(local_idx.size),
                           "global_count": int(g_idx.size)}
         return AllreduceResult(indices=g_idx, values=g_val, contributed=contributed,

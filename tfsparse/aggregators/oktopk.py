@@ -333,7 +333,9 @@ class OkTopkAllreduce(Aggregator):
         u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, itype, wire, loss)
 
         # line 14: indexes = local ∩ global
-        contributed = np.intersect1d(local_idx, u_idx, assume_unique=True)
+        from ..ops import cpu
+
+        contributed = cpu.intersect_sorted(local_idx, u_idx)  # a linear merge: both are ascending
         self.last_info = {"step": payload.t, "fresh_thresholds": bool(payload.fresh),
                           "repartitioned": bool(payload.repartition), "balanced": bool(balanced),
                           "local_count": int(local_idx.size), "global_count": int(u_idx.size),

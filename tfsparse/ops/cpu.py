@@ -432,6 +432,37 @@ def _hash_candidates(idx, val, tkey, a, b, m):
 
 
 @njit(cache=True, nogil=True)
+def _magnitude_keys(x):
+    """``|x|``'s keys (int64, ordered as the magnitudes), NaN counted as +-Inf."""
+    xu = x.view(np.uint32)
+    keys = np.empty(xu.size, np.int64)
+    for j in range(xu.size):
+        keys[j] = min(np.int64(xu[j]) & _ABS, _INFK)
+    return keys
+
+
+@njit(cache=True, nogil=True)
+def _take_ties_low(x, keys, k, t):
+    """Ascending indices (and values) of the ``k`` largest ``keys`` given the k-th largest ``t``:
+    every key above ``t``, then the ties at ``t`` with the lowest indices."""
+    ties = k
+    for j in range(keys.size):
+        ties -= np.int64(keys[j] > t)
+    out_idx = np.empty(k, np.int64)
+    out_val = np.empty(k, np.float32)
+    o = 0
+    for j in range(keys.size):
+        kk = keys[j]
+        if kk > t or (kk == t and ties > 0):
+            if kk == t:
+                ties -= 1
+            out_idx[o] = j
+            out_val[o] = x[j]
+            o += 1
+    return out_idx, out_val
+
+
+@njit(cache=True, nogil=True)
 def _take_topk(cand_idx, cand_val, k, t):
     """The top-k among candidates (ascending indices) that hold every key ``>= t``, ``t`` the
     exact k-th largest key: all keys above ``t``, then ties at ``t`` by lowest index."""
@@ -493,6 +524,82 @@ def _hash_select(xu, x, tkey, a, b, m):
         t = table[j]
         val[j] = x[t] if t >= 0 else np.float32(0.0)
     return table, val
+
+
+# ----------------------------------------------------------------------------- sorted index sets
+
+@njit(cache=True, nogil=True)
+def _merge_sum(a_idx, a_val, b_idx, b_val):
+    """The union of two ascending unique index arrays, with ``a``'s value plus ``b``'s where both
+    have an index (float32, ``a + b`` in that order), in one linear merge; ``b``'s own entries are
+    ``0 + b`` (a -0.0 becomes +0.0, as adding into zeros does)."""
+    zero = np.float32(0.0)
+    na, nb = a_idx.size, b_idx.size
+    idx = np.empty(na + nb, np.int64)
+    val = np.empty(na + nb, np.float32)
+    i = j = o = 0
+    while i < na and j < nb:
+        x, y = a_idx[i], b_idx[j]
+        if x < y:
+            idx[o] = x
+            val[o] = a_val[i]
+            i += 1
+        elif y < x:
+            idx[o] = y
+            val[o] = zero + b_val[j]
+            j += 1
+        else:
+            idx[o] = x
+            val[o] = a_val[i] + b_val[j]
+            i += 1
+            j += 1
+        o += 1
+    while i < na:
+        idx[o] = a_idx[i]
+        val[o] = a_val[i]
+        i += 1
+        o += 1
+    while j < nb:
+        idx[o] = b_idx[j]
+        val[o] = zero + b_val[j]
+        j += 1
+        o += 1
+    return idx[:o], val[:o]
+
+
+@njit(cache=True, nogil=True)
+def _intersect_sorted(a, b):
+    """The indices in both ascending unique arrays ``a`` and ``b``, ascending (a linear merge)."""
+    out = np.empty(min(a.size, b.size), np.int64)
+    i = j = o = 0
+    while i < a.size and j < b.size:
+        x, y = a[i], b[j]
+        if x < y:
+            i += 1
+        elif y < x:
+            j += 1
+        else:
+            out[o] = x
+            o += 1
+            i += 1
+            j += 1
+    return out[:o]
+
+
+def merge_sum(a_idx, a_val, b_idx, b_val):
+    """``(union, summed)`` of two sparse vectors given as ascending unique int64 indices with
+    float32 values: every index of either, ascending, with ``a_val + b_val`` (float32, in that
+    order) where both hold it, and ``0 + b_val`` where only ``b`` does -- what ``np.unique`` of
+    the concatenation, an assignment of ``a`` into zeros and an addition of ``b`` give, in one
+    pass instead of a sort."""
+    return _merge_sum(np.ascontiguousarray(a_idx, np.int64), as_f32(a_val),
+                      np.ascontiguousarray(b_idx, np.int64), as_f32(b_val))
+
+
+def intersect_sorted(a, b) -> np.ndarray:
+    """``np.intersect1d(a, b, assume_unique=True)`` of two ascending unique int64 index arrays
+    (the same array), in one linear merge instead of a sort."""
+    return _intersect_sorted(np.ascontiguousarray(a, np.int64), np.ascontiguousarray(b, np.int64))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -1034,6 +1141,18 @@ def add_select(g, r, acc, klo: int, base: int = 0):
     with _threads_for(g.size):
         idx, val, top = _add_select_ge(g, r, acc, np.int64(klo), np.int64(base), *_staging(g.size))
     return idx, val, int(top) < (_INFK << 1)
+
+
+def topk_ties_low(x, k: int):
+    """``(indices, values)`` of the ``k`` (``0 < k < n``) entries of largest magnitude of the
+    float32 vector ``x``, indices ascending; NaN counts as +-Inf and ties at the k-th magnitude
+    go to the lowest indices -- the selection of :func:`tfsparse.compressors.topk_with_values` for
+    dense ``k`` (above ``n / 16``), without a sort."""
+    x = as_f32(x)
+    keys = _magnitude_keys(x)
+    k = int(k)
+    t = np.partition(keys, keys.size - k)[keys.size - k]  # numpy's introselect: faster than Numba's here
+    return _take_ties_low(x, keys, k, t)
 
 
 def topk_of_candidates(idx, val, k: int):
