@@ -364,14 +364,15 @@ class OkTopkAllreduce(Aggregator):
             recv_bytes = np.concatenate(comm.alltoall([send_bytes[j:j + 1] for j in range(size)]))
         else:
             recv_bytes = send_bytes.copy()
-        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-        region = np.zeros(hi - lo, dtype=np.float32)
-        touched = np.zeros(hi - lo, dtype=bool)
+        from ..ops import cpu
+
+        # the region's sum so far as a sparse vector (ascending indices): each part is merged in
+        # (ops.cpu.merge_sum: a new index gets 0 + value, a known one its sum + value) -- what
+        # adding the parts into a zeroed region vector gives, without the region-sized passes
+        reduced = [np.empty(0, np.int64), np.empty(0, np.float32)]
 
         def reduce_part(idx, val):
-            rel = idx - lo
-            region[rel] += val
-            touched[rel] = True
+            reduced[:] = cpu.merge_sum(reduced[0], reduced[1], idx, val)
 
         steps = list(range(1, size))
         buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
@@ -402,8 +403,7 @@ class OkTopkAllreduce(Aggregator):
                 reduce_part(*unpack_sparse(req.wait(), itype, wire))
         for req in sends:
             req.wait()
-        rel = np.flatnonzero(touched)
-        return rel.astype(np.int64) + lo, region[rel]
+        return reduced[0], reduced[1]
 
     # -- §3.1.2 ---------------------------------------------------------------------------
     def _balance_and_allgatherv(self, comm, g_idx, g_val, itype, wire, loss):
