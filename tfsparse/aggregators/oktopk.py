@@ -21,8 +21,10 @@ One call (= one training iteration ``t``, counted from 1) runs Alg. 1:
   *Bucketing*: the steps are grouped into buckets of ``bucket_size`` peers whose messages are
   all in flight at once (``isend``/``irecv``); the local reduction of one bucket's data runs
   while the next bucket's messages are in flight (the own region's contribution is reduced
-  while the first bucket is in flight).  The reduced region is a dense accumulator of the
-  region's length plus a touched-mask; its non-zero pattern is ``reduced_topk^i``.
+  while the first bucket is in flight).  The reduced region is a sparse vector, each part
+  merged into it in arrival order (a linear merge of ascending indices: a new index gets
+  ``0 + value``, a known one its sum plus the value -- what adding into a zeroed region vector
+  gives); its indices are ``reduced_topk^i``.
 * lines 9-12 -- **global threshold**: on re-evaluation steps the reduced values of all
   regions are all-gathered (values only: the threshold needs no indices) and ``global_th`` =
   the exact k-th largest magnitude; otherwise the cached one is reused.
