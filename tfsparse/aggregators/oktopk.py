@@ -371,10 +371,11 @@ class OkTopkAllreduce(Aggregator):
         # the region's sum so far as a sparse vector (ascending indices): each part is merged in
         # (ops.cpu.merge_sum: a new index gets 0 + value, a known one its sum + value) -- what
         # adding the parts into a zeroed region vector gives, without the region-sized passes
-        reduced = [np.empty(0, np.int64), np.empty(0, np.float32)]
+        reduced_idx, reduced_val = np.empty(0, np.int64), np.empty(0, np.float32)
 
         def reduce_part(idx, val):
-            reduced[:] = cpu.merge_sum(reduced[0], reduced[1], idx, val)
+            nonlocal reduced_idx, reduced_val
+            reduced_idx, reduced_val = cpu.merge_sum(reduced_idx, reduced_val, idx, val)
 
         steps = list(range(1, size))
         buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
@@ -405,7 +406,7 @@ class OkTopkAllreduce(Aggregator):
                 reduce_part(*unpack_sparse(req.wait(), itype, wire))
         for req in sends:
             req.wait()
-        return reduced[0], reduced[1]
+        return reduced_idx, reduced_val
 
     # -- §3.1.2 ---------------------------------------------------------------------------
     def _balance_and_allgatherv(self, comm, g_idx, g_val, itype, wire, loss):

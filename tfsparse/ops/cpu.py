@@ -442,9 +442,11 @@ def _magnitude_keys(x):
 
 
 @njit(cache=True, nogil=True)
-def _take_ties_low(x, keys, k, t):
-    """Ascending indices (and values) of the ``k`` largest ``keys`` given the k-th largest ``t``:
-    every key above ``t``, then the ties at ``t`` with the lowest indices."""
+def _take_keyed(val, keys, k, t, idx, positions):
+    """The ``k`` largest ``keys`` given the k-th largest ``t``, in index order: every key above
+    ``t``, then the ties at ``t`` with the lowest indices.  Returns their indices -- the positions
+    in ``val`` (``positions``) or ``idx`` at those positions (candidates with ascending indices)
+    -- and ``val`` there."""
     ties = k
     for j in range(keys.size):
         ties -= np.int64(keys[j] > t)
@@ -456,33 +458,20 @@ def _take_ties_low(x, keys, k, t):
         if kk > t or (kk == t and ties > 0):
             if kk == t:
                 ties -= 1
-            out_idx[o] = j
-            out_val[o] = x[j]
+            out_idx[o] = j if positions else idx[j]
+            out_val[o] = val[j]
             o += 1
     return out_idx, out_val
 
 
-@njit(cache=True, nogil=True)
-def _take_topk(cand_idx, cand_val, k, t):
-    """The top-k among candidates (ascending indices) that hold every key ``>= t``, ``t`` the
-    exact k-th largest key: all keys above ``t``, then ties at ``t`` by lowest index."""
-    cu = cand_val.view(np.uint32)
-    ties = k
-    for j in range(cu.size):
-        if _key(cu[j]) > t:
-            ties -= 1
-    out_idx = np.empty(k, np.int64)
-    out_val = np.empty(k, np.float32)
-    p = 0
-    for j in range(cu.size):
-        kk = _key(cu[j])
-        if kk > t or (kk == t and ties > 0):
-            if kk == t:
-                ties -= 1
-            out_idx[p] = cand_idx[j]
-            out_val[p] = cand_val[j]
-            p += 1
-    return out_idx, out_val
+_NO_INDEX = np.empty(0, np.int64)
+
+
+def _top_of_candidates(idx, val, k):
+    """:func:`_take_keyed` of candidates: their keys (NaN above Inf) computed once, for the k-th
+    key and the take."""
+    keys = _keys_of(val)
+    return _take_keyed(val, keys, k, _kth_key(keys, k), idx, False)
 
 
 @njit(cache=True, nogil=True)
@@ -1030,7 +1019,7 @@ def topk_abs(x, k):
             return _select_top(xu, x, t, r, k)
         traffic.count("select", read=x.nbytes)  # the candidates' streaming pass
         idx, val = cand
-        return _take_topk(idx, val, k, _kth_key(_keys_of(val), k))
+        return _top_of_candidates(idx, val, k)
 
 
 def kth_largest_abs(x, k):
@@ -1152,7 +1141,7 @@ def topk_ties_low(x, k: int):
     keys = _magnitude_keys(x)
     k = int(k)
     t = np.partition(keys, keys.size - k)[keys.size - k]  # numpy's introselect: faster than Numba's here
-    return _take_ties_low(x, keys, k, t)
+    return _take_keyed(x, keys, k, t, _NO_INDEX, True)
 
 
 def topk_of_candidates(idx, val, k: int):
@@ -1162,7 +1151,7 @@ def topk_of_candidates(idx, val, k: int):
     :func:`topk_abs`).  None when there are fewer than ``k`` candidates."""
     if idx.size < k or k <= 0:
         return None
-    return _take_topk(idx, val, k, _kth_key(_keys_of(val), k))
+    return _top_of_candidates(idx, val, k)
 
 
 def hash_candidates(idx, val, t, capacity, seed=0):
@@ -1339,3 +1328,6 @@ def warmup() -> None:
     ci, cv, _ = add_select(x, x, np.empty_like(x), C.threshold_key(0.5), 7)
     topk_of_candidates(ci, cv, 3)
     hash_candidates(ci, cv, 0.5, 64)
+    union, summed = merge_sum(ci, cv, ci[::2], cv[::2])  # gTop-k's merge, Ok-Topk's reduction
+    topk_ties_low(summed, 3)
+    intersect_sorted(ci, union)
