@@ -8,6 +8,12 @@ the bytes one rank sends per step, and rank 0's exchange phases per step (``enco
 ``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``), and rank 0's memory traffic
 per step in passes over the gradient, per stage (``passes``: :mod:`tfsparse.traffic`).
 
+Memory speed is measured in the same launch too: ``pass_ms`` is one pass over the model's
+float32 gradient while every rank streams at once (the slowest rank's median time of
+``acc = g + r`` over the gradient's size -- three passes -- divided by three), and each setting's
+``memory_ms`` prices its ``passes`` at that speed: what the exchange's memory traffic alone
+costs per step on this machine with every rank at work, however fast its kernels.
+
     tfsparse-run -np 4 python tools/bench_fit_step.py CONFIGS_JSON [--model mlp25m] [--out results/bench_fit_step]
         [--backend horovod] [--no-compute]
 
@@ -101,6 +107,20 @@ def measure_compute(comm, x, y, model_name):
     return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": 0.0, "parameters": model.count_params()}
 
 
+def measure_pass(comm, n: int, repeats: int = 9) -> float:
+    """Milliseconds of one pass over ``n`` float32 while every rank streams at once: the slowest
+    rank's median ``acc = g + r`` (read, read, write: three passes) over ``n`` elements, / 3."""
+    g, r, acc = (np.ones(n, np.float32) for _ in range(3))  # every page touched before timing
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        np.add(g, r, out=acc)
+        times.append(time.perf_counter() - t0)
+    slowest = np.stack(comm.allgather(np.array(times))).max(axis=0)
+    return round(1e3 * float(np.median(slowest)) / 3, 2)
+
+
 def measure_horovod(comm, config, x, y, model_name):
     """The peer: a custom loop, every gradient through ``hvd.allreduce`` (average, Tensor Fusion)."""
     import tensorflow as tf
@@ -153,12 +173,13 @@ def plot(results, path):
 def table(results) -> str:
     """Markdown: each setting's step, its ratio to the compute floor, and to Horovod's matching run."""
     peers = {r.get("compression", "none"): r["step_ms"] for r in results["runs"] if r["algorithm"] == "horovod"}
-    lines = ["| setting | step ms | x compute | MB/step | x Horovod fp16 | passes |", "|---|---|---|---|---|---|"]
+    lines = ["| setting | step ms | x compute | MB/step | x Horovod fp16 | passes | memory ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         vs = f"{r['step_ms'] / peers['fp16']:.2f}" if "fp16" in peers else ""
         passes = r["passes"]["total"] if "passes" in r else ""
         lines.append(f"| {r['label']} | {r['step_ms']} | {r.get('x_compute', '')} | {r['mb_per_step']:.1f} | {vs} "
-                     f"| {passes} |")
+                     f"| {passes} | {r.get('memory_ms', '')} |")
     return "\n".join(lines)
 
 
@@ -182,8 +203,11 @@ def main():
                "runs": []}
     if not args.no_compute:
         configs = [{"label": "compute only (no exchange)", "algorithm": "compute"}] + configs
+    results["pass_ms"] = measure_pass(comm, build(args.model).count_params())
     for config in configs:
         results["runs"].append({**config, **measure(comm, config, x, y, args.model)})
+        if "passes" in results["runs"][-1]:
+            results["runs"][-1]["memory_ms"] = round(results["runs"][-1]["passes"]["total"] * results["pass_ms"], 1)
         floor = results["runs"][0]["step_ms"] if not args.no_compute else None
         if floor:
             results["runs"][-1]["x_compute"] = round(results["runs"][-1]["step_ms"] / floor, 2)
@@ -192,6 +216,7 @@ def main():
     if comm.rank == 0:
         files.write_text(args.out + ".json", json.dumps(results, indent=1))
         plot(results, args.out + ".png")
+        print(f"one pass over the gradient with every rank streaming: {results['pass_ms']} ms")
         print(table(results))
 
 
