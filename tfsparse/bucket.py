@@ -1,8 +1,9 @@
 """One bucket of an exchange at run time: the stages a round runs on it, each a part with
 explicit state.
 
-    compensate (memory) -> select and encode (aggregator: compressor + wire)
-        -> exchange (aggregator over the communicator) -> decode -> update (memory)
+    compensate (memory) -> select and encode (aggregator: compressor + wire)       caller's thread
+        -> exchange (aggregator over the communicator)                    communication thread
+        -> decode -> update (memory)                        the thread that finishes the round
 
 * the :mod:`memory <tfsparse.memory>` owns the bucket's vectors: the buffer offered to the
   exchange (``acc``), the residual and (momentum correction) the velocity;
@@ -34,9 +35,9 @@ class ExchangeStats:
 
     ``encode_seconds`` (caller's thread: error feedback, selection, encoding),
     ``comm_seconds`` (communication thread: the collectives), ``decode_seconds``
-    (communication thread: dense result and residual update) and ``wait_seconds`` (caller's
-    thread: blocked until the communication thread delivered a result -- what the overlap did
-    not hide) are summed over buckets.
+    (the thread that finishes the round: dense result and residual update) and ``wait_seconds``
+    (that thread blocked until the communication thread delivered a result -- what the overlap
+    did not hide) are summed over buckets.
     """
 
     def __init__(self):
@@ -81,6 +82,16 @@ class Outcome:
     def __init__(self, dense, nbytes, sent, comm_s, decode_s, skipped=False):
         self.dense, self.bytes, self.sent, self.comm_s, self.decode_s = dense, nbytes, sent, comm_s, decode_s
         self.skipped = skipped
+
+
+class Received:
+    """A bucket's round off the wire, not yet decoded: the aggregator's result, the vector to
+    decode it into, the bytes sent and the seconds the collectives took."""
+
+    __slots__ = ("result", "out", "bytes", "comm_s")
+
+    def __init__(self, result, out, nbytes, comm_s):
+        self.result, self.out, self.bytes, self.comm_s = result, out, nbytes, comm_s
 
 
 class Bucket:
@@ -161,20 +172,30 @@ class Bucket:
             extras["in_place"] = True  # acc is the memory's scratch: the new residual is built in it
         return aggregator, aggregator.encode(comm, offered, k, wire, **extras), finite
 
-    def exchange(self, comm, space, aggregator, payload) -> Outcome:
-        """The communication thread's stages: the collectives, the dense result, the memory's update."""
+    def exchange(self, comm, space, aggregator, payload) -> "Received":
+        """The communication thread's stage: the collectives (into a result vector of
+        :attr:`outputs` where the aggregator writes its dense result as it receives)."""
         t0 = time.perf_counter()
         before = comm.bytes_sent
         out = self.outputs.take() if self.outputs is not None else None
         result = aggregator.exchange(comm, payload, out=out)
-        t1 = time.perf_counter()
-        dense = space.decode(result, self.spec.size, out)
+        return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0)
+
+    def complete(self, space, received) -> Outcome:
+        """The stages after the wire, on the thread that finishes the round (so that while one
+        bucket is decoded the communication thread has the next one on the wire): the dense
+        result, then the memory's update.  A round that was skipped is complete already."""
+        if isinstance(received, Outcome):
+            return received
+        t0 = time.perf_counter()
+        result = received.result
+        dense = space.decode(result, self.spec.size, received.out)
         self.memory.update(result)
-        return Outcome(dense, comm.bytes_sent - before, result.sent_elements, t1 - t0, time.perf_counter() - t1)
+        return Outcome(dense, received.bytes, result.sent_elements, received.comm_s, time.perf_counter() - t0)
 
     def communicate(self, comm, space, aggregator, payload, finite: bool, index: int, nonfinite_result: str):
         """The communication thread's job for round ``index``: the finite flags of every rank, then
-        :meth:`exchange` -- or, when some rank's input is not finite, :meth:`skip` on every rank:
+        :meth:`exchange` (its :class:`Received`, for :meth:`complete`) -- or, when some rank's input is not finite, :meth:`skip` on every rank:
         no rank exchanges it, every residual stays as it was before the round (it never takes
         NaN/Inf), and every rank gets the same result -- zeros (``nonfinite_result="zeros"``, with
         a warning), or NaN (``"nan"``: a loss-scaling optimizer decides on the step, so that every

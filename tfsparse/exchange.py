@@ -6,16 +6,18 @@ the first round), and the settings' :mod:`plan <tfsparse.plan>` splits the layou
 buckets (:class:`~tfsparse.bucket.Bucket`), each with its own memory, aggregator, ``k`` and
 wire.  One round runs, for every bucket in bucket order, the bucket's stages:
 
-1. **compensate, select, encode** (the caller's thread): ``acc = grad + residual`` in one
-   pass (:mod:`tfsparse.memory`), the finite check, then the aggregator's local phase --
-   selection through its compressor and encoding on the wire (:meth:`Aggregator.encode
-   <tfsparse.aggregators.Aggregator.encode>`);
-2. **exchange, decode, update** (the communication thread,
-   :class:`~tfsparse.collectives.CommThread`): the aggregator's collectives over a duplicate of
-   the world communicator, strictly in bucket order; then the dense result and the memory's
-   new residual (what was not contributed, plus what the wire lost).
+1. **compensate, select, encode** (the caller's thread, :meth:`begin`): ``acc = grad +
+   residual`` in one pass (:mod:`tfsparse.memory`), the finite check, then the aggregator's
+   local phase -- selection through its compressor and encoding on the wire
+   (:meth:`Aggregator.encode <tfsparse.aggregators.Aggregator.encode>`);
+2. **exchange** (the communication thread, :class:`~tfsparse.collectives.CommThread`): the
+   aggregator's collectives over a duplicate of the world communicator, strictly in bucket
+   order;
+3. **decode, update** (the thread that finishes the bucket, :meth:`finish`): the dense result
+   and the memory's new residual (what was not contributed, plus what the wire lost).
 
-So while bucket ``i`` is on the wire, bucket ``i + 1`` is being selected and encoded; and in a
+So while bucket ``i`` is on the wire, bucket ``i + 1`` is being selected and encoded, and
+while bucket ``i`` is decoded, bucket ``i + 1`` is on the wire; and in a
 TensorFlow step (:mod:`tfsparse.tf_glue`) each bucket starts as soon as back-propagation has
 produced its gradients (bucket 0 holds the last layers).  :meth:`GradientExchange.start`
 returns a :class:`Round` whose :meth:`~Round.wait` may come later.  Pipe-SGD's pipelining is a
@@ -365,15 +367,18 @@ class GradientExchange:
         return b.communicate(self._xcomm, self.space, aggregator, payload, finite, index, self.nonfinite_result)
 
     def finish(self, b: Bucket, index: int):
-        """Bucket ``b``'s result of round ``index`` (waits for its communication job)."""
+        """Bucket ``b``'s result of round ``index``: waits for its communication job, then decodes
+        it and updates the memory on this thread (:meth:`Bucket.complete`)."""
         t0 = time.perf_counter()
         try:
-            out = b.futures[index].result()
+            received = b.futures[index].result()
+            waited = time.perf_counter() - t0
+            del b.futures[index]
+            with self.space.active():
+                out = b.complete(self.space, received)
         except BaseException as e:
             self._failed = e
             raise
-        waited = time.perf_counter() - t0
-        del b.futures[index]
         last = b.spec.index == len(self.bucket_states) - 1
         with self._stats_lock:
             t0 = self._round_t0.pop(index, None) if last else None

@@ -132,7 +132,8 @@ class CommunicationStats(keras.callbacks.Callback):
     ``comm_bytes`` (mean bytes sent), ``density`` (achieved fraction of gradient elements
     sent), and where the time went -- ``encode_ms`` (error feedback, selection, encoding, on
     the training thread), ``comm_ms`` (the collectives, on the communication thread),
-    ``decode_ms`` (dense result and residual update, on the communication thread) and
+    ``decode_ms`` (dense result and residual update, on the training thread once a bucket is
+    off the wire, while the communication thread moves the next one) and
     ``wait_ms`` (the training thread blocked on the communication thread: the part of the
     exchange that overlap -- buckets, ``pipeline=2`` -- did not hide).
 
