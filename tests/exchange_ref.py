@@ -277,7 +277,7 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
                         for r, a in enumerate(part)]
                 res_b, resid_b, _ = selection_round(part, sels, wire)
             elif algorithm == "dragonn":  # the bucket's s-th round hashes with seed·2**32 + s
-                sels = [refs.dragonn_selection(a, k, s, slot_order=True, **options) for a in part]
+                sels = [refs.dragonn_selection(a, k, s, **options) for a in part]
                 res_b, resid_b, _ = selection_round(part, sels, wire)
             elif algorithm == "gtopk":
                 res_b, resid_b, _ = gtopk_round(part, k, wire)

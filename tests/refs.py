@@ -152,13 +152,13 @@ def dgc_selection(a, k, rng, sample_ratio=0.01, min_samples=1024, adapt_iters=10
     return sel
 
 
-def dragonn_selection(a, k, step, capacity_factor=4, sample_ratio=0.01, min_samples=1024, seed=0, slot_order=False):
+def dragonn_selection(a, k, step, capacity_factor=4, sample_ratio=0.01, min_samples=1024, seed=0):
     """DRAGONN (dragonn-wang2022 Alg. 1) run sequentially, from the numpy reference kernels
     (tfsparse.ops.reference): the sampled threshold of step ``step``'s seed ``seed·2**32 + step``
     (the exact k-th largest |a| below ``min_samples`` samples), every index passing ``|a| >= t``
     written in ascending order to its hash slot of ``capacity_factor·k`` (a later index
-    overwrites an earlier one), empty slots dropped.  Returns the surviving indices, sorted
-    (``slot_order``: in slot order, as they travel)."""
+    overwrites an earlier one), empty slots dropped.  Returns the surviving indices, sorted (as
+    they travel)."""
     from tfsparse.ops import reference as R
 
     n = a.size
@@ -175,8 +175,6 @@ def dragonn_selection(a, k, step, capacity_factor=4, sample_ratio=0.01, min_samp
     table = {}
     for i, slot in zip(passing, R.hash_slots(passing, m, st)):
         table[int(slot)] = int(i)  # Alg. 1: "the previous index is overwritten by the latter ones"
-    if slot_order:
-        return np.array([table[j] for j in sorted(table)], dtype=np.int64)
     return np.array(sorted(table.values()), dtype=np.int64)
 
 

@@ -12,7 +12,7 @@ import refs
 from fakes import NoTalk
 from tfsparse import aggregators as A
 from tfsparse.aggregators.gtopk import top_merge, tree_schedule
-from tfsparse.wire import FLOAT32, pack_sparse, unpack_sparse
+from tfsparse.wire import FLOAT32, BlockedIndices, PlainIndices, index_codec, pack_sparse, unpack_sparse
 from tfsparse.aggregators.oktopk import balance_plan, local_boundaries
 from tfsparse.collectives import InProcessWorld
 from tfsparse.collectives.communicator import binomial_children
@@ -124,6 +124,11 @@ def test_matches_reference(P, name):
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 def test_volumes(P):
     n, k = 4000, 50
+
+    def msg(m, ascending=True):  # a message of m entries: the indices as index_codec codes them
+        return index_codec(n, k, ascending).nbytes(m) + 4 * m
+
+    assert msg(k) == 4 + 2 * k + 4 * k and msg(k, ascending=False) == 8 * k  # one block: blocked indices
     for name in ALGOS:
         opts = {"seed": 1} if name == "dgc" else None
         out = run(P, name, 3, n, k, opts)
@@ -131,22 +136,23 @@ def test_volumes(P):
         if name == "dense":
             assert (b == 2 * 4 * n * (P - 1) // P).all()
         elif name == "topk":
-            assert (b == 8 * k * (P - 1)).all()  # 2k(P-1) elements of 4 bytes
+            assert (b == msg(k) * (P - 1)).all()  # 2k(P-1) elements (Eq. 6)
         elif name in ("dgc", "gaussiank", "dragonn"):
             for r in range(P):
                 for s in range(3):
                     sent = [out[q][s]["sent"] for q in range(P)]
-                    assert b[r, s] == 8 * (sum(sent) - sent[(r + 1) % P])  # 2k'(P-1) for the ring
+                    # the ring passes on every rank's message but its successor's: 2k'(P-1)
+                    assert b[r, s] == sum(msg(sent[q]) for q in range(P) if q != (r + 1) % P)
         elif name == "gtopk":
             depth = math.ceil(math.log2(P))
             for s in range(3):
                 m = out[0][s]["indices"].size
                 root_recv = out[0][s]["info"]["received_bytes"]
-                assert root_recv <= 8 * k * depth
-                assert b[0, s] == (8 * m + 8) * binomial_children(0, P)
-                assert b[0, s] + root_recv <= 4 * k * depth * 4 + 8 * depth  # Eq. 7: 4k log2 P at the root
+                assert root_recv <= msg(k) * depth
+                assert b[0, s] == (msg(m) + 8) * binomial_children(0, P)
+                assert b[0, s] + root_recv <= 2 * msg(k) * depth + 8 * depth  # Eq. 7: 4k log2 P at the root
                 for r in range(1, P):  # every other rank sends its 2k once, plus its bcast share
-                    assert b[r, s] == 8 * k + (8 * m + 8) * binomial_children(r, P)
+                    assert b[r, s] == msg(k) + (msg(m) + 8) * binomial_children(r, P)
         else:  # oktopk on reuse steps: <= 6k(P-1)/P elements (Eq. 3) + the P-element control
             # messages, where k is what the reused thresholds actually select (only ~k)
             for s in (1, 2):
@@ -190,8 +196,8 @@ def test_top_merge_is_topk_of_sum():
 def test_pack_roundtrip():
     idx = np.array([0, 5, 2**20], np.int64)
     val = np.array([1.5, -2.0, np.nan], np.float32)
-    for itype in (np.int32, np.int64):
-        i2, v2 = unpack_sparse(pack_sparse(idx, val, itype)[0], itype)
+    for codec in (PlainIndices(2**21), PlainIndices(2**31), BlockedIndices(2**21)):
+        i2, v2 = unpack_sparse(pack_sparse(idx, val, codec)[0], codec)
         np.testing.assert_array_equal(i2, idx)
         np.testing.assert_array_equal(v2, val)
 
@@ -593,7 +599,10 @@ def test_dragonn_hashing_collisions_and_decode(P, options):
             sent = out[r][s]["contributed"]
             np.testing.assert_array_equal(np.sort(sent), sels[r])
             assert 0 < sent.size <= m and np.unique(sent).size == sent.size and (sent >= 0).all()
-            assert out[r][s]["bytes"] == 8 * sum(out[q][s]["sent"] for q in range(P) if q != (r + 1) % P)
+            # in index order (so blocked: header + 2 bytes per index) and the float32 values
+            assert out[r][s]["bytes"] == sum(BlockedIndices(n).nbytes(out[q][s]["sent"]) + 4 * out[q][s]["sent"]
+                                             for q in range(P) if q != (r + 1) % P)
+            np.testing.assert_array_equal(sent, sels[r])  # they travel in index order
         if "capacity_factor" in options:  # k slots for ~k passing indices: many collide
             assert np.mean([out[r][s]["sent"] for r in range(P)]) < 0.8 * k
     # a new seed per step: the same gradient hashes differently at the next step

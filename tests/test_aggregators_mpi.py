@@ -12,6 +12,7 @@ import pytest
 import refs
 from mpi_harness import mpirun
 from tfsparse.collectives.communicator import binomial_children
+from tfsparse.wire import index_codec
 
 pytestmark = pytest.mark.mpi
 
@@ -37,6 +38,12 @@ def step(results, key, s, P):
         out.append((d[f"{key}__s{s}_acc"], d[f"{key}__s{s}_dense"], d[f"{key}__s{s}_indices"],
                     d[f"{key}__s{s}_contributed"], meta))
     return out
+
+
+def msg(m):
+    """Bytes of a message of ``m`` (index, value) entries: float32 values, the indices as they travel
+    (blocked: ``N`` < 64K elements, one 4-byte count and 2 bytes per index, padded to 4)."""
+    return index_codec(N, K).nbytes(m) + 4 * m
 
 
 def close(got, want):
@@ -66,7 +73,8 @@ def test_result_equals_reference_and_volume(job, name):
             continue
         if name == "topk":
             close(got, refs.topk_allgather_ref(accs, K))
-            assert all(b == 8 * K * (P - 1) for b in nbytes)
+            assert msg(K) == 4 + 2 * K + 4 * K
+            assert all(b == msg(K) * (P - 1) for b in nbytes)
         elif name == "gtopk":
             want, _ = refs.gtopk_tree_ref(accs, K)
             close(got, want)
@@ -74,10 +82,10 @@ def test_result_equals_reference_and_volume(job, name):
             assert m <= K
             depth = math.ceil(math.log2(P))
             assert infos[0]["rounds"] == depth
-            assert infos[0]["received_bytes"] <= 8 * K * depth
-            assert nbytes[0] + infos[0]["received_bytes"] <= 16 * K * depth + 8 * depth  # 4k log2 P elements
+            assert infos[0]["received_bytes"] <= msg(K) * depth
+            assert nbytes[0] + infos[0]["received_bytes"] <= 2 * msg(K) * depth + 8 * depth  # 4k log2 P elements
             for r in range(1, P):
-                assert nbytes[r] == 8 * K + (8 * m + 8) * binomial_children(r, P)
+                assert nbytes[r] == msg(K) + (msg(m) + 8) * binomial_children(r, P)
             for r in range(P):
                 np.testing.assert_array_equal(rows[r][3], np.intersect1d(refs.exact_topk(accs[r], K), rows[r][2]))
         elif name == "oktopk":
@@ -111,7 +119,7 @@ def test_result_equals_reference_and_volume(job, name):
             sent = [row[4]["sent"] for row in rows]
             for r in range(P):
                 np.testing.assert_array_equal(np.sort(rows[r][3]), sels[r])
-                assert nbytes[r] == 8 * (sum(sent) - sent[(r + 1) % P])  # allgather of 2k' per rank
+                assert nbytes[r] == sum(msg(sent[q]) for q in range(P) if q != (r + 1) % P)  # allgather of 2k' per rank
 
 
 def test_oktopk_data_balancing(job):

@@ -47,7 +47,7 @@ def test_topk_exchange_matches_reference_over_steps(P):
         np.testing.assert_array_equal(out[r][1], residuals[r])
         stats = out[r][2]
         assert stats.steps == steps and stats.sent_elements == k * steps
-        assert stats.bytes_sent == (8 * k * (P - 1) * steps)
+        assert stats.bytes_sent == ((4 + 2 * (k + 1) + 4 * k) * (P - 1) * steps)  # k = 15 entries, blocked indices
 
 
 @pytest.mark.parametrize("P", [2, 3])

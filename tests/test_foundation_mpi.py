@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mpi_harness import MPIJobError, launcher, mpirun, run_locked
+from tfsparse.wire import index_codec
 
 pytestmark = pytest.mark.mpi
 
@@ -64,7 +65,8 @@ def test_exchange_equals_numpy_reference(P, algorithm):
         per_step = got[f"{algorithm}/nbytes"]
         if algorithm == "topk":
             np.testing.assert_array_equal(got["topk/residuals"][-1], ref_res[r])
-            assert per_step == [8 * k * (P - 1)] * STEPS  # 2k(P-1) elements of 4 bytes
+            msg = index_codec(n, k).nbytes(k) + 4 * k  # k entries: float32 values, the indices as they travel
+            assert per_step == [msg * (P - 1)] * STEPS  # 2k(P-1) elements (Eq. 6)
         else:
             assert per_step == [2 * 4 * n * (P - 1) // P] * STEPS
 
@@ -106,7 +108,7 @@ def test_fit_digits_all_routes(P):
         else:
             k = int(np.ceil(0.05 * n))
             assert hist["density"][0] == pytest.approx(k / n)
-            assert hist["comm_bytes"][0] == pytest.approx(8 * k * (P - 1))
+            assert hist["comm_bytes"][0] == pytest.approx((index_codec(n, k).nbytes(k) + 4 * k) * (P - 1))
     if P == 3:  # wrapper inside the strategy: same numbers as either route alone
         np.testing.assert_array_equal(res[0]["optimizer_in_strategy:topk/weights"],
                                       res[0]["strategy:topk/weights"])

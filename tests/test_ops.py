@@ -334,6 +334,14 @@ def test_candidates_give_the_exact_topk_and_the_hash_table():
     idx, val, _ = cpu.add_select(x, np.zeros_like(x), acc, C.threshold_key(t))
     for a, b in zip(cpu.hash_candidates(idx, val, t, 4 * k, seed=9), cpu.hash_select(x, t, 4 * k, seed=9)):
         same_bits(a, b)
+    # the table's occupied slots in index order, without a sort (what DRAGONN sends)
+    table, values = cpu.hash_select(x, t, 4 * k, seed=9)
+    full = table >= 0
+    order = np.argsort(table[full])
+    got = cpu.hash_survivors(idx, val, t, 4 * k, seed=9)
+    same_bits(got[0], table[full][order])
+    same_bits(got[1], values[full][order])
+    assert np.all(np.diff(got[0]) > 0)
 
 
 SPECIAL = np.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 3e38], np.float32)

@@ -13,7 +13,9 @@ from fakes import NoTalk
 from tfsparse.collectives import InProcessWorld
 from tfsparse.exchange import GradientExchange
 from tfsparse.plan import Layout, TensorSpec
+from tfsparse.aggregators import get_aggregator
 from tfsparse.selection import CostModel, CostModelPlan, decide
+from tfsparse.wire import index_codec
 
 # a slow link (100 Mbit/s, 200 us) and a compressor costing 100 us + 2 ns per element
 SLOW = CostModel(alpha=200e-6, beta=12.5e6, comp_fixed=100e-6, comp_per_element=2e-9)
@@ -24,12 +26,13 @@ def layout(shapes=SHAPES):
     return Layout(TensorSpec(f"t{i}", s) for i, s in enumerate(shapes))
 
 
-def eq1_reference(d, K, density, m: CostModel, value_bytes=4, index_bytes=4, fuse_dense=True):
+def eq1_reference(d, K, density, m: CostModel, value_bytes=4, fuse_dense=True):
     """Eq. 1 with the paper's formulas: T_full = 2(K-1)(α + dA/(KB)) (no α for a fused dense
-    tensor), T_spr = (K-1)(α + k(index+value)/B), T_comp = c0 + c1·d."""
+    tensor), T_spr = (K-1)(α + k(index+value)/B) -- topk's indices as they travel (blocked where
+    that is smaller: tfsparse.wire.index_codec), T_comp = c0 + c1·d."""
     k = min(d, max(1, math.ceil(density * d)))
     t_full = 2 * (K - 1) * ((0 if fuse_dense else m.alpha) + d * value_bytes / (K * m.beta))
-    t_spr = (K - 1) * (m.alpha + k * (index_bytes + value_bytes) / m.beta)
+    t_spr = (K - 1) * (m.alpha + (index_codec(d, k).nbytes(k) + k * value_bytes) / m.beta)
     t_comp = m.comp_fixed + m.comp_per_element * d
     return k < d and t_comp < t_full - t_spr
 
@@ -61,7 +64,9 @@ def test_cost_model_prices_the_aggregators_schedules():
     assert SLOW.t_full(d, K, 4) == schedule("dense", K, d, 1.0).seconds(ring, prefer="ring")
     assert SLOW.t_full(d, K, 4) == pytest.approx(2 * (K - 1) * (SLOW.alpha + d * 4 / (K * SLOW.beta)), rel=1e-12)
     assert SLOW.t_spr(d, K, k, 4) == schedule("topk", K, d, 0.01).seconds(ring, prefer="ring")
-    assert SLOW.t_spr(d, K, k, 2) == pytest.approx((K - 1) * (SLOW.alpha + k * 6 / SLOW.beta), rel=1e-12)
+    blocked = 4 * 7 + 2 * (k + 1)  # k = 4015 indices in 7 blocks of 64K elements, blocked
+    assert SLOW.t_spr(d, K, k, 2) == pytest.approx((K - 1) * (SLOW.alpha + (blocked + 2 * k) / SLOW.beta), rel=1e-12)
+    assert SLOW.t_spr(d, K, k, 2, get_aggregator("dragonn")) == SLOW.t_spr(d, K, k, 2)  # in index order too
     assert SLOW.t_full(10, 3, 4, latency=False) == pytest.approx(4 * 4 * 4 / SLOW.beta, rel=1e-12)
     assert SLOW.t_full(d, 1, 4) == SLOW.t_spr(d, 1, k, 4) == 0.0
 

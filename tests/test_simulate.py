@@ -25,6 +25,7 @@ from tfsparse.collectives import AlphaBeta, InProcessWorld, measure_alpha_beta
 from tfsparse.collectives.alphabeta import fit_alpha_beta, parse_rate, parse_time
 from tfsparse.collectives.simulate import Builder
 from tfsparse.timing import ALGORITHMS, period, schedule, simulate
+from tfsparse.wire import BlockedIndices
 
 REPO = Path(__file__).resolve().parents[1]
 N, DENSITY, K = 20000, 0.01, 200
@@ -138,12 +139,16 @@ def test_one_rank_communicates_nothing():
 def test_volumes_are_the_papers(P):
     n, d = 25_200_000, 0.001
     k = math.ceil(d * n)
+    # a message of k (index, value) entries: k float32 values, k indices blocked (BlockedIndices:
+    # 2 bytes each plus one 4-byte count per 64K elements) -- the papers' 2k elements in 6k + 1540 bytes
+    msg = BlockedIndices(n).nbytes(k) + 4 * k
+    assert msg == 6 * k + 4 * 385
     # gtopk-ssgd-shi2019 Eq. 5 (dense, 4-byte values) and Eq. 6 (TopKAllReduce, 2k(P-1) elements)
     assert schedule("dense", P, n, d).bytes == 2 * 4 * n * (P - 1) // P
-    assert schedule("topk", P, n, d).bytes == 2 * k * (P - 1) * 4
+    assert schedule("topk", P, n, d).bytes == msg * (P - 1)
     # Eq. 7: rank 0 sends 2k log2 P elements in the broadcast (plus the 8-byte lengths)
     g = schedule("gtopk", P, n, d)
-    assert g.sent[0] == int(math.log2(P)) * (8 * k + 8) == g.bytes
+    assert g.sent[0] == int(math.log2(P)) * (msg + 8) == g.bytes
     # oktopk-li2022 Eq. 3: a reuse step sends at most 6k(P-1)/P elements (+ the 8-byte counts)
     ok = schedule("oktopk", P, n, d, step=2)
     assert ok.bytes <= 6 * k * (P - 1) / P * 4 + 16 * (P - 1) + 1
@@ -153,10 +158,11 @@ def test_gtopk_rounds_and_seconds():
     P, n, d = 32, 25_200_000, 0.001
     k = math.ceil(d * n)
     r = simulate("gtopk", P, n, d, AB)
+    msg = BlockedIndices(n).nbytes(k) + 4 * k  # k entries, the indices blocked
     tree = [x for x in r.rounds if x.phase == "reduction tree"]
-    assert len(tree) == 5 and all((x.messages, x.bytes, x.elements) == (1, 8 * k, 2 * k) for x in tree)
+    assert len(tree) == 5 and all((x.messages, x.bytes, x.elements) == (1, msg, 2 * k) for x in tree)
     assert sum(x.messages for x in r.rounds) == 3 * 5  # tree + length broadcast + result broadcast
-    want = 10 * (AB.alpha + 8 * k / AB.beta) + 5 * (AB.alpha + 8 / AB.beta)
+    want = 10 * (AB.alpha + msg / AB.beta) + 5 * (AB.alpha + 8 / AB.beta)
     assert r.seconds == pytest.approx(want, rel=1e-12)
     # a non-power-of-two P adds the fold round: ceil(log2 P) tree rounds
     assert len([x for x in simulate("gtopk", 5, n, d, AB).rounds if x.phase == "reduction tree"]) == 3
@@ -262,7 +268,7 @@ def test_cores_slow_local_work_that_more_ranks_than_cores_do_at_once():
 def test_token_bucket_lets_the_burst_through_after_idle_moments():
     n, d = 25_200_000, 0.001
     k = math.ceil(d * n)
-    msg = 8 * k                                         # one (index, value) message: 201,600 B
+    msg = BlockedIndices(n).nbytes(k) + 4 * k           # one (index, value) message: 152,740 B
     plain = AlphaBeta(0.0, 125e6)
     deep = AlphaBeta(0.0, 125e6, burst=10 * msg)
     # a bucket deeper than the whole step: every byte passes at once, only local work is left

@@ -60,6 +60,9 @@ class Compressor(Stateful):
     name = "base"
     #: whether :meth:`compress` takes a CUDA device vector (and returns host arrays)
     on_device = False
+    #: whether :meth:`compress` returns strictly ascending indices: then they travel blocked
+    #: (:class:`tfsparse.wire.BlockedIndices`, where that is smaller), else as int32
+    ascending = False
 
     def compress(self, acc: np.ndarray, k: int, candidates: Candidates | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Returns (indices, values) of the entries to send.  ``candidates``: what the fused pass
@@ -164,6 +167,7 @@ class TopK(Compressor):
 
     name = "topk"
     on_device = True
+    ascending = True
 
     def compress(self, acc, k, candidates=None):
         return topk_of(acc, k, candidates)
@@ -176,6 +180,7 @@ class Identity(Compressor):
     """Sends everything (dense)."""
 
     name = "identity"
+    ascending = True
 
     def compress(self, acc, k):
         return np.arange(acc.size, dtype=np.int64), acc.copy()
@@ -287,6 +292,7 @@ class DGCSampledThreshold(Compressor):
     """
 
     name = "dgc"
+    ascending = True
     TRUNCATE = ("largest", "first", None)
 
     def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed=None, *, adapt_iters: int = 10,
@@ -405,8 +411,13 @@ class HashedThreshold(Compressor):
     2. every ``i`` with ``|acc[i]| >= t`` is written to slot ``h(i)`` of a table of
        ``capacity_factor · k`` slots (:func:`tfsparse.ops.hash_select`; a later index
        overwrites an earlier one, so one survives per slot);
-    3. the occupied slots are returned, **in slot order** (Alg. 1's indices are "in random
-       orders"; nothing sorts them).
+    3. the occupied slots are returned **in index order**, so that they travel blocked
+       (:class:`tfsparse.wire.BlockedIndices`) and are summed in one sequential pass: fused with
+       error feedback (the pass collected every element at or above ``t``, ascending) the
+       candidates are walked once more and each one that kept its slot is taken -- no sort;
+       otherwise (a table made on a CUDA device, or from the whole vector) the occupied slots
+       are sorted by index.  Alg. 1's indices are "in random orders"; only their order on the
+       wire differs, not which entries are sent nor any sum.
 
     ``h`` and the sample positions of step ``s`` come from the seed ``seed · 2**32 + s``: every
     rank derives the same.  The step counter is explicit state.  ``k >= n`` sends every non-zero
@@ -417,6 +428,7 @@ class HashedThreshold(Compressor):
 
     name = "dragonn"
     on_device = True  # the threshold and the table are made on the device; the table comes back
+    ascending = True
 
     def __init__(self, capacity_factor: int = 4, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0,
                  small_density: float | None = None):
@@ -484,17 +496,18 @@ class HashedThreshold(Compressor):
         if t <= 0.0:
             t = _SMALLEST_POSITIVE
         self.last_threshold = t
-        if fused:  # the pass collected every element at or above t: hash those
+        if fused:  # the pass collected every element at or above t: hash those (index order)
             from .ops import _common as C, cpu
 
-            table, values = cpu.hash_candidates(*candidates.at_least(C.threshold_key(t)), t,
-                                                self.capacity_factor * k, seed=seed)
-        else:
-            table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
+            return cpu.hash_survivors(*candidates.at_least(C.threshold_key(t)), t, self.capacity_factor * k,
+                                      seed=seed)
+        table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
         if hasattr(table, "copy_to_host"):  # selected on a CUDA device: only the table comes back
             table, values = table.copy_to_host(), values.copy_to_host()
         full = table >= 0
-        return table[full], values[full]
+        table, values = table[full], values[full]
+        order = np.argsort(table)  # unique indices: the survivors in index order
+        return table[order], values[order]
 
     def expected_count(self, n, k):
         """The occupied slots: the sampled threshold passes ``l`` elements (:func:`sampled_count`,
@@ -561,6 +574,7 @@ class GaussianKThreshold(Compressor):
     """
 
     name = "gaussiank"
+    ascending = True
 
     def __init__(self, scale: float = 0.9, max_adjust: int = 50):
         self.scale = _checks.real("scale", scale, 0.0, 1.0, lo_open=True, hi_open=True)
@@ -679,6 +693,7 @@ class ReusedThreshold(Compressor):
     """
 
     name = "oktopk"
+    ascending = True
 
     def __init__(self, local_raise: float = 1.03, local_adjust: float = 1.012):
         self.local_raise = check_factor("local_raise", local_raise, 1.03)

@@ -43,11 +43,22 @@ truncation keeps a quiet-NaN bit).  ``int8`` cannot: a chunk holding a non-finit
 a non-finite scale and decodes to NaN (:func:`tfsparse.ops.quantize_int8`'s rule), so the
 receivers see the bad gradient instead of a silently clipped one.
 
-Sparse messages (:func:`pack_sparse`) are ``[indices | encoded values]``; the indices are
-int32 when the gradient has fewer than ``2**31`` elements (the papers' ``2k``-element COO
-volume), else int64.
+Sparse messages (:func:`pack_sparse`) are ``[indices | encoded values]`` -- the papers' ``2k``-element
+COO pairs.  How the indices travel is an index codec (:func:`index_codec`, the same on every rank
+for a vector of ``n`` elements and messages of about ``k`` entries):
+
+* :class:`BlockedIndices` where the indices ascend (every selection but a custom compressor's
+  returns them so) and it is smaller: for each block of 65,536 elements the count of indices in
+  it (uint32), then each index's low 16 bits (uint16) -- ``4⌈n/65536⌉ + 2k`` bytes (padded to
+  4) instead of ``4k``, lossless.  A 17.1M-element gradient at density 0.01 sends 1.03 MB per
+  message instead of 1.37 (float32 values), a quarter less on every allgather, tree hop and
+  split; at density ``1e-6`` the 1 KB of counts would outweigh the indices, and they go as
+  int32;
+* :class:`PlainIndices` otherwise: int32 below ``2**31`` elements, else int64.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -332,21 +343,100 @@ def index_dtype(n: int):
     return np.int32 if n < 2**31 else np.int64
 
 
-def pack_sparse(idx, val, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray | None]:
-    """One message ``[indices as itype | values encoded by wire]``; returns ``(buffer, loss)``
-    where ``loss`` is what the encoding lost on each value (None for float32)."""
+#: elements per block of :class:`BlockedIndices` (an index's low 16 bits travel, the block's
+#: number is implied by the count of each block)
+INDEX_BLOCK = 1 << 16
+
+
+class PlainIndices:
+    """Indices as they are: int32 (int64 from ``2**31`` elements), in any order."""
+
+    header_bytes = 0
+
+    def __init__(self, n: int):
+        self.itype = np.dtype(index_dtype(n))
+        self.index_bytes = self.itype.itemsize
+
+    def nbytes(self, m) -> int:
+        """Bytes of the indices of ``m`` entries (with any header; ``m`` may be an expected count)."""
+        return m * self.index_bytes
+
+    def encode(self, idx) -> np.ndarray:
+        return np.ascontiguousarray(idx, dtype=self.itype).reshape(-1).view(np.uint8)
+
+    def split(self, buf, wire) -> tuple[np.ndarray, int]:
+        """``(indices, values' offset)`` of a message ``[indices | values]``: int64 indices."""
+        m = wire.entries(buf.size, self.index_bytes)
+        return buf[:m * self.index_bytes].copy().view(self.itype).astype(np.int64), m * self.index_bytes
+
+    def __repr__(self):
+        return f"PlainIndices({self.itype.name})"
+
+
+class BlockedIndices:
+    """Ascending indices in three quarters of int32's bytes, losslessly: the count of indices in
+    each block of :data:`INDEX_BLOCK` elements (uint32, one per block of the vector), then each
+    index's low 16 bits (uint16, padded to 4 bytes so that float32 values after them stay
+    aligned).  ``header_bytes + 2m`` against int32's ``4m``: chosen by :func:`index_codec` where
+    it is smaller.  Decoding rebuilds the same int64 indices; encoding checks that they ascend."""
+
+    index_bytes = 2
+
+    def __init__(self, n: int):
+        self.n = int(n)
+        self.blocks = max(1, -(-self.n // INDEX_BLOCK))
+        self.header_bytes = 4 * self.blocks
+
+    def nbytes(self, m) -> int:
+        return self.header_bytes + 4 * math.ceil(m / 2)
+
+    def encode(self, idx) -> np.ndarray:
+        from .ops import cpu
+
+        return cpu.blocked_indices_encode(idx, self.n, self.blocks)
+
+    def split(self, buf, wire) -> tuple[np.ndarray, int]:
+        from .ops import cpu
+
+        if buf.size < self.header_bytes:
+            raise _corrupt(wire, buf.size, self.index_bytes)
+        counts = buf[:self.header_bytes].copy().view(np.uint32)
+        m = int(counts.sum(dtype=np.int64))
+        end = self.nbytes(m)
+        if buf.size < end or wire.entries(buf.size - end, 0) != m:
+            raise _corrupt(wire, buf.size, self.index_bytes)
+        low = buf[self.header_bytes:self.header_bytes + 2 * m].copy().view(np.uint16)
+        return cpu.blocked_indices_decode(counts, low), end
+
+    def __repr__(self):
+        return f"BlockedIndices(n={self.n})"
+
+
+def index_codec(n: int, k: int, ascending: bool = True):
+    """How the indices of an ``n``-element vector's sparse messages of about ``k`` entries
+    travel: :class:`BlockedIndices` where they ascend and that takes fewer bytes than int32 for
+    ``k`` entries, else :class:`PlainIndices`.  Every rank derives the same codec from ``(n, k)``."""
+    plain = PlainIndices(n)
+    if ascending and k > 0:
+        blocked = BlockedIndices(n)
+        if blocked.nbytes(k) < plain.nbytes(k):
+            return blocked
+    return plain
+
+
+def pack_sparse(idx, val, codec, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray | None]:
+    """One message ``[indices by codec | values encoded by wire]``; returns ``(buffer, loss)``
+    where ``loss`` is what the encoding lost on each value (None for float32).  ``codec``: an
+    index codec (:func:`index_codec`)."""
     enc, loss = wire.encode_with_loss(val)
-    idx = np.ascontiguousarray(idx, dtype=itype).reshape(-1)
-    return np.concatenate([idx.view(np.uint8), enc]), loss
+    return np.concatenate([codec.encode(idx), enc]), loss
 
 
-def unpack_sparse(buf, itype, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
+def unpack_sparse(buf, codec, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`pack_sparse`: ``(int64 indices, float32 values)``."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
-    isz = np.dtype(itype).itemsize
-    m = wire.entries(buf.size, isz)
-    idx = buf[:m * isz].copy().view(itype).astype(np.int64)
-    return idx, wire.decode(buf[m * isz:], m)
+    idx, offset = codec.split(buf, wire)
+    return idx, wire.decode(buf[offset:], idx.size)
 
 
 # -- what the wire lost ----------------------------------------------------------------------

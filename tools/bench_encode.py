@@ -85,7 +85,7 @@ def run(sizes, densities, workers: int, repeats: int) -> dict:
                 row = {"n": n, "density": density, "k": k, "case": label, "encode_ms": enc * 1e3,
                        "decode_ms": dec * 1e3, "sent": sent}
                 if algorithm == "dragonn":
-                    pieces = [unpack_sparse(m, payload.itype, payload.wire) for m in msgs]
+                    pieces = [unpack_sparse(m, payload.codec, payload.wire) for m in msgs]
                     row["dense_decode_ms"] = best_time(lambda: dense_decode(n, pieces), repeats) * 1e3
                 rows.append(row)
                 print(f"n={n:>11,} density={density:<6} {label:<18} encode {enc * 1e3:8.2f} ms  decode(P={workers}) "

@@ -99,8 +99,8 @@ def densify(out: np.ndarray, pieces, add: bool = True) -> np.ndarray:
     indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
     Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
-    otherwise (DRAGONN's hash tables, in slot order) ``out`` is zeroed and the pieces scattered
-    into it -- the same bits either way."""
+    otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
+    the same bits either way."""
     from ..ops import cpu
 
     idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]

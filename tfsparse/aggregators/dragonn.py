@@ -13,16 +13,21 @@ One step on every rank, for a bucket of ``n`` elements and a budget ``k``:
    identically from ``seed`` and the step counter (the authors' ``seed_cnt``, incremented per
    call).  There is no prefix sum and no sort: one read and one compare per element, one hash
    and one write per selected element (§3.2, "Algorithm Complexity");
-3. the occupied slots (index ``!= -1``) are packed, in slot order, as one ``[indices | values]``
-   message -- Alg. 1's table with its empty slots removed, as the authors' code does before
-   communicating (``indices[indices.nonzero()]``): empty slots never travel, nor reach the sum;
+3. the occupied slots (index ``!= -1``) are packed as one ``[indices | values]`` message --
+   Alg. 1's table with its empty slots removed, as the authors' code does before communicating
+   (``indices[indices.nonzero()]``): empty slots never travel, nor reach the sum.  Here the
+   entries travel in index order rather than slot order (the same entries; taken in order
+   without a sort where the selection is fused with error feedback,
+   :meth:`~tfsparse.compressors.HashedThreshold.compress`), so that their indices travel blocked
+   (:class:`~tfsparse.wire.BlockedIndices`, three quarters of int32's bytes) and the P payloads
+   are summed in one sequential pass;
 4. **allgather** of the P messages (Alg. 2 "communicate", §4.2: compressed tensors are not
    allreducible, "Allgather is commonly used");
 5. **sparse decoding** (§4.3, :func:`~tfsparse.aggregators.base.sparse_decode`, which the
-   allgather baselines share) -- the P payloads are concatenated and decoded by **one**
-   :func:`tfsparse.ops.scatter_add` into the dense sum ("we batch these K compressed tensors,
-   i.e. concatenate all of them, for one decoding operation"), in rank order, so every rank gets
-   bit-identical sums; no per-rank dense decode, no sort, no ``np.unique``.
+   allgather baselines share) -- the P payloads are decoded together by **one** pass into the
+   dense sum ("we batch these K compressed tensors, i.e. concatenate all of them, for one
+   decoding operation"; :func:`tfsparse.ops.cpu.densify_into`), summed in rank order, so every
+   rank gets bit-identical sums; no per-rank dense decode, no sort, no ``np.unique``.
 
 Volume per rank: ``(P-1)`` messages of at most ``m`` entries -- about ``0.89 k`` when the
 threshold passes ``k`` elements into ``4k`` slots (``m(1-(1-1/m)^k)`` occupied) -- of

@@ -38,7 +38,8 @@ compressor); ``exchange`` is Alg. 3 (the tree and the broadcast).
 Schedule (:meth:`GTopKAllreduce.schedule`): the rounds of :func:`tree_schedule`, one ``k``-entry
 message per sender (a ⊤ merge always keeps exactly ``k`` entries) and a ``2k``-element merge per
 receiver; then rank 0's binomial broadcasts of the result's length (8 bytes) and of the
-``k``-entry result -- ``3⌈log2 P⌉`` rounds, Eq. 7's ``4k log2 P`` volume at rank 0.
+``k``-entry result -- ``3⌈log2 P⌉`` rounds, Eq. 7's ``4k log2 P`` volume at rank 0.  Every message's
+indices ascend, so they travel blocked (:func:`tfsparse.wire.index_codec`).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import numpy as np
 
 from ..collectives.simulate import Round
 from ..compressors import TopK, topk_indices
-from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
+from ..wire import Wire, WireLoss, index_codec, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
@@ -60,7 +61,7 @@ class _GTopKPayload:
     k: int
     local_idx: np.ndarray
     local_val: np.ndarray
-    itype: type
+    codec: object  # how the indices travel (tfsparse.wire.index_codec)
     wire: Wire
 
 
@@ -117,10 +118,10 @@ class GTopKAllreduce(Aggregator):
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
         local_idx, local_val = self.select(acc, k, candidates)
-        return _GTopKPayload(k, local_idx, local_val, index_dtype(acc.size), wire)
+        return _GTopKPayload(k, local_idx, local_val, index_codec(acc.size, k), wire)
 
     def schedule(self, b, n, k, step):
-        msg = k * b.entry(n)
+        msg = b.message(n, k)
         tree = tree_schedule(b.P)  # the fold round (non-power-of-two P), then recursive doubling
         sent = np.zeros(b.P)
         for pairs in tree:  # the higher rank of a pair sends
@@ -131,7 +132,7 @@ class GTopKAllreduce(Aggregator):
         b.bcast("broadcast result", msg)     # ... then the k-entry result
 
     def exchange(self, comm, payload, out=None):
-        k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
+        k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size
         loss = WireLoss()
@@ -143,25 +144,25 @@ class GTopKAllreduce(Aggregator):
                 break
             for receiver, sender in pairs:
                 if rank == sender:
-                    message, lost = pack_sparse(cur_idx, cur_val, itype, wire)
+                    message, lost = pack_sparse(cur_idx, cur_val, codec, wire)
                     loss.add(cur_idx, lost)
                     comm.send(message, receiver, tag=TAG_GTOPK)
                     active = False
                 elif rank == receiver:
                     buf = comm.recv(sender, tag=TAG_GTOPK, dtype=np.uint8)
                     received += buf.nbytes
-                    r_idx, r_val = unpack_sparse(buf, itype, wire)
+                    r_idx, r_val = unpack_sparse(buf, codec, wire)
                     cur_idx, cur_val = top_merge(r_idx, r_val, cur_idx, cur_val, k)  # recvs ⊤ sends
         # Alg. 3 line 19: Bcast(sends, root=0); its length goes first (the result may hold < k)
         if size > 1:
             message = None
             if rank == 0:
-                message, lost = pack_sparse(cur_idx, cur_val, itype, wire)
+                message, lost = pack_sparse(cur_idx, cur_val, codec, wire)
                 loss.add(cur_idx, lost)
             nbytes = comm.bcast(np.array([message.size], dtype=np.int64) if rank == 0 else None, root=0,
                                 shape=(1,), dtype=np.int64)
             message = comm.bcast(message, root=0, shape=(int(nbytes[0]),), dtype=np.uint8)
-            g_idx, g_val = unpack_sparse(message, itype, wire)
+            g_idx, g_val = unpack_sparse(message, codec, wire)
         else:
             g_idx, g_val = cur_idx, cur_val.astype(np.float32, copy=False)
         # Alg. 3 lines 21-22 (gMask) and Alg. 4 line 10: Mask ∩ gMask leaves the residual

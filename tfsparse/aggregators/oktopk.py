@@ -65,7 +65,9 @@ keeps running, so every rank still agrees on the schedule.
 Volume per rank: ``≈ 2k(P-1)/P`` (split and reduce, with balanced regions) + at most
 ``2k(P-1)/P`` (data balancing, only when triggered) + ``≈ 2k(P-1)/P`` (ring allgatherv of
 the global top-k) ``≤ 6k(P-1)/P`` elements (Eq. 3) on steps that reuse the thresholds.  Steps
-that re-evaluate the global threshold add the all-gather of the reduced values (line 10).
+that re-evaluate the global threshold add the all-gather of the reduced values (line 10).  Every
+(index, value) message's indices ascend; they travel blocked where that is smaller for messages
+of ``k/P`` entries (:func:`tfsparse.wire.index_codec`).
 
 Wire (``wire_dtype``): every message carries its values encoded -- split-and-reduce parts,
 the reduced values all-gathered for the threshold, balancing parts and the final allgatherv.
@@ -100,7 +102,7 @@ import numpy as np
 from .. import _checks
 from ..collectives.simulate import Round
 from ..compressors import ReusedThreshold, adjusted_threshold, check_factor, kth_largest_magnitude
-from ..wire import Wire, WireLoss, index_dtype, pack_sparse, unpack_sparse
+from ..wire import Wire, WireLoss, index_codec, pack_sparse, unpack_sparse
 from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
@@ -120,7 +122,7 @@ class _OkTopkPayload:
     repartition: bool
     local_idx: np.ndarray
     local_val: np.ndarray
-    itype: type
+    codec: object  # how the indices travel (tfsparse.wire.index_codec, for messages of k/P entries)
     wire: Wire
     local_threshold: float   # the one used (the compressor already holds the next step's)
 
@@ -241,14 +243,14 @@ class OkTopkAllreduce(Aggregator):
     def schedule(self, b, n, k, step):
         P = b.P
         fresh, repartition = self.due(step)
-        entry = b.entry(n)
         share = k / P                                    # expected entries per (rank, region)
+        message = b.message(n, share)
         if repartition:                                  # Alg. 1 lines 5-7
             b.allreduce("space repartition (boundaries)", P - 1, 8)
         b.alltoall("split and reduce: message lengths", 8)
-        rotation = [Round("split and reduce", "rotation", 1, int(round(share * entry)), int(round(share)), busy=P)
+        rotation = [Round("split and reduce", "rotation", 1, int(round(message)), int(round(share)), busy=P)
                     for _ in range(P - 1)]              # Alg. 1 line 8, Eq. 1
-        b.point_to_point("split and reduce", "rotation", rotation, np.full(P, (P - 1) * share * entry))
+        b.point_to_point("split and reduce", "rotation", rotation, np.full(P, (P - 1) * message))
         b.local("split and reduce: own region", share)
         if fresh:                                        # Alg. 1 lines 9-12
             union = (n / P) * (1.0 - (1.0 - k / n) ** P)
@@ -256,7 +258,7 @@ class OkTopkAllreduce(Aggregator):
             b.local("global threshold: k-th largest", P * union)
         if P > 1:                                        # Alg. 1 line 13
             b.allgather("balance: buffer sizes", 8)
-            b.allgather("allgatherv (global top-k)", share * entry)
+            b.allgather("allgatherv (global top-k)", message)
             b.local("allgatherv: concatenate", k)
 
     def period(self):
@@ -299,12 +301,12 @@ class OkTopkAllreduce(Aggregator):
         if fresh:
             selection.threshold = None  # line 3: re-evaluated by the selection
         local_idx, local_val = self.select(acc, k, candidates)
-        return _OkTopkPayload(n, k, t, fresh, repartition, local_idx, local_val, index_dtype(n), wire,
+        return _OkTopkPayload(n, k, t, fresh, repartition, local_idx, local_val, index_codec(n, k / comm.size), wire,
                               selection.last_threshold)
 
     def exchange(self, comm, payload, out=None):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
-        k, local_idx, itype, wire = payload.k, payload.local_idx, payload.itype, payload.wire
+        k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         n, size = payload.n, comm.size
         loss = WireLoss()
 
@@ -317,7 +319,7 @@ class OkTopkAllreduce(Aggregator):
         bounds = self.boundaries
 
         # line 8: split and reduce
-        red_idx, red_val = self._split_and_reduce(comm, local_idx, payload.local_val, bounds, itype, wire, loss)
+        red_idx, red_val = self._split_and_reduce(comm, local_idx, payload.local_val, bounds, codec, wire, loss)
 
         # lines 9-12: global threshold (all-gather of the reduced values on re-evaluation steps)
         if payload.fresh:
@@ -332,7 +334,7 @@ class OkTopkAllreduce(Aggregator):
         g_idx, g_val = red_idx[keep], red_val[keep]
 
         # line 13: balance and allgatherv
-        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, itype, wire, loss)
+        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, codec, wire, loss)
 
         # line 14: indexes = local ∩ global
         from ..ops import cpu
@@ -349,7 +351,7 @@ class OkTopkAllreduce(Aggregator):
                                sent_elements=int(local_idx.size), loss=loss.restrict(u_idx))
 
     # -- §3.1.1 ---------------------------------------------------------------------------
-    def _split_and_reduce(self, comm, local_idx, local_val, bounds, itype, wire, loss):
+    def _split_and_reduce(self, comm, local_idx, local_val, bounds, codec, wire, loss):
         """Returns this rank's region's reduced local top-k entries (ascending indices).  The
         own region's entries go in at full precision, the others' decoded from the wire."""
         rank, size = comm.rank, comm.size
@@ -359,7 +361,7 @@ class OkTopkAllreduce(Aggregator):
             c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
             if dst != rank and c1 > c0:
                 part = local_idx[c0:c1]
-                messages[dst], lost = pack_sparse(part, local_val[c0:c1], itype, wire)
+                messages[dst], lost = pack_sparse(part, local_val[c0:c1], codec, wire)
                 loss.add(part, lost)
         send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
         if size > 1:  # message lengths first, so that every receive can be posted at once
@@ -397,19 +399,19 @@ class OkTopkAllreduce(Aggregator):
                 own_reduced = True
             if pending is not None:
                 for _src, req in pending:
-                    reduce_part(*unpack_sparse(req.wait(), itype, wire))
+                    reduce_part(*unpack_sparse(req.wait(), codec, wire))
             pending = posted
         if not own_reduced:
             reduce_part(local_idx[own], local_val[own])
         if pending is not None:
             for _src, req in pending:
-                reduce_part(*unpack_sparse(req.wait(), itype, wire))
+                reduce_part(*unpack_sparse(req.wait(), codec, wire))
         for req in sends:
             req.wait()
         return reduced_idx, reduced_val
 
     # -- §3.1.2 ---------------------------------------------------------------------------
-    def _balance_and_allgatherv(self, comm, g_idx, g_val, itype, wire, loss):
+    def _balance_and_allgatherv(self, comm, g_idx, g_val, codec, wire, loss):
         """All ranks get the concatenation (rank order) of every rank's global top-k buffer.
         Whoever encodes values (a balancing sender, a buffer's holder) keeps what that lost."""
         size, rank = comm.size, comm.rank
@@ -425,7 +427,7 @@ class OkTopkAllreduce(Aggregator):
                 if q != rank and moves[rank, q] > 0:
                     off = max(starts[rank], targets[q]) - starts[rank]
                     sl = slice(int(off), int(off + moves[rank, q]))
-                    message, lost = pack_sparse(g_idx[sl], g_val[sl], itype, wire)
+                    message, lost = pack_sparse(g_idx[sl], g_val[sl], codec, wire)
                     loss.add(g_idx[sl], lost)
                     sends.append(comm.isend(message, q, tag=TAG_BALANCE))
             parts_idx, parts_val = [], []
@@ -438,7 +440,7 @@ class OkTopkAllreduce(Aggregator):
                     parts_idx.append(g_idx[sl])
                     parts_val.append(g_val[sl])
                 else:
-                    i, v = unpack_sparse(comm.recv(p, tag=TAG_BALANCE, dtype=np.uint8), itype, wire)
+                    i, v = unpack_sparse(comm.recv(p, tag=TAG_BALANCE, dtype=np.uint8), codec, wire)
                     parts_idx.append(i)
                     parts_val.append(v)
             for req in sends:
@@ -447,9 +449,9 @@ class OkTopkAllreduce(Aggregator):
             mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
         else:
             mine_idx, mine_val = g_idx, g_val
-        message, lost = pack_sparse(mine_idx, mine_val, itype, wire)
+        message, lost = pack_sparse(mine_idx, mine_val, codec, wire)
         loss.add(mine_idx, lost)
-        pieces = [unpack_sparse(b, itype, wire) for b in comm.allgather(message)]
+        pieces = [unpack_sparse(b, codec, wire) for b in comm.allgather(message)]
         u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
         u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)
         return u_idx, u_val, bool(balanced)

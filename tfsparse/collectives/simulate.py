@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import _checks
-from ..wire import index_dtype
+from ..wire import index_codec
 from .alphabeta import AlphaBeta
 from .communicator import binomial_children, split_counts
 
@@ -288,10 +288,13 @@ class Builder:
         self.sent = np.zeros(self.P, dtype=np.float64)
         self.phases: list = []
 
-    def entry(self, n: int) -> int:
-        """Bytes of one ``(index, value)`` entry of an ``n``-element vector on the wire: an int32
-        index below 2**31 elements, else int64 (:func:`tfsparse.wire.index_dtype`), and a value."""
-        return np.dtype(index_dtype(n)).itemsize + self.value_bytes
+    def message(self, n: int, count: float, budget: float | None = None, ascending: bool = True) -> float:
+        """Bytes of a sparse message of ``count`` ``(index, value)`` entries of an ``n``-element
+        vector: its indices as :func:`tfsparse.wire.index_codec` codes them for messages of about
+        ``budget`` entries (default ``count``; blocked where they ascend and that is smaller, else
+        int32 -- int64 from 2**31 elements), then the values."""
+        codec = index_codec(n, count if budget is None else budget, ascending)
+        return codec.nbytes(count) + count * self.value_bytes
 
     def finish(self, algorithm: str, n: int, density: float, k: int, step: int) -> "Schedule":
         """The :class:`Schedule` of what was declared."""

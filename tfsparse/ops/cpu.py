@@ -432,6 +432,24 @@ def _hash_candidates(idx, val, tkey, a, b, m):
 
 
 @njit(cache=True, nogil=True)
+def _hash_survivors(idx, val, tkey, a, b, m):
+    """The entries of :func:`_hash_candidates`' table in index order: the table is built, then
+    the candidates are walked again (ascending) and each one that kept its slot is taken."""
+    table, _ = _hash_candidates(idx, val, tkey, a, b, m)
+    m64 = np.uint64(m)
+    vu = val.view(np.uint32)
+    out_idx = np.empty(idx.size, np.int64)
+    out_val = np.empty(idx.size, np.float32)
+    o = 0
+    for j in range(idx.size):
+        if _key(vu[j]) >= tkey and table[_slot(idx[j], a, b, m64)] == idx[j]:
+            out_idx[o] = idx[j]
+            out_val[o] = val[j]
+            o += 1
+    return out_idx[:o], out_val[:o]
+
+
+@njit(cache=True, nogil=True)
 def _magnitude_keys(x):
     """``|x|``'s keys (int64, ordered as the magnitudes), NaN counted as +-Inf."""
     xu = x.view(np.uint32)
@@ -589,6 +607,57 @@ def intersect_sorted(a, b) -> np.ndarray:
     """``np.intersect1d(a, b, assume_unique=True)`` of two ascending unique int64 index arrays
     (the same array), in one linear merge instead of a sort."""
     return _intersect_sorted(np.ascontiguousarray(a, np.int64), np.ascontiguousarray(b, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def _blocked_encode(idx, n, counts, low):
+    """Counts per 64K-element block and low 16 bits of ascending indices; False if they do not
+    strictly ascend within ``[0, n)``."""
+    prev = np.int64(-1)
+    ok = True
+    for j in range(idx.size):
+        i = np.int64(idx[j])
+        ok = ok and prev < i < n
+        prev = i
+        if ok:
+            counts[i >> 16] += 1
+            low[j] = np.uint16(i & 0xFFFF)
+    return ok
+
+
+@njit(cache=True, nogil=True)
+def _blocked_decode(counts, low, out):
+    j = 0
+    for blk in range(counts.size):
+        base = np.int64(blk) << 16
+        for _ in range(counts[blk]):
+            out[j] = base | np.int64(low[j])
+            j += 1
+    return out
+
+
+def blocked_indices_encode(idx, n: int, blocks: int) -> np.ndarray:
+    """:class:`tfsparse.wire.BlockedIndices`' bytes of strictly ascending indices in ``[0, n)``:
+    ``blocks`` uint32 counts, then the uint16 low bits padded to 4 bytes.  ValueError when the
+    indices do not ascend."""
+    idx = np.ascontiguousarray(idx).reshape(-1)
+    m = idx.size
+    out = np.zeros(4 * blocks + 4 * (-(-m // 2)), np.uint8)
+    counts = out[:4 * blocks].view(np.uint32)
+    low = out[4 * blocks:4 * blocks + 2 * m].view(np.uint16)
+    if not _blocked_encode(idx, np.int64(n), counts, low):
+        raise ValueError(f"blocked index coding needs strictly ascending indices in [0, {n}); got {m} that are not")
+    return out
+
+
+def blocked_indices_decode(counts, low) -> np.ndarray:
+    """The int64 indices of :func:`blocked_indices_encode`'s counts and low bits."""
+    counts = np.ascontiguousarray(counts, np.uint32).reshape(-1)
+    low = np.ascontiguousarray(low, np.uint16).reshape(-1)
+    if int(counts.sum(dtype=np.int64)) != low.size:
+        raise ValueError(f"blocked indices: the counts add up to {int(counts.sum(dtype=np.int64))}, "
+                         f"not to the {low.size} low parts")
+    return _blocked_decode(counts, low, np.empty(low.size, np.int64))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -1162,6 +1231,15 @@ def hash_candidates(idx, val, t, capacity, seed=0):
     return _hash_candidates(_as_index(idx), as_f32(val), C.threshold_key(t), a, b, capacity)
 
 
+def hash_survivors(idx, val, t, capacity, seed=0):
+    """The occupied slots of :func:`hash_candidates`' table as ``(indices, values)`` in **index
+    order** (ascending), without a sort: the candidates are walked once more and each that kept
+    its slot is taken -- the same entries as the table's, ordered by index."""
+    capacity = C.check_capacity(capacity)
+    a, b = C.hash_params(seed, C.SALT_HASH)
+    return _hash_survivors(_as_index(idx), as_f32(val), C.threshold_key(t), a, b, capacity)
+
+
 def densify_into(out, idx, val, starts, add=True) -> bool:
     """``out[:]`` = the dense float32 vector of sparse pieces in one sequential pass (no zero fill
     before, no scattered writes): piece ``p`` is ``idx[starts[p]:starts[p + 1]]`` (strictly
@@ -1328,6 +1406,10 @@ def warmup() -> None:
     ci, cv, _ = add_select(x, x, np.empty_like(x), C.threshold_key(0.5), 7)
     topk_of_candidates(ci, cv, 3)
     hash_candidates(ci, cv, 0.5, 64)
+    hash_survivors(ci, cv, 0.5, 64)
     union, summed = merge_sum(ci, cv, ci[::2], cv[::2])  # gTop-k's merge, Ok-Topk's reduction
     topk_ties_low(summed, 3)
     intersect_sorted(ci, union)
+    blocks = -(-x.size // (1 << 16))
+    blocked_indices_decode(blocked_indices_encode(ci - 7, x.size, blocks)[:4 * blocks].view(np.uint32),
+                           ((ci - 7) & 0xFFFF).astype(np.uint16))
