@@ -104,8 +104,9 @@ def test_dense_bytes_follow_the_wire_exactly(P):
 
 @pytest.mark.parametrize("wire,value_bytes", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("int8", 1)])
 def test_sparse_bytes_follow_the_wire_exactly(wire, value_bytes):
-    """topk: each rank's k (index, value) pairs reach the P-1 others (ring allgather): int32
-    indices plus the wire's values (int8: plus one scale per message)."""
+    """topk: each rank's k (index, value) pairs reach the P-1 others (ring allgather): the
+    indices blocked (n < 64K: one 4-byte count, 2 bytes each) plus the wire's values (int8: plus
+    one scale per message)."""
     P, n, k = 3, 1000, 20
 
     def fn(comm):
@@ -115,7 +116,7 @@ def test_sparse_bytes_follow_the_wire_exactly(wire, value_bytes):
         return ex.total.bytes_sent
 
     scale = 4 if wire == "int8" else 0
-    assert InProcessWorld(P).run(fn) == [(P - 1) * (k * (4 + value_bytes) + scale)] * P
+    assert InProcessWorld(P).run(fn) == [(P - 1) * (4 + k * (2 + value_bytes) + scale)] * P
 
 
 def test_float16_overflow_is_scaled_and_kept():
