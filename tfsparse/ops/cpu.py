@@ -415,34 +415,52 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
 
 
 @njit(cache=True, nogil=True)
-def _hash_candidates(idx, val, tkey, a, b, m):
+def _hash_positions(idx, val, tkey, a, b, pos):
     """DRAGONN Alg. 1 over candidates (ascending indices, every element of the vector whose key is
-    ``>= tkey`` among them): the table :func:`_hash_select` makes of the whole vector -- each slot
-    keeps the largest index hashed to it, the later of an ascending walk."""
-    table = np.full(m, -1, np.int64)
-    out = np.zeros(m, np.float32)
-    m64 = np.uint64(m)
+    ``>= tkey`` among them), as positions: ``pos[slot]`` (filled with -1 by the caller) becomes
+    the position among the candidates of the entry that keeps the slot -- the largest index hashed
+    to it, the later of an ascending walk, as :func:`_hash_select` keeps of the whole vector."""
+    m64 = np.uint64(pos.size)
     vu = val.view(np.uint32)
     for j in range(idx.size):
         if _key(vu[j]) >= tkey:
-            slot = _slot(idx[j], a, b, m64)
-            table[slot] = idx[j]
-            out[slot] = val[j]
+            pos[_slot(idx[j], a, b, m64)] = j
+
+
+def _positions(idx, m):
+    """The slot table :func:`_hash_positions` fills: int32 (half the bytes) where every position
+    fits, -1 everywhere."""
+    return np.full(m, -1, np.int32 if idx.size < 2**31 else np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _hash_candidates(idx, val, tkey, a, b, pos):
+    """:func:`_hash_select`'s table and values from candidates: the slots' positions
+    (:func:`_hash_positions`), then each occupied slot's index and value."""
+    _hash_positions(idx, val, tkey, a, b, pos)
+    table = np.full(pos.size, -1, np.int64)
+    out = np.zeros(pos.size, np.float32)
+    for s in range(pos.size):
+        j = pos[s]
+        if j >= 0:
+            table[s] = idx[j]
+            out[s] = val[j]
     return table, out
 
 
 @njit(cache=True, nogil=True)
-def _hash_survivors(idx, val, tkey, a, b, m):
-    """The entries of :func:`_hash_candidates`' table in index order: the table is built, then
-    the candidates are walked again (ascending) and each one that kept its slot is taken."""
-    table, _ = _hash_candidates(idx, val, tkey, a, b, m)
-    m64 = np.uint64(m)
+def _hash_survivors(idx, val, tkey, a, b, pos):
+    """The entries of :func:`_hash_candidates`' table in index order, without building it: the
+    slots' positions (:func:`_hash_positions`), then the candidates walked again (ascending) and
+    each one that kept its slot taken."""
+    _hash_positions(idx, val, tkey, a, b, pos)
+    m64 = np.uint64(pos.size)
     vu = val.view(np.uint32)
     out_idx = np.empty(idx.size, np.int64)
     out_val = np.empty(idx.size, np.float32)
     o = 0
     for j in range(idx.size):
-        if _key(vu[j]) >= tkey and table[_slot(idx[j], a, b, m64)] == idx[j]:
+        if _key(vu[j]) >= tkey and pos[_slot(idx[j], a, b, m64)] == j:
             out_idx[o] = idx[j]
             out_val[o] = val[j]
             o += 1
@@ -1228,7 +1246,8 @@ def hash_candidates(idx, val, t, capacity, seed=0):
     element with ``|x| >= t``: the same table, without reading the vector."""
     capacity = C.check_capacity(capacity)
     a, b = C.hash_params(seed, C.SALT_HASH)
-    return _hash_candidates(_as_index(idx), as_f32(val), C.threshold_key(t), a, b, capacity)
+    idx = _as_index(idx)
+    return _hash_candidates(idx, as_f32(val), C.threshold_key(t), a, b, _positions(idx, capacity))
 
 
 def hash_survivors(idx, val, t, capacity, seed=0):
@@ -1237,7 +1256,8 @@ def hash_survivors(idx, val, t, capacity, seed=0):
     its slot is taken -- the same entries as the table's, ordered by index."""
     capacity = C.check_capacity(capacity)
     a, b = C.hash_params(seed, C.SALT_HASH)
-    return _hash_survivors(_as_index(idx), as_f32(val), C.threshold_key(t), a, b, capacity)
+    idx = _as_index(idx)
+    return _hash_survivors(idx, as_f32(val), C.threshold_key(t), a, b, _positions(idx, capacity))
 
 
 def densify_into(out, idx, val, starts, add=True) -> bool:
