@@ -501,9 +501,10 @@ class HashedThreshold(Compressor):
 
             return cpu.hash_survivors(*candidates.at_least(C.threshold_key(t)), t, self.capacity_factor * k,
                                       seed=seed)
+        if ops.device_kind(acc) == "cuda":  # the survivors packed in index order on the device
+            idx, values = ops.backend("cuda").hash_survivors(acc, t, self.capacity_factor * k, seed=seed)
+            return idx.copy_to_host(), values.copy_to_host()
         table, values = ops.hash_select(acc, t, self.capacity_factor * k, seed=seed)
-        if hasattr(table, "copy_to_host"):  # selected on a CUDA device: only the table comes back
-            table, values = table.copy_to_host(), values.copy_to_host()
         full = table >= 0
         table, values = table[full], values[full]
         order = np.argsort(table)  # unique indices: the survivors in index order

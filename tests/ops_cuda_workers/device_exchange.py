@@ -1,6 +1,7 @@
 """A device-resident GradientExchange under Numba's CUDA simulator, against the host exchange.
 
-Usage: ``NUMBA_ENABLE_CUDASIM=1 python device_exchange.py [names...]``; prints one JSON object
+Usage: ``NUMBA_ENABLE_CUDASIM=1 python device_exchange.py [names...]`` (``--gpu`` instead of
+the variable on a machine with a GPU: tools/gpu_check.sh); prints one JSON object
 ``{check name: "ok" | traceback}`` as the last line (tests/test_exchange_device.py starts it).
 One process, one rank: the exchange runs its collectives inline, so no two simulated kernels
 ever run at once (the simulator swaps module globals per launch).
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ops_cuda_workers.sim_check import _dev, _host, _same_bits, _setup, main  # noqa: E402
+from ops_cuda_workers.sim_check import Skipped, _dev, _host, _same_bits, _setup, main, simulated  # noqa: E402
 
 SHAPES = [(20, 6), (9,), (3, 5, 2), ()]  # 192 elements, one of them a scalar
 N = sum(int(np.prod(s)) for s in SHAPES)
@@ -271,7 +272,12 @@ def check_keras_fit_on_the_cuda_path():
 def check_space_of_the_gpu_the_arrays_name():
     """A DLPack producer's device ordinal picks the CudaSpace (one per GPU); a Numba array (which
     names none) gets the current device's; the space makes its GPU current while active."""
+    from numba import cuda
+
     from tfsparse.space import CudaSpace, cuda_space, space_for
+
+    if not simulated() and len(cuda.gpus) < 2:
+        raise Skipped("needs a second GPU")
 
     class OnGpu1:  # what CuPy/PyTorch/TF arrays on GPU 1 say
         __cuda_array_interface__ = {}

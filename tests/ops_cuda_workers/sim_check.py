@@ -1,5 +1,7 @@
 """Runs the CUDA kernels of tfsparse.ops under Numba's CUDA simulator and compares them
-with the numpy reference.  Usage: ``NUMBA_ENABLE_CUDASIM=1 python sim_check.py [names...]``.
+with the numpy reference.  Usage: ``NUMBA_ENABLE_CUDASIM=1 python sim_check.py [names...]``;
+on a machine with a GPU, ``python sim_check.py --gpu [names...]`` runs the same checks on it
+(tools/gpu_check.sh).
 
 Prints one JSON object ``{check name: "ok" | traceback}`` as the last line of stdout.
 ``NUMBA_ENABLE_CUDASIM`` must be set before numba is first imported, which is why this
@@ -158,6 +160,49 @@ def check_hash_select():
                 _same_bits(val, rval)
     idx, val = ops.hash_select(_dev(np.zeros(0, np.float32)), 0.0, 8)
     _same_bits(idx, np.full(8, -1, np.int64))
+
+
+def check_hash_survivors():
+    """The table's occupied slots in index order, packed on the device (DRAGONN's payload)."""
+    from tfsparse.ops import cuda as kc
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = _mixed(1100, 4)
+    d = _dev(x)
+    for t in (0.0, 1.25, np.inf, np.nan):
+        for cap in (0, 1, 64, 3000):
+            idx, val = kc.hash_survivors(d, t, cap, seed=3)
+            ridx, rval = R.hash_select(x, t, cap, 3)
+            order = np.argsort(ridx[ridx >= 0])
+            _same_bits(idx, ridx[ridx >= 0][order])
+            _same_bits(val, rval[ridx >= 0][order])
+    idx, val = kc.hash_survivors(_dev(np.zeros(0, np.float32)), 0.0, 8)
+    assert idx.size == 0 and val.size == 0
+
+
+def check_scratch_reused_and_per_thread():
+    """The wrappers' small scratch arrays: reused by one thread's calls, never shared between
+    threads, and reset by kernels (a call after another gives the same result)."""
+    import threading
+
+    import tfsparse.ops as ops
+    from tfsparse.ops import cuda as kc
+    from tfsparse.ops import reference as R
+
+    _setup()
+    x = _mixed(700, 9)
+    d = _dev(x)
+    for k in (5, 300, 5):
+        _same_bits(ops.topk_abs(d, k)[0], R.topk_abs(x, k)[0])
+    mine = dict(kc._SCRATCH.arrays)
+    assert {name for _, name in mine} >= {"state", "hist", "cnt", "offs", "total"}
+    other = {}
+    thread = threading.Thread(target=lambda: (ops.topk_abs(d, 5), other.update(kc._SCRATCH.arrays)))
+    thread.start()
+    thread.join()
+    assert other and all(other[key] is not mine.get(key) for key in other)
+    assert all(kc._SCRATCH.arrays[key] is mine[key] for key in mine)
 
 
 def check_scatter_add():
@@ -334,9 +379,21 @@ def run_in_simulator(worker, timeout: float = 900) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class Skipped(Exception):
+    """A check that cannot run where it runs (on a real GPU: a second GPU, TensorFlow)."""
+
+
+def simulated() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
 def main(argv, checks=None):
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        raise SystemExit("run with NUMBA_ENABLE_CUDASIM=1")
+    """Runs the named checks (all by default) and prints ``{name: "ok" | "skipped: ..." |
+    traceback}``; ``--gpu`` runs them on a real GPU instead of the simulator."""
+    gpu = "--gpu" in argv
+    argv = [a for a in argv if a != "--gpu"]
+    if simulated() == gpu:
+        raise SystemExit("run with NUMBA_ENABLE_CUDASIM=1, or with --gpu (and without it) on a machine with a GPU")
     sys.setswitchinterval(5e-4)  # the simulator's block manager polls its threads: hand the GIL over often
     # simulated threads do numpy scalar arithmetic: uint64 hashing wraps on purpose, and
     # 0 * Inf in the non-finite quantization checks is the documented NaN result
@@ -349,6 +406,10 @@ def main(argv, checks=None):
         try:
             checks[name]()
             results[name] = "ok"
+        except Skipped as e:
+            results[name] = f"skipped: {e}"
+        except ModuleNotFoundError as e:  # on a GPU machine without TensorFlow
+            results[name] = traceback.format_exc() if simulated() else f"skipped: {e}"
         except Exception:  # noqa: BLE001 -- reported to the test
             results[name] = traceback.format_exc()
     print(json.dumps(results))

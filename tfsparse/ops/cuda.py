@@ -30,11 +30,15 @@ Kernels (semantics identical to :mod:`tfsparse.ops.reference`, tested under
 The tile kernels are built per block shape (:class:`Kernels`, default 256 threads x 8
 elements); :func:`set_block_shape` swaps the shape (the simulator tests use small blocks).
 
-Memory: each call allocates its outputs and a few small scratch arrays with
-``cuda.device_array``; install a pooling allocator (Numba EMM plugin, e.g. RMM's) when
-calling these per layer and per step.
+Memory: each call allocates its outputs with ``cuda.device_array``; the small scratch arrays
+(radix state and histogram, compaction counts, flags) are kept per thread and per GPU and
+reset by kernels, never copied from the host: on an H100 a ``cuda.to_device`` of two int64
+took 168 us and a kernel launch 27-31 us (docs/gpus.md).  Install a pooling allocator
+(Numba EMM plugin, e.g. RMM's) when calling these per layer and per step.
 """
 from __future__ import annotations
+
+import threading
 
 import numba
 import numpy as np
@@ -316,6 +320,13 @@ def _k_fill_f32(a, v):
         a[i] = v
 
 
+def _k_set2_i64(a, v0, v1):
+    """a[0], a[1] = v0, v1 (one thread): small device state set without a host copy."""
+    if cuda.grid(1) == 0:
+        a[0] = v0
+        a[1] = v1
+
+
 def _k_iota(a):
     for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
         a[i] = i
@@ -328,6 +339,19 @@ def _k_hash(xu, tkey, ha, hb, m, table):
             h = (ha * np.uint64(i) + hb) >> np.uint64(32)
             slot = np.int64((h * np.uint64(m)) >> np.uint64(32))
             cuda.atomic.max(table, slot, np.int64(i))
+
+
+def _k_winners(xu, tkey, ha, hb, m, table, flags):
+    """flags[i] = 1 where element i holds its slot of the DRAGONN table (it passed the threshold
+    and no larger index hashed to the slot), else 0: the table's entries, marked in index order."""
+    for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
+        w = np.uint32(0)
+        if _dkey(xu[i]) >= tkey:
+            h = (ha * np.uint64(i) + hb) >> np.uint64(32)
+            slot = np.int64((h * np.uint64(m)) >> np.uint64(32))
+            if table[slot] == i:
+                w = np.uint32(1)
+        flags[i] = w
 
 
 def _k_gather(table, x, val):
@@ -473,8 +497,10 @@ SIGNATURES = {
     "chunk_l1": [(_f32, nt.int64, _f32)],
     "fill_i64": [(_i64, nt.int64)],
     "fill_f32": [(_f32, nt.float32)],
+    "set2_i64": [(_i64, nt.int64, nt.int64)],
     "iota": [(_i64,)],
     "hash": [(_u32, nt.int64, nt.uint64, nt.uint64, nt.int64, _i64)],
+    "winners": [(_u32, nt.int64, nt.uint64, nt.uint64, nt.int64, _i64, _u32)],
     "gather": [(_i64, _f32, _f32)],
     "scatter": [(_i64, _f32, _f32, _i64), (_i32, _f32, _f32, _i64)],
     "sample": [(_u32, nt.int64, nt.uint64, nt.uint64, nt.uint64, _u32)],
@@ -490,9 +516,9 @@ SIGNATURES = {
     "set_at": [(_i64, _f32, _f32)],
     "sum_squares": [(_f32, nt.float64[::1])],
 }
-_ELEMENTWISE = {"fill_i64": _k_fill_i64, "fill_f32": _k_fill_f32, "iota": _k_iota, "hash": _k_hash,
-                "gather": _k_gather, "scatter": _k_scatter, "sample": _k_sample, "quantize": _k_quantize,
-                "dequantize": _k_dequantize, "trunc16": _k_trunc16, "add": _k_add, "momentum": _k_momentum,
+_ELEMENTWISE = {"fill_i64": _k_fill_i64, "fill_f32": _k_fill_f32, "set2_i64": _k_set2_i64, "iota": _k_iota,
+                "hash": _k_hash, "winners": _k_winners, "gather": _k_gather, "scatter": _k_scatter,
+                "sample": _k_sample, "quantize": _k_quantize, "dequantize": _k_dequantize, "trunc16": _k_trunc16, "add": _k_add, "momentum": _k_momentum,
                 "scale": _k_scale, "nonfinite": _k_nonfinite, "zero_nonfinite": _k_zero_nonfinite,
                 "zero_at": _k_zero_at, "set_at": _k_set_at, "sum_squares": _k_sum_squares}
 _ELEMENTWISE_JIT = {name: cuda.jit(fn) for name, fn in _ELEMENTWISE.items()}
@@ -512,6 +538,7 @@ class Kernels:
         self.python = {**_build_block_kernels(tpb, items), **_ELEMENTWISE}
         self.jit = {**{name: cuda.jit(fn) for name, fn in self.python.items() if name not in _ELEMENTWISE},
                     **_ELEMENTWISE_JIT}
+        self._stream_blocks = None
 
     def __getitem__(self, name):
         return self.jit[name]
@@ -521,8 +548,14 @@ class Kernels:
         return max(1, -(-n // self.tile))
 
     def grid(self, n: int) -> int:
-        """Blocks for one thread per element (capped)."""
-        return max(1, min(-(-n // self.tpb), self.max_blocks))
+        """Blocks for one thread per element, capped at ``max_blocks`` and at four waves of
+        resident threads (8192 threads per multiprocessor): the grid-stride kernels then loop
+        instead of launching blocks that each touch a few elements (on an H100, 16.8M-element
+        truncation: 78 instead of 152 us)."""
+        if self._stream_blocks is None:
+            sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None)  # None: simulator
+            self._stream_blocks = sms * (8192 // self.tpb) if sms else self.max_blocks
+        return max(1, min(-(-n // self.tpb), self.max_blocks, self._stream_blocks))
 
     def tiles(self, n: int) -> int:
         """Blocks for one tile per block (capped)."""
@@ -590,22 +623,53 @@ def _as_x(x):
     return d, d.view(np.uint32)
 
 
+class _Scratch(threading.local):
+    """Small device arrays of one thread, per GPU, reused from call to call (kernels reset them):
+    a thread's launches run in order on its stream, and two threads never share one."""
+
+    def __init__(self):
+        self.arrays = {}
+
+    def get(self, name: str, n: int, dtype=np.int64, init=None):
+        """A device array of ``n`` elements, ``dtype``: what the last user left in it, or what
+        ``init(array)`` sets when it is new."""
+        key = (getattr(cuda.get_current_device(), "id", 0), name)
+        a = self.arrays.get(key)
+        if a is None or a.size < n:
+            a = self.arrays[key] = cuda.device_array(max(n, 1), dtype)
+            if init is not None:
+                init(a)
+        return a if a.size == n else a[:n]
+
+
+_SCRATCH = _Scratch()
+
+
+def _zeroed(name: str):
+    """A one-element int64 scratch counter, set to 0."""
+    a = _SCRATCH.get(name, 1)
+    _K["fill_i64"][1, 32](a, 0)
+    return a
+
+
 def sync() -> None:
     """Waits for all work on the current device (all streams of the context: TF's and Numba's)."""
     cuda.synchronize()
 
 
-def _params(thr: int, r: int):
-    return cuda.to_device(np.array([thr, r], dtype=np.int64))
+def _params(thr: int, r: int, name: str = "params"):
+    a = _SCRATCH.get(name, 2)
+    _K["set2_i64"][1, 32](a, thr, r)
+    return a
 
 
 def _compact(xu, xd, params, size=None):
     """Runs count/scan/write; ``size`` (known for top-k) avoids reading the total back."""
     nt_ = _K.ntiles(xu.size)
     nb = _K.tiles(xu.size)
-    cnt = cuda.device_array(nt_, np.int64)
-    offs = cuda.device_array(nt_, np.int64)
-    total = cuda.device_array(1, np.int64)
+    cnt = _SCRATCH.get("cnt", nt_)
+    offs = _SCRATCH.get("offs", nt_)
+    total = _SCRATCH.get("total", 1)
     _K["count"][nb, _K.tpb](xu, params, cnt)
     _K["scan"][1, _K.tpb](cnt, params, offs, total)
     if size is None:
@@ -619,8 +683,9 @@ def _compact(xu, xd, params, size=None):
 
 def _radix_state(xu, k: int):
     """Device state ``[T, r]``: T = k-th largest key, r = how many ties at T the top-k takes."""
-    state = cuda.to_device(np.array([0, k], dtype=np.int64))
-    hist = cuda.to_device(np.zeros(_NB_MAX, np.int64))
+    state = _params(0, k, "state")
+    # zeroed when new; "find" leaves it zeroed for the next level and the next call
+    hist = _SCRATCH.get("hist", _NB_MAX, init=lambda a: _K["fill_i64"][_K.grid(a.size), _K.tpb](a, 0))
     nb = min(_K.tiles(xu.size), _K.hist_blocks)
     for bits, shift in _DIGITS:
         _K["hist"][nb, _K.tpb](xu, state, shift, bits, hist)
@@ -663,7 +728,7 @@ def sample_threshold(x, k, ratio=0.01, seed=0):
     if k == 0:
         return np.float32(np.nan)
     ha, hb = C.hash_params(seed, C.SALT_SAMPLE)
-    samples = cuda.device_array(s, np.uint32)
+    samples = _SCRATCH.get("samples", s, np.uint32)
     _K["sample"][_K.grid(s), _K.tpb](xu, s, C.sample_step(n, s), ha, hb, samples)
     return C.key_to_float(_radix_state(samples, C.sample_rank(k, n, s)).copy_to_host()[0])
 
@@ -695,6 +760,26 @@ def hash_select(x, t, capacity, seed=0):
     return table, val
 
 
+def hash_survivors(x, t, capacity, seed=0):
+    """What :func:`hash_select`'s table holds, in index order: ``(idx, val)``, ``idx`` int64
+    ascending, ``val = x[idx]`` -- the table's occupied slots sorted, without a sort: each
+    element is flagged when it holds its slot, and the order-preserving compaction packs the
+    flagged ones (DRAGONN's payload, built on the device; only it crosses PCIe)."""
+    xd, xu = _as_x(x)
+    m = C.check_capacity(capacity)
+    n = xd.size
+    if m == 0 or n == 0:
+        return _empty_payload()
+    table = cuda.device_array(m, np.int64)
+    _K["fill_i64"][_K.grid(m), _K.tpb](table, -1)
+    ha, hb = C.hash_params(seed, C.SALT_HASH)
+    tkey = C.threshold_key(t)
+    _K["hash"][_K.grid(n), _K.tpb](xu, tkey, ha, hb, m, table)
+    flags = cuda.device_array(n, np.uint32)
+    _K["winners"][_K.grid(n), _K.tpb](xu, tkey, ha, hb, m, table, flags)
+    return _compact(flags, xd, _params(0, 0))  # flag keys 0 / 1: every key above 0
+
+
 def scatter_add(n, idx, val, out=None):
     n = int(n)
     idx_dtype = np.int32 if getattr(idx, "dtype", None) == np.int32 else np.int64
@@ -711,7 +796,7 @@ def scatter_add(n, idx, val, out=None):
         if out.size != n:
             raise ValueError(f"out has {out.size} elements, expected {n}")
     if di.size:
-        bad = cuda.to_device(np.zeros(1, np.int64))
+        bad = _zeroed("bad")
         _K["scatter"][_K.grid(di.size), _K.tpb](di, dv, out, bad)
         if int(bad.copy_to_host()[0]):
             raise IndexError(f"scatter_add: an index is >= n={n}")
@@ -722,9 +807,9 @@ def quantize_int8(x):
     xd, xu = _as_x(x)
     n = xd.size
     q = cuda.device_array(n, np.int8)
-    amax_u = cuda.to_device(np.zeros(1, np.uint32))
+    amax_u = _zeroed("amax").view(np.uint32)[:1]
     if n:
-        _K["max_key"][_K.tiles(n), _K.tpb](xu, amax_u)
+        _K["max_key"][_K.grid(n), _K.tpb](xu, amax_u)
     amax_f = amax_u.view(np.float32)
     if n:
         _K["quantize"][_K.grid(n), _K.tpb](xd, amax_f, q)
@@ -790,7 +875,7 @@ def all_finite(x) -> bool:
     xd, xu = _as_x(x)
     if not xd.size:
         return True
-    flag = cuda.to_device(np.zeros(1, np.int64))
+    flag = _zeroed("flag")
     _K["nonfinite"][_K.grid(xd.size), _K.tpb](xu, flag)
     return int(flag.copy_to_host()[0]) == 0
 
