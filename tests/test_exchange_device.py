@@ -126,3 +126,25 @@ def test_tf_glue_picks_the_path_from_where_the_gradients_live():
         assert ops_tf.exchange_device([tf.constant([1.0])]) is None  # eager: placed on the CPU
     finally:
         ops_tf.set_path(None)
+
+
+@pytest.mark.mpi
+def test_gpu_exchange_benchmark_checks_bits_across_ranks_in_the_simulator(tmp_path):
+    """tools/bench_gpu_exchange.py (what tools/gpu_check.sh runs on a GPU) on 3 MPI ranks under the
+    simulator: every setting's device exchange equals the host exchange bit for bit on every rank,
+    the ranks agree, and rank 0 writes the report (no timings there: the simulator is slow)."""
+    import json
+    import sys
+
+    from mpi_harness import REPO, run_locked
+    from tfsparse.run import build_command
+
+    tool = REPO / "tools" / "bench_gpu_exchange.py"
+    cmd, env = build_command(3, [sys.executable, str(tool), "--model", "tiny", "--density", "0.1", "--steps", "1",
+                                 "--warmup", "1", "--out", str(tmp_path)])
+    text = run_locked(cmd, timeout=600, env={**env, **SIM_ENV, "OMPI_MCA_rmaps_base_oversubscribe": "1"})
+    report = json.loads((tmp_path / "gpu_exchange_tiny.json").read_text())
+    assert report["machine"]["ranks"] == 3 and report["failures"] == [], text[-3000:]
+    assert set(report["settings"]) == {"topk", "gtopk", "dragonn", "dense:int8"}
+    for r in report["settings"].values():
+        assert r["device_equals_host"] and r["residual_equals_host"] and r["ranks_agree"]

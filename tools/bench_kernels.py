@@ -49,7 +49,10 @@ GOALS = {
     "decode_marginal_vs_dense": ("extra time per payload, sparse / dense decoding", None),
     "cuda_512MB_encode_ms": ("CUDA hash_select of a 512 MB gradient, ms (H100 goal <= 1)", 1.0),
     "cuda_512MB_dragonn_encode_ms": ("CUDA sampled threshold + hash_select, 512 MB, ms (H100 goal <= 1)", 1.0),
-    "cuda_<op>_vs_copy": ("CUDA encode op time / device-to-device copy (goal <= 1.5, exact top-k <= 3)", 1.5),
+    "cuda_512MB_dragonn_survivors_ms": ("CUDA sampled threshold + hash + survivors in index order, 512 MB, ms", None),
+    "cuda_<op>_vs_copy": ("CUDA encode op time / the faster device-to-device copy, Numba's or torch's clone "
+                          "(goal <= 1.5, exact top-k <= 3)", 1.5),
+    "cuda_decode_vs_index_add": ("CUDA scatter_add of P payloads / torch zeros + index_add_, worst P (goal <= 1)", 1.0),
     "cuda_<op>_vs_best_peer": ("CUDA op time / fastest torch or CuPy equivalent (goal <= 1)", 1.0),
 }
 #: CUDA encode ops held to the copy-bandwidth goal (GOALS["cuda_<op>_vs_copy"]): (op, tfsparse impl)
@@ -199,7 +202,7 @@ def bench_cpu(n: int, density: float, repeats: int, payloads: list[int], with_tf
 
 # ----------------------------------------------------------------------------- CUDA
 
-def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> list[dict]:
+def bench_cuda(n: int, density: float, repeats: int, payloads: list[int], exchange: bool = True) -> list[dict]:
     """The CUDA kernels, their PyTorch/CuPy equivalents and one exchange round, on one GPU."""
     from numba import cuda
 
@@ -242,13 +245,17 @@ def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> lis
     add("select_threshold", "tfsparse.ops cuda", timed(lambda: ops.select_threshold(d, t)))
     add("hash_select", "tfsparse.ops cuda (capacity k)", timed(lambda: ops.hash_select(d, t, k)))
     add("hash_select", "cuda sample_threshold + hash", timed(lambda: ops.hash_select(d, ops.sample_threshold(d, k), k)))
+    survivors = getattr(ops.backend("cuda"), "hash_survivors", None)  # None: code before 2026-11-26
+    if survivors is not None:
+        add("hash_survivors", "cuda sample_threshold + hash survivors (DRAGONN's device encode)",
+            timed(lambda: survivors(d, ops.sample_threshold(d, k), 4 * k)))
     add("quantize_int8", "tfsparse.ops cuda", timed(lambda: ops.quantize_int8(d)))
     add("truncate_fp16", "tfsparse.ops cuda", timed(lambda: ops.truncate_fp16(d)))
     add("chunk_l1_norms", "tfsparse.ops cuda", timed(lambda: ops.chunk_l1_norms(d, 32768)))
     for name, impls in _gpu_peers(d, x, n, k, t).items():
         for impl, fn in impls:
             add(name, impl, timed(fn))
-    for alg in ("topk", "dragonn"):
+    for alg in ("topk", "dragonn") if exchange else ():
         step_dev, step_host = _exchange_steps(d, alg, density)
         add("exchange_step", f"{alg}: device-resident exchange", timed(step_dev))
         add("exchange_step", f"{alg}: copy to host + host exchange", timed(step_host))
@@ -261,10 +268,18 @@ def bench_cuda(n: int, density: float, repeats: int, payloads: list[int]) -> lis
                 add("topk", "tf.math.top_k (GPU)", timed(lambda: tf.math.top_k(tf.abs(xt), k).indices.numpy()))
     except ImportError:
         pass
+    try:
+        import torch
+    except ImportError:
+        torch = None
     for p in payloads:
         idx = cuda.to_device(np.concatenate([rng.choice(n, k, replace=False) for _ in range(p)]).astype(np.int64))
         val = cuda.to_device(rng.standard_normal(p * k, dtype=np.float32))
         add("decode", "tfsparse.ops cuda scatter_add", timed(lambda: ops.scatter_add(n, idx, val)), payloads=p)
+        if torch is not None:
+            it, vt = torch.as_tensor(idx, device="cuda"), torch.as_tensor(val, device="cuda")
+            add("decode", "torch zeros(n).index_add_", timed(lambda: torch.zeros(n, device="cuda").index_add_(0, it, vt)),
+                payloads=p)
     return rows
 
 
@@ -362,7 +377,20 @@ def evaluate_goals(rows, sizes, payloads) -> dict:
             g["cuda_512MB_encode_ms"] = enc * 1e3
             full = _seconds(rows, "hash_select", "cuda sample_threshold + hash", n, device="cuda")
             g["cuda_512MB_dragonn_encode_ms"] = full * 1e3 if full else None
-        copy = _seconds(rows, "copy", "device-to-device copy", n, device="cuda")
+        # the bound: the faster of Numba's device-to-device copy and torch's clone
+        copies = [s for s in (_seconds(rows, "copy", "device-to-device copy", n, device="cuda"),
+                              _seconds(rows, "copy", "torch clone", n, device="cuda")) if s]
+        copy = min(copies) if copies else None
+        decode = [(_seconds(rows, "decode", "tfsparse.ops cuda scatter_add", n, device="cuda", payloads=p),
+                   _seconds(rows, "decode", "torch zeros(n).index_add_", n, device="cuda", payloads=p))
+                  for p in payloads]
+        decode = [ours / peer for ours, peer in decode if ours and peer]
+        if decode:
+            g["cuda_decode_vs_index_add"] = max(decode)
+        full = _seconds(rows, "hash_survivors", "cuda sample_threshold + hash survivors (DRAGONN's device encode)",
+                        n, device="cuda")
+        if full and n * 4 >= 512 * 2**20:
+            g["cuda_512MB_dragonn_survivors_ms"] = full * 1e3
         for op, impl in CUDA_ENCODE:
             ours = _seconds(rows, op, impl, n, device="cuda")
             name = op + ("_sampled" if "sample" in impl else "")
@@ -425,6 +453,7 @@ def main(argv=None):
     ap.add_argument("--no-tf", action="store_true", help="skip tf.math.top_k")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU benchmark")
     ap.add_argument("--cuda", action="store_true", help="also benchmark the CUDA kernels (needs a GPU)")
+    ap.add_argument("--no-exchange", action="store_true", help="skip the CUDA exchange rounds")
     ap.add_argument("--cuda-shape", default=None, metavar="TPB,ITEMS,MAX_BLOCKS",
                     help="CUDA launch shape (tfsparse.ops.cuda.set_block_shape), e.g. 256,8,65536")
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -462,7 +491,7 @@ def main(argv=None):
                          "compute_capability": list(getattr(dev, "compute_capability", ()))}
             print(f"CUDA: {cuda_info}")
             for n in sizes:
-                rows += bench_cuda(n, args.density, args.repeats, payloads)
+                rows += bench_cuda(n, args.density, args.repeats, payloads, exchange=not args.no_exchange)
         else:
             print("CUDA: no GPU available, skipped")
     goals = evaluate_goals(rows, sizes, payloads)
