@@ -22,7 +22,9 @@ Kernels (semantics identical to :mod:`tfsparse.ops.reference`, tested under
   key); the state (prefix, remaining rank) stays on the device between launches.
 * DRAGONN hashing (dragonn-wang2022 §3.2, Alg. 1) -- ``hash``: one read, one compare
   per element, ``atomicMax`` into the slot (deterministic: largest index wins), no
-  prefix sum; ``gather`` fetches the values of the ``capacity`` slots.
+  prefix sum; ``gather`` fetches the values of the ``capacity`` slots; ``winners`` flags the
+  elements that hold a slot, and the compaction packs them in index order
+  (:func:`hash_survivors`, DRAGONN's payload on the device: no table copied to the host, no sort).
 * sparse decode (§4.3) -- ``scatter`` with float atomics into one dense output.
 * ``max_key``/``quantize``/``dequantize`` (pipe-sgd-li2018 §3.2), ``trunc16``
   (16-bit truncation), ``chunk_l1`` (gradientflow-sun2019 §3, CSC).
