@@ -1241,23 +1241,25 @@ def topk_of_candidates(idx, val, k: int):
     return _top_of_candidates(idx, val, k)
 
 
-def hash_candidates(idx, val, t, capacity, seed=0):
-    """:func:`hash_select` of a vector from candidates (ascending indices) that hold every
-    element with ``|x| >= t``: the same table, without reading the vector."""
+def _hash_args(idx, val, t, capacity, seed) -> tuple:
+    """The hashing kernels' arguments for a table of ``capacity`` slots over candidates."""
     capacity = C.check_capacity(capacity)
     a, b = C.hash_params(seed, C.SALT_HASH)
     idx = _as_index(idx)
-    return _hash_candidates(idx, as_f32(val), C.threshold_key(t), a, b, _positions(idx, capacity))
+    return idx, as_f32(val), C.threshold_key(t), a, b, _positions(idx, capacity)
+
+
+def hash_candidates(idx, val, t, capacity, seed=0):
+    """:func:`hash_select` of a vector from candidates (ascending indices) that hold every
+    element with ``|x| >= t``: the same table, without reading the vector."""
+    return _hash_candidates(*_hash_args(idx, val, t, capacity, seed))
 
 
 def hash_survivors(idx, val, t, capacity, seed=0):
     """The occupied slots of :func:`hash_candidates`' table as ``(indices, values)`` in **index
     order** (ascending), without a sort: the candidates are walked once more and each that kept
     its slot is taken -- the same entries as the table's, ordered by index."""
-    capacity = C.check_capacity(capacity)
-    a, b = C.hash_params(seed, C.SALT_HASH)
-    idx = _as_index(idx)
-    return _hash_survivors(idx, as_f32(val), C.threshold_key(t), a, b, _positions(idx, capacity))
+    return _hash_survivors(*_hash_args(idx, val, t, capacity, seed))
 
 
 def densify_into(out, idx, val, starts, add=True) -> bool:
