@@ -142,3 +142,16 @@ def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_pa
     assert dsync["model_measured_comm_ms"] == 200.0 + 20.0 + 1800.0  # Eq. 2
     assert pipe["model_measured_comm_ms"] == 500.0  # Eq. 4: max(200 + 150, 500)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_probe_cuda_runs_in_the_simulator():
+    """tools/probe_cuda.py (docs/gpus.md, "Where the time goes") end to end under the CUDA
+    simulator at a tiny size: every fixed cost and every op/kernel line is printed."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "probe_cuda.py"), "--sizes", "2000", "--repeats", "1",
+                           "--calls", "2", "--density", "0.01"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("cuda.to_device(2 int64)", "topk_abs", "count kernel alone", "hash_survivors (capacity 4k)",
+                 "scatter kernel alone"):
+        assert line in done.stdout, line
