@@ -202,6 +202,25 @@ def bench_cpu(n: int, density: float, repeats: int, payloads: list[int], with_tf
 
 # ----------------------------------------------------------------------------- CUDA
 
+def cuda_best_of(fn, repeats: int) -> float:
+    """Seconds of GPU time between two CUDA events around ``fn()``, the minimum of ``repeats``
+    runs after one warm-up (the host's work in ``fn`` counts where the GPU waits for it)."""
+    from numba import cuda
+
+    fn()
+    cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, stop = cuda.event(), cuda.event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        ms = cuda.event_elapsed_time(start, stop) if hasattr(cuda, "event_elapsed_time") else start.elapsed_time(stop)
+        best = min(best, ms / 1e3)
+    return best
+
+
 def bench_cuda(n: int, density: float, repeats: int, payloads: list[int], exchange: bool = True) -> list[dict]:
     """The CUDA kernels, their PyTorch/CuPy equivalents and one exchange round, on one GPU."""
     from numba import cuda
@@ -217,19 +236,7 @@ def bench_cuda(n: int, density: float, repeats: int, payloads: list[int], exchan
     rows = []
 
     def timed(fn):
-        fn()
-        cuda.synchronize()
-        best = float("inf")
-        for _ in range(repeats):
-            start, stop = cuda.event(), cuda.event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            ms = cuda.event_elapsed_time(start, stop) if hasattr(cuda, "event_elapsed_time") else \
-                start.elapsed_time(stop)
-            best = min(best, ms / 1e3)
-        return best
+        return cuda_best_of(fn, repeats)
 
     def add(op, impl, seconds, **extra):
         gbps = nbytes / seconds / 1e9 if seconds > 0 else float("nan")

@@ -26,12 +26,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+from bench_kernels import cuda_best_of, parse_size  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -63,18 +60,7 @@ def main(argv=None) -> int:
         return (time.perf_counter() - t0) / args.calls * 1e6
 
     def event_us(fn):
-        fn()
-        cuda.synchronize()
-        best = float("inf")
-        for _ in range(args.repeats):
-            start, stop = cuda.event(), cuda.event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            best = min(best, cuda.event_elapsed_time(start, stop) if hasattr(cuda, "event_elapsed_time")
-                       else start.elapsed_time(stop))
-        return best * 1e3
+        return cuda_best_of(fn, args.repeats) * 1e6
 
     def show(what, us):
         print(f"  {what:<46} {us:10.1f} us", flush=True)

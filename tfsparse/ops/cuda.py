@@ -334,13 +334,18 @@ def _k_iota(a):
         a[i] = i
 
 
+@cuda.jit(device=True, inline="always")
+def _slot(i, ha, hb, m):
+    """The table slot of index ``i`` (the universal hash of tfsparse.ops._common)."""
+    h = (ha * np.uint64(i) + hb) >> np.uint64(32)
+    return np.int64((h * np.uint64(m)) >> np.uint64(32))
+
+
 def _k_hash(xu, tkey, ha, hb, m, table):
     """DRAGONN Alg. 1 lines 4-8: compare, hash, write (atomic max: the largest index wins)."""
     for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
         if _dkey(xu[i]) >= tkey:
-            h = (ha * np.uint64(i) + hb) >> np.uint64(32)
-            slot = np.int64((h * np.uint64(m)) >> np.uint64(32))
-            cuda.atomic.max(table, slot, np.int64(i))
+            cuda.atomic.max(table, _slot(i, ha, hb, m), np.int64(i))
 
 
 def _k_winners(xu, tkey, ha, hb, m, table, flags):
@@ -348,11 +353,8 @@ def _k_winners(xu, tkey, ha, hb, m, table, flags):
     and no larger index hashed to the slot), else 0: the table's entries, marked in index order."""
     for i in range(cuda.grid(1), xu.size, cuda.gridsize(1)):
         w = np.uint32(0)
-        if _dkey(xu[i]) >= tkey:
-            h = (ha * np.uint64(i) + hb) >> np.uint64(32)
-            slot = np.int64((h * np.uint64(m)) >> np.uint64(32))
-            if table[slot] == i:
-                w = np.uint32(1)
+        if _dkey(xu[i]) >= tkey and table[_slot(i, ha, hb, m)] == i:
+            w = np.uint32(1)
         flags[i] = w
 
 
@@ -520,8 +522,8 @@ SIGNATURES = {
 }
 _ELEMENTWISE = {"fill_i64": _k_fill_i64, "fill_f32": _k_fill_f32, "set2_i64": _k_set2_i64, "iota": _k_iota,
                 "hash": _k_hash, "winners": _k_winners, "gather": _k_gather, "scatter": _k_scatter,
-                "sample": _k_sample, "quantize": _k_quantize, "dequantize": _k_dequantize, "trunc16": _k_trunc16, "add": _k_add, "momentum": _k_momentum,
-                "scale": _k_scale, "nonfinite": _k_nonfinite, "zero_nonfinite": _k_zero_nonfinite,
+                "sample": _k_sample, "quantize": _k_quantize, "dequantize": _k_dequantize, "trunc16": _k_trunc16,
+                "add": _k_add, "momentum": _k_momentum, "scale": _k_scale, "nonfinite": _k_nonfinite, "zero_nonfinite": _k_zero_nonfinite,
                 "zero_at": _k_zero_at, "set_at": _k_set_at, "sum_squares": _k_sum_squares}
 _ELEMENTWISE_JIT = {name: cuda.jit(fn) for name, fn in _ELEMENTWISE.items()}
 
@@ -747,17 +749,23 @@ def select_threshold(x, t):
     return _compact(xu, xd, _ge_params(C.threshold_key(t), xd.size))
 
 
+def _hash_table(xu, tkey: int, m: int, seed):
+    """DRAGONN's table of ``m`` slots over the keys ``xu`` (-1: empty) and its hash parameters."""
+    table = cuda.device_array(m, np.int64)
+    _K["fill_i64"][_K.grid(m), _K.tpb](table, -1)
+    ha, hb = C.hash_params(seed, C.SALT_HASH)
+    if xu.size:
+        _K["hash"][_K.grid(xu.size), _K.tpb](xu, tkey, ha, hb, m, table)
+    return table, ha, hb
+
+
 def hash_select(x, t, capacity, seed=0):
     xd, xu = _as_x(x)
     m = C.check_capacity(capacity)
-    table = cuda.device_array(m, np.int64)
-    val = cuda.device_array(m, np.float32)
     if m == 0:
-        return table, val
-    _K["fill_i64"][_K.grid(m), _K.tpb](table, -1)
-    ha, hb = C.hash_params(seed, C.SALT_HASH)
-    if xd.size:
-        _K["hash"][_K.grid(xd.size), _K.tpb](xu, C.threshold_key(t), ha, hb, m, table)
+        return _empty_payload()
+    table, _, _ = _hash_table(xu, C.threshold_key(t), m, seed)
+    val = cuda.device_array(m, np.float32)
     _K["gather"][_K.grid(m), _K.tpb](table, xd, val)
     return table, val
 
@@ -772,11 +780,8 @@ def hash_survivors(x, t, capacity, seed=0):
     n = xd.size
     if m == 0 or n == 0:
         return _empty_payload()
-    table = cuda.device_array(m, np.int64)
-    _K["fill_i64"][_K.grid(m), _K.tpb](table, -1)
-    ha, hb = C.hash_params(seed, C.SALT_HASH)
     tkey = C.threshold_key(t)
-    _K["hash"][_K.grid(n), _K.tpb](xu, tkey, ha, hb, m, table)
+    table, ha, hb = _hash_table(xu, tkey, m, seed)
     flags = cuda.device_array(n, np.uint32)
     _K["winners"][_K.grid(n), _K.tpb](xu, tkey, ha, hb, m, table, flags)
     return _compact(flags, xd, _params(0, 0))  # flag keys 0 / 1: every key above 0
