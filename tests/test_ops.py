@@ -393,6 +393,41 @@ def test_topk_ties_low_is_numpys_dense_selection(seed):
         same_bits(val, x[ref])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_kth_key_radix_select_is_the_sorted_kth(seed):
+    """From ``_RADIX_MIN`` keys the k-th largest comes from a two-pass radix select: the same
+    value as the sorted array's, with heavy ties, NaN/Inf keys and every boundary ``k``; keys
+    outside ``[0, 2**32)`` take the introselect path."""
+    rng = np.random.default_rng(seed)
+    m = cpu._RADIX_MIN + int(rng.integers(0, 70000))
+    x = np.round(rng.standard_normal(m) * 3).astype(np.float32) / 2  # many ties
+    x[rng.integers(0, m, 12)] = np.resize(SPECIAL, 12)
+    cases = [cpu.keys_of(x), cpu.keys_of(mixed(m, seed)), rng.integers(0, 2**32, m),
+             rng.integers(-3, 2**40, m)]
+    for keys in cases:
+        keys = np.asarray(keys, np.int64)
+        ordered = np.sort(keys)
+        for k in (1, 2, m // 3, m - 1, m, int(rng.integers(1, m + 1))):
+            assert cpu.kth_key(keys, k) == ordered[m - k], k
+
+
+def test_topk_ties_low_radix_path_matches_numpy():
+    """The dense top-k over more than ``_RADIX_MIN`` elements (the radix-selected threshold)."""
+    rng = np.random.default_rng(11)
+    n = 3 * cpu._RADIX_MIN + 5
+    x = np.round(rng.standard_normal(n) * 3).astype(np.float32) / 2
+    x[rng.integers(0, n, 6)] = SPECIAL
+    mag = np.abs(x)
+    mag[np.isnan(mag)] = np.inf
+    for k in (n // 16 + 1, n // 2, n - 1):
+        t = mag[np.argpartition(mag, n - k)[n - k]]
+        above = np.flatnonzero(mag > t)
+        ref = np.sort(np.concatenate([above, np.flatnonzero(mag == t)[:k - above.size]]))
+        idx, val = cpu.topk_ties_low(x, k)
+        same_bits(idx, ref.astype(np.int64))
+        same_bits(val, x[ref])
+
+
 def test_sample_positions_are_where_the_samples_read():
     x = mixed(BIG, 6)
     s = C.sample_count(x.size, 0.01)

@@ -115,11 +115,11 @@ def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k == n:
         return np.arange(n, dtype=np.int64), np.asarray(acc).reshape(-1)
     if k > n // 16:
-        # dense selections (e.g. density warm-up at 0.25, gTop-k's merges): numpy's introselect
-        # finds the k-th magnitude faster than the radix select (measured: 2M elements, k = 0.1 n:
-        # 19 ms vs 30 ms; k = 0.001 n: 5.3 ms vs 1.9 ms); the kernel's ordered pass then takes
-        # every larger one and the lowest-index ties, with no sort (342K elements, k = n / 2:
-        # 6.7 ms vs 12 ms for numpy's masks and sort, the same indices)
+        # dense selections (e.g. density warm-up at 0.25, gTop-k's merges): the magnitudes' keys
+        # once, their k-th largest by a two-pass 16-bit histogram select (``cpu._kth_key``;
+        # measured, one core: 342K keys 0.30 ms, 17M 18 ms, against 2.9 and 190 ms for numpy's
+        # introselect); the kernel's ordered pass then takes every larger one and the
+        # lowest-index ties, with no sort (the same indices as numpy's masks and sort)
         from .ops import cpu
 
         if isinstance(acc, np.ndarray) and acc.dtype == np.float32:

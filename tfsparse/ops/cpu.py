@@ -335,10 +335,49 @@ def _keys_of(val):
     return keys
 
 
+_RADIX_MIN = 1 << 16  # from this many keys the radix select beats introselect (~10x at 213K-17M keys)
+
+
+@njit(cache=True, nogil=True)
+def _radix_kth(keys, k, hist):
+    """k-th largest (1-based) of int64 ``keys`` all in ``[0, 2**32)`` by two 16-bit histogram
+    passes (``hist``: 65,536 int64 of scratch), or -1 when some key is outside that range."""
+    hist[:] = 0
+    m = keys.size
+    bad = False
+    for j in range(m):
+        kk = keys[j]
+        bad |= (kk >> 32) != 0
+        hist[(kk >> 16) & 0xFFFF] += 1
+    if bad:
+        return np.int64(-1)
+    left = k
+    hi = 0xFFFF
+    while hist[hi] < left:
+        left -= hist[hi]
+        hi -= 1
+    hist[:] = 0
+    for j in range(m):
+        kk = keys[j]
+        if (kk >> 16) == hi:
+            hist[kk & 0xFFFF] += 1
+    lo = 0xFFFF
+    while hist[lo] < left:
+        left -= hist[lo]
+        lo -= 1
+    return (np.int64(hi) << 16) | np.int64(lo)
+
+
 @njit(cache=True, nogil=True)
 def _kth_key(keys, k):
-    """k-th largest (1-based) of an int64 key array (``keys`` is not modified)."""
+    """k-th largest (1-based, ``0 < k <= keys.size``) of an int64 key array (``keys`` is not
+    modified): a radix select over the magnitude keys' 32 bits for large arrays, numpy's
+    introselect (a partitioned copy) for small ones or keys outside ``[0, 2**32)``."""
     m = keys.size
+    if m >= _RADIX_MIN:
+        t = _radix_kth(keys, k, np.empty(1 << 16, np.int64))
+        if t >= 0:
+            return t
     return np.partition(keys, m - k)[m - k]
 
 
@@ -1227,8 +1266,7 @@ def topk_ties_low(x, k: int):
     x = as_f32(x)
     keys = _magnitude_keys(x)
     k = int(k)
-    t = np.partition(keys, keys.size - k)[keys.size - k]  # numpy's introselect: faster than Numba's here
-    return _take_keyed(x, keys, k, t, _NO_INDEX, True)
+    return _take_keyed(x, keys, k, _kth_key(keys, k), _NO_INDEX, True)
 
 
 def topk_of_candidates(idx, val, k: int):
