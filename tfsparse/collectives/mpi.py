@@ -6,6 +6,9 @@ import numpy as np
 from .communicator import Communicator, Request, split_counts
 
 
+_RING_TAG = 7601  # the allgather ring's messages (point-to-point, apart from the aggregators' tags)
+
+
 def _mpi():
     from mpi4py import MPI  # imported lazily: importing tfsparse must not start MPI
 
@@ -16,9 +19,16 @@ class MPICommunicator(Communicator):
     """Communicator on an ``mpi4py`` communicator (``MPI.COMM_WORLD`` by default).
 
     Uses the buffer (upper-case) mpi4py API throughout.  ``allreduce`` is a
-    ``Reduce_scatter`` followed by ``Allgatherv``: each element is reduced once,
-    by one owner, so the result is bit-identical on every rank regardless of the
+    ``Reduce_scatter`` followed by an allgather of the reduced blocks: each element is reduced
+    once, by one owner, so the result is bit-identical on every rank regardless of the
     algorithm Open MPI selects.
+
+    The allgathers (``allgather`` and the second half of ``allreduce``) run as a ring of
+    ``Sendrecv`` s (:meth:`_ring_allgatherv`, the algorithm whose volume the byte counts
+    assume) rather than ``Allgatherv``: Open MPI 4.1's choice for ``Allgatherv`` at 4 ranks,
+    the neighbour exchange, sends both ways over each link at once and took 36.3 ms for
+    0.77 MB per rank on ``tfsparse-run --net 1gbit`` against 23.2 ms for its ring and 18.5 ms
+    at line rate (2 MB per rank: 83.9 against 53.5 ms; measured side by side).
     """
 
     name = "mpi"
@@ -40,7 +50,7 @@ class MPICommunicator(Communicator):
         mine = np.empty(int(counts[self.rank]), dtype=flat.dtype)
         self.comm.Reduce_scatter(flat, mine, recvcounts=counts.tolist(), op=self._ops[op])
         out = np.empty_like(flat) if out is None else out
-        self.comm.Allgatherv(mine, [out, (counts.tolist(), displs.tolist())])
+        self._ring_allgatherv(mine, out, counts, displs)
         return out
 
     def _allgather(self, x):
@@ -48,8 +58,21 @@ class MPICommunicator(Communicator):
         self.comm.Allgather(np.array([x.size], dtype=np.int64), counts)
         displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
         out = np.empty(int(counts.sum()), dtype=x.dtype)
-        self.comm.Allgatherv(x, [out, (counts.tolist(), displs.tolist())])
+        self._ring_allgatherv(x, out, counts, displs)
         return [out[int(d):int(d + c)] for d, c in zip(displs, counts)]
+
+    def _ring_allgatherv(self, mine, out, counts, displs) -> None:
+        """``out[displs[j]:displs[j] + counts[j]]`` = rank ``j``'s ``mine``, on every rank: a ring of
+        ``P - 1`` steps, in step ``s`` each rank passes block ``rank - s`` to its successor and
+        takes block ``rank - s - 1`` from its predecessor -- every link carries one direction
+        at a time, and each rank sends every block but its successor's."""
+        P, r = self.size, self.rank
+        out[int(displs[r]):int(displs[r] + counts[r])] = mine
+        succ, pred = (r + 1) % P, (r - 1) % P
+        for step in range(P - 1):
+            s, t = (r - step) % P, (r - step - 1) % P
+            self.comm.Sendrecv(out[int(displs[s]):int(displs[s] + counts[s])], succ, _RING_TAG,
+                               out[int(displs[t]):int(displs[t] + counts[t])], pred, _RING_TAG)
 
     def _bcast(self, x, root, shape, dtype):
         buf = x if x is not None else np.empty(shape, dtype=dtype)
