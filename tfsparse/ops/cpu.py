@@ -374,7 +374,7 @@ def _kth_key(keys, k):
     modified): a radix select over the magnitude keys' 32 bits for large arrays, numpy's
     introselect (a partitioned copy) for small ones or keys outside ``[0, 2**32)``."""
     m = keys.size
-    if m >= _RADIX_MIN:
+    if m >= _RADIX_MIN and 0 < k <= m:
         t = _radix_kth(keys, k, np.empty(1 << 16, np.int64))
         if t >= 0:
             return t
