@@ -1,5 +1,6 @@
 """The exchange pipeline on real mpirun jobs (P = 2, 3, 4): every algorithm x wire dtype x plan
-(CSC included; and GradientFlow's momentum correction and previous-step chunk choice) equals the reference computed from all ranks' inputs (tests/exchange_ref.py), bit-identical
+(CSC included; GradientFlow's momentum correction and previous-step chunk choice; the dense
+16/8-bit exchange decoding in pieces) equals the reference computed from all ranks' inputs (tests/exchange_ref.py), bit-identical
 on every rank; dense float16 sends exactly half of float32's bytes."""
 from __future__ import annotations
 
@@ -8,12 +9,23 @@ import json
 import numpy as np
 import pytest
 
-from exchange_ref import reference_run
+from exchange_ref import dense_ring_round, dense_round, reference_run
 from mpi_harness import mpirun
 from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of
 from test_gradientflow import MPI_CASES, STEPS as GF_STEPS, mpi_case_reference
 
 pytestmark = pytest.mark.mpi
+
+#: the dense 16/8-bit exchanges that tests/workers/exchange_matrix.py runs decoding in pieces of
+#: one int8 chunk (``wire.DECODE_PIECE``), the communicator's progress called between them
+PIECES = {"int8": ("int8", {}), "int8-ring": ("int8", {"reduce_scatter": "ring"}),
+          "bfloat16": ("bfloat16", {}), "float16": ("float16", {})}
+
+
+def pieces_grads(rank: int) -> list[np.ndarray]:
+    """40,003 values: a block of 10,000 or more at P <= 4, three int8 chunks and a part."""
+    rng = np.random.default_rng([rank, 77])
+    return [rng.laplace(size=(200, 200)).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
@@ -59,6 +71,20 @@ def test_gradientflow_cases_equal_reference(job, name):
             np.testing.assert_allclose(got, result, rtol=2e-5, atol=2e-5, err_msg=name)
             np.testing.assert_array_equal(np.flatnonzero(got), np.flatnonzero(result), err_msg=name)
             np.testing.assert_allclose(results[r][f"{name}/res{s}"], residuals[r], rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("key", list(PIECES))
+def test_dense_decoding_in_pieces_equals_reference(job, key):
+    """Decoding in pieces with Open MPI's progress run between them (what moves the blocks still
+    on the wire) changes no value: the sum and every residual equal the reference exactly."""
+    P, results = job
+    wire, options = PIECES[key]
+    round_of = dense_ring_round if options.get("reduce_scatter") == "ring" else dense_round
+    result, residuals, _ = round_of([flat(pieces_grads(r)) for r in range(P)], wire)
+    for r in range(P):
+        assert results[r]["pieces/progress_calls"] > 0
+        np.testing.assert_array_equal(results[r][f"pieces/{key}/out"], result.astype(np.float32), err_msg=key)
+        np.testing.assert_array_equal(results[r][f"pieces/{key}/res"], residuals[r], err_msg=key)
 
 
 def test_dense_half_precision_sends_half_the_bytes(job):

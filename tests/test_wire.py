@@ -3,7 +3,7 @@ sparse messages and the record of what the wire lost."""
 import numpy as np
 import pytest
 
-from tfsparse.wire import (INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire, index_codec,
+from tfsparse.wire import (DECODE_PIECE, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire, index_codec,
                            index_dtype, pack_sparse, unpack_sparse)
 
 WIRES = ("float32", "float16", "bfloat16", "int8")
@@ -217,18 +217,24 @@ def test_wire_loss_restrict_and_apply():
 
 
 @pytest.mark.parametrize("name", WIRES)
-def test_decode_into_accumulates(name):
+@pytest.mark.parametrize("n", [9000, 2 * DECODE_PIECE + INT8_CHUNK + 7])
+def test_decode_into_accumulates(name, n):
+    """Also in pieces, calling ``progress`` between them (what a dense exchange does over MPI):
+    the same values, bit for bit, as one whole decode."""
     w = get_wire(name)
-    x = data(9000, seed=3)
+    x = data(n, seed=3)
     if name == "float16":
         x[5] = 1e7  # a scaled message takes the same path
     buf = w.encode(x)
-    base = data(9000, seed=4)
+    whole = w.decode(buf, x.size)
+    calls = []
+    base = data(n, seed=4)
     out = base.copy()
-    w.decode_into(buf, x.size, out, accumulate=True)
-    np.testing.assert_array_equal(out, base + w.decode(buf, x.size))
-    w.decode_into(buf, x.size, out)
-    np.testing.assert_array_equal(out, w.decode(buf, x.size))
+    w.decode_into(buf, x.size, out, accumulate=True, progress=lambda: calls.append(1))
+    np.testing.assert_array_equal(out, base + whole)
+    w.decode_into(buf, x.size, out, progress=lambda: calls.append(1))
+    np.testing.assert_array_equal(out, whole)
+    assert len(calls) == 2 * (-(-n // DECODE_PIECE) - 1)  # between pieces, never after the last
 
 
 def test_half_encoding_is_numpys_round_to_nearest_even():

@@ -1,5 +1,6 @@
 """Worker: every algorithm x wire dtype x plan through GradientExchange on real MPI ranks
-(numpy only), a few rounds each, and GradientFlow's cases (tests/test_gradientflow.py); saves every round's result, residual, bytes and the Ok-Topk
+(numpy only), a few rounds each, GradientFlow's cases (tests/test_gradientflow.py) and the dense
+16/8-bit exchange decoding in pieces; saves every round's result, residual, bytes and the Ok-Topk
 thresholds, for tests/test_exchange_mpi.py to check against tests/exchange_ref.py."""
 import json
 import sys
@@ -12,7 +13,10 @@ import numpy as np  # noqa: E402
 from mpi_harness import save_result  # noqa: E402
 from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of  # noqa: E402
 from test_gradientflow import MPI_CASES, STEPS as GF_STEPS  # noqa: E402
+from test_exchange_mpi import PIECES, pieces_grads  # noqa: E402
+from tfsparse import wire as wire_module  # noqa: E402
 from tfsparse.collectives import MPICommunicator  # noqa: E402
+from tfsparse.wire import INT8_CHUNK  # noqa: E402
 from tfsparse.exchange import GradientExchange  # noqa: E402
 
 
@@ -43,6 +47,18 @@ def main():
             out[f"{name}/out{s}"] = flat(ex.exchange_numpy(grads_of(comm.rank, s)))
             out[f"{name}/res{s}"] = ex.residual
         ex.close()
+    # the 16/8-bit dense exchange decoding its blocks in pieces, the transport's progress run
+    # between them (pieces of one int8 chunk here, so that blocks of ~10K values take several)
+    wire_module.DECODE_PIECE = INT8_CHUNK
+    calls = []
+    progress = MPICommunicator.progress
+    MPICommunicator.progress = lambda self: (calls.append(1), progress(self))  # the exchange's duplicates too
+    for key, (wire, options) in PIECES.items():
+        ex = GradientExchange("dense", 1.0, wire_dtype=wire, communicator=comm, **options)
+        out[f"pieces/{key}/out"] = flat(ex.exchange_numpy(pieces_grads(comm.rank)))
+        out[f"pieces/{key}/res"] = ex.residual
+        ex.close()
+    out["pieces/progress_calls"] = len(calls)
     out["P"] = comm.size
     out["tensorflow_imported"] = "tensorflow" in sys.modules
     save_result(comm.rank, **out)

@@ -21,6 +21,13 @@ from .registry import register
 _RS_TAG, _AG_TAG = 71, 72  # the 16/8-bit exchange's point-to-point messages (on the exchange's own communicator)
 
 
+def _progress(comm):
+    """What a decode that overlaps messages in flight calls between its pieces, so that they move
+    meanwhile (:meth:`Wire.decode_into`); measured, the int8 exchange of 25.2M values at P = 4 on
+    ``tfsparse-run --net 1gbit``: 545 ms without, 460 ms with."""
+    return comm.progress if comm.manual_progress else None
+
+
 @dataclass
 class _DensePayload:
     acc: np.ndarray
@@ -116,6 +123,7 @@ class DenseAllreduce(Aggregator):
         # decodes it while the next one travels; every rank decodes the same bytes
         total = out if out is not None else np.empty(acc.size, np.float32)
         right, left = (rank + 1) % size, (rank - 1) % size
+        progress = _progress(comm)
         # every hop's receive posted first (matched in order: same source and tag), so that the
         # next block flows in while this rank decodes the last one
         recvs = [comm.irecv(left, wire.max_nbytes(int(counts[(rank - hop - 1) % size])), _AG_TAG, np.uint8,
@@ -123,7 +131,7 @@ class DenseAllreduce(Aggregator):
         for hop in range(size):
             j = (rank - hop) % size
             req = comm.isend(buf, right, _AG_TAG) if hop < size - 1 else None
-            wire.decode_into(buf, int(counts[j]), total[int(offs[j]):int(offs[j + 1])])
+            wire.decode_into(buf, int(counts[j]), total[int(offs[j]):int(offs[j + 1])], progress=progress)
             if req is not None:
                 buf = recvs[hop].wait()
                 req.wait()
@@ -145,11 +153,12 @@ class DenseAllreduce(Aggregator):
                  for src in range(size) if src != rank}
         mine = self.buffers.take(n_own, np.float32)
         mine.fill(0.0)
+        progress = _progress(comm)
         for src in range(size):
             if src == rank:
                 mine += acc[int(offs[rank]):int(offs[rank + 1])]
             else:
-                wire.decode_into(recvs[src].wait(), n_own, mine, accumulate=True)
+                wire.decode_into(recvs[src].wait(), n_own, mine, accumulate=True, progress=progress)
         for req in sends:
             req.wait()
         return mine
@@ -173,12 +182,13 @@ class DenseAllreduce(Aggregator):
         # every hop's receive posted first (matched in order: same source and tag)
         recvs = [comm.irecv(left, wire.max_nbytes(into.stop - into.start), _RS_TAG, np.uint8, exact=False,
                             buffers=self.buffers) for into in intos]
+        progress = _progress(comm)
         for hop, into in enumerate(intos):
             out = block(rank - hop - 1)
             buf = self._encode(wire, partial, acc, out, loss, in_place)
             req = comm.isend(buf, right, _RS_TAG)
             partial = self.buffers.take(into.stop - into.start, np.float32)
-            wire.decode_into(recvs[hop].wait(), partial.size, partial)  # every element written
+            wire.decode_into(recvs[hop].wait(), partial.size, partial, progress=progress)  # every element written
             partial += acc[into]
             req.wait()
         return partial

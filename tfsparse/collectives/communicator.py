@@ -93,6 +93,10 @@ class Communicator(ABC):
     #: pipelined exchange's round next to the training thread's metric averaging); Horovod's
     #: eager collectives may not
     concurrent_collectives = True
+    #: whether messages in flight move only inside this transport's calls (Open MPI over TCP
+    #: runs no progress thread): a long computation meant to overlap them calls
+    #: :meth:`progress` now and then
+    manual_progress = False
 
     def __init__(self, rank: int, size: int):
         self.rank = int(rank)
@@ -183,6 +187,10 @@ class Communicator(ABC):
         (``MPI_Comm_dup``), with its own byte counters.  Collective: every rank calls it, in
         the same order.  The exchange's communication thread talks over one."""
         return self._duplicate()
+
+    def progress(self) -> None:
+        """Let the transport move the data of the point-to-point operations in flight (cheap: a
+        few microseconds).  A no-op where it moves them by itself (``manual_progress`` False)."""
 
     # -- point to point ---------------------------------------------------
     def _check_peer(self, peer: int, what: str) -> None:

@@ -33,6 +33,7 @@ class HorovodCommunicator(Communicator):
     # with the same name as another tensor that is currently being processed"), whatever
     # their names: measured with Horovod 0.28.1
     concurrent_collectives = False
+    manual_progress = True  # point to point goes over MPI
 
     def __init__(self, comm=None, *, prefix: str = "tfsparse"):
         import horovod.tensorflow as hvd
@@ -102,6 +103,9 @@ class HorovodCommunicator(Communicator):
     # point-to-point: mpi4py on the same world
     def _send(self, x, dest, tag):
         self._p2p._send(x, dest, tag)
+
+    def progress(self):
+        self._p2p.progress()
 
     def _isend(self, x, dest, tag):
         return self._p2p._isend(x, dest, tag)
