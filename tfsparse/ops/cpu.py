@@ -923,10 +923,15 @@ def _lookup_into(codes, table, out, accumulate):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quantize_chunks(x, chunk, q, scales, loss):
+def _quantize_chunks(x, chunk, q, scales, loss, in_place):
     """Per chunk: ``scale = max|x| / 127``, ``q = clip(rint(x * (127 / max|x|)), -127, 127)``;
     a chunk holding NaN/Inf (or only zeros) gets ``q = 0`` and a NaN/Inf (or zero) scale.
-    ``loss = x - q * scale`` (0 in a non-finite chunk: it decodes to NaN everywhere)."""
+    ``loss = x - q * scale`` (0 in a non-finite chunk: it decodes to NaN everywhere);
+    ``in_place``: ``loss`` is ``x``.
+
+    Every loop runs over a chunk's slices from 0 (``range(lo, hi)`` over the whole arrays
+    defeats LLVM's vectoriser: 33 against 5.3 ms for 17.1M values on one core here), and the
+    in-place loop reads and writes one array, which the vectoriser's overlap check passes."""
     n = x.size
     xu = x.view(np.uint32)
     for c in prange(scales.size):
@@ -939,25 +944,32 @@ def _quantize_chunks(x, chunk, q, scales, loss):
         nan = top > np.uint32(_INFK)
         amax = _as_float(top)
         scales[c] = np.float32(np.nan) if nan else np.float32(amax / np.float32(127.0))
+        xs, qs, ls = x[lo:hi], q[lo:hi], loss[lo:hi]
         if nan or amax == np.inf or amax == 0:
-            for i in range(lo, hi):
-                q[i] = 0
-                loss[i] = np.float32(0.0)
+            for i in range(qs.size):
+                qs[i] = 0
+                ls[i] = np.float32(0.0)
         else:
             inv = np.float32(np.float32(127.0) / amax)
             scale = scales[c]
             if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
-                for i in range(lo, hi):
-                    v = x[i]
+                for i in range(xs.size):
+                    v = xs[i]
                     code = np.int8(min(max(np.rint(np.float64(v) * 127.0 / np.float64(amax)), -127.0), 127.0))
-                    q[i] = code
-                    loss[i] = v - np.float32(code) * scale
-            else:
-                for i in range(lo, hi):
-                    v = x[i]
+                    qs[i] = code
+                    ls[i] = v - np.float32(code) * scale
+            elif in_place:
+                for i in range(xs.size):
+                    v = xs[i]
                     code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
-                    q[i] = code
-                    loss[i] = v - np.float32(code) * scale
+                    qs[i] = code
+                    xs[i] = v - np.float32(code) * scale
+            else:
+                for i in range(xs.size):
+                    v = xs[i]
+                    code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
+                    qs[i] = code
+                    ls[i] = v - np.float32(code) * scale
     return q
 
 
@@ -968,9 +980,13 @@ def _dequantize_chunks_into(q, scales, chunk, out, accumulate):
         lo = c * chunk
         hi = min(lo + chunk, n)
         s = scales[c]
-        for i in range(lo, hi):
-            v = np.float32(q[i]) * s
-            out[i] = out[i] + v if accumulate else v
+        qs, os = q[lo:hi], out[lo:hi]  # slices from 0: vectorised (see _quantize_chunks)
+        if accumulate:
+            for i in range(qs.size):
+                os[i] = os[i] + np.float32(qs[i]) * s
+        else:
+            for i in range(qs.size):
+                os[i] = np.float32(qs[i]) * s
     return out
 
 
@@ -1420,7 +1436,7 @@ def quantize_int8_chunks(x, chunk, loss=None, out=None):
     scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
     traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)  # a chunk's 2nd read hits the cache
     with _threads_for(x.size):
-        _quantize_chunks(x, chunk, q, scales, loss)
+        _quantize_chunks(x, chunk, q, scales, loss, loss.ctypes.data == x.ctypes.data)
     return q, scales, loss
 
 
