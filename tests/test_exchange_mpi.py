@@ -1,7 +1,8 @@
 """The exchange pipeline on real mpirun jobs (P = 2, 3, 4): every algorithm x wire dtype x plan
 (CSC included; GradientFlow's momentum correction and previous-step chunk choice; the dense
-16/8-bit exchange decoding in pieces) equals the reference computed from all ranks' inputs (tests/exchange_ref.py), bit-identical
-on every rank; dense float16 sends exactly half of float32's bytes."""
+16/8-bit exchange decoding in pieces) equals the reference computed from all ranks' inputs
+(tests/exchange_ref.py), bit-identical on every rank; dense float16 sends exactly half of
+float32's bytes."""
 from __future__ import annotations
 
 import json

@@ -3,8 +3,8 @@ sparse messages and the record of what the wire lost."""
 import numpy as np
 import pytest
 
-from tfsparse.wire import (DECODE_PIECE, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire, index_codec,
-                           index_dtype, pack_sparse, unpack_sparse)
+from tfsparse.wire import (DECODE_PIECE, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire,
+                           index_codec, index_dtype, pack_sparse, unpack_sparse)
 
 WIRES = ("float32", "float16", "bfloat16", "int8")
 

@@ -110,7 +110,8 @@ def _kernels():
 
 class Wire:
     """One value encoding.  Subclasses implement :meth:`encode_with_loss`, :meth:`_decode_range`
-    (which :meth:`decode_into` runs) and :meth:`entries`; ``value_bytes`` is the nominal size of one value on the wire."""
+    (which :meth:`decode_into` runs) and :meth:`entries`; ``value_bytes`` is the nominal size of
+    one value on the wire."""
 
     name = "base"
     value_bytes = 4

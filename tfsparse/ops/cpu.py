@@ -888,7 +888,7 @@ def _half_into(codes, table, out, accumulate):
     """``out[i] (+)= decode(codes[i])`` for binary16 codes: the CPU's conversion (:func:`_from_half`),
     the 65536-entry table only for NaN (numpy's NaN bits, whatever the CPU does).  Codes without a
     NaN (a vectorised test first) take a loop without the table, which vectorises (one core, 17.1M
-    codes: 2.9 against 8.0 ms)."""
+    codes: 5.0 against 8.0 ms, the test 0.7 ms of it)."""
     if not _has_half_nan(codes):
         if accumulate:
             for i in prange(codes.size):
