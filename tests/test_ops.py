@@ -317,6 +317,26 @@ def test_add_select_is_add_then_select_threshold(t):
     assert cpu.add_select(fg, fr, acc, C.NAN_KEY + 1)[0].size == 0  # a key above every key: nothing
 
 
+@pytest.mark.parametrize("offset", [0, 1, 5, 15])
+@pytest.mark.parametrize("n", [1, 17, 1000, BIG + 7])
+def test_add_select_streams_the_sums_whatever_the_alignment(offset, n):
+    """The sums reach ``acc`` (non-temporal stores from its first 64-byte aligned element on, plain
+    ones before and after) for any alignment and length, the hits staged the same -- with
+    ``acc``'s neighbours untouched; t = 0 collects every element (the chunks' overflow rescan)."""
+    g, r = mixed(n + 16, 6)[offset:offset + n], mixed(n + 16, 7, ties=False)[16 - offset:16 - offset + n]
+    for t in (0.0, 1.0):
+        whole = np.full(n + 32, 7.0, np.float32)
+        acc = whole[offset + 8:offset + 8 + n]
+        idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 3)
+        same_bits(acc, g + r)
+        same_bits(whole[:offset + 8], np.full(offset + 8, 7.0, np.float32))
+        same_bits(whole[offset + 8 + n:], np.full(24 - offset, 7.0, np.float32))
+        ref_idx, ref_val = R.select_threshold(g + r, t)
+        same_bits(idx, ref_idx + 3)
+        same_bits(val, ref_val)
+        assert finite == bool(np.all(np.isfinite(g + r)))
+
+
 def test_candidates_give_the_exact_topk_and_the_hash_table():
     """From the elements at or above a key: the exact top-k (when there are at least k) and
     DRAGONN's table -- what topk_abs and hash_select make of the whole vector."""

@@ -78,6 +78,44 @@ def _from_half(typingctx, h):
 
 
 @intrinsic
+def _add_stream16(typingctx, dst, i, a, b):
+    """``dst[i:i + 16] = a[i:i + 16] + b[i:i + 16]`` (float32) with one non-temporal vector store:
+    the 64-byte line goes to memory without being read first (a plain store reads every line it
+    writes into the cache -- "read for ownership", a fourth stream for ``acc = g + r``).
+    ``dst[i]`` must be 64-byte aligned; the stores are ordered only by :func:`_store_fence`."""
+    def codegen(context, builder, signature, args):
+        darr, di, aarr, barr = args
+        vt = ir.VectorType(ir.FloatType(), 16)
+
+        def at(arr, aty):
+            data = context.make_array(aty)(context, builder, arr).data
+            return builder.bitcast(builder.gep(data, [di]), vt.as_pointer())
+        total = builder.fadd(builder.load(at(aarr, signature.args[2]), align=4),
+                             builder.load(at(barr, signature.args[3]), align=4))
+        store = builder.store(total, at(darr, signature.args[0]), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return types.void(dst, i, a, b), codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """A fence after :func:`_add_stream16`'s stores (``mfence`` on x86), before others read them."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _float_bits(typingctx, x):
+    """float32 -> its uint32 bits (a bit cast)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
 def _as_float(typingctx, u):
     """uint32 bits -> the float32 they encode (a bit cast)."""
     def codegen(context, builder, signature, args):
@@ -145,24 +183,25 @@ def _count_ge(xu, b0, b1, klo):
 
 
 @njit(cache=True, inline="always")
-def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w):
+def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w, shift=0):
     """Stages the elements of ``xu[b0:b1]`` with ``key >= klo`` at ``st_idx/st_val[bs + w:]`` (up to
-    ``_STG`` per chunk, counting the rest) and returns the new count: a full block narrowed by its
-    ``_SUB``-element sub-blocks' maxima, a short one element by element."""
+    ``_STG`` per chunk, counting the rest; index ``i`` staged as ``i + shift``) and returns the new
+    count: a full block narrowed by its ``_SUB``-element sub-blocks' maxima, a short one element
+    by element."""
     if b1 - b0 == _BLK:
         for s0 in range(b0, b1, _SUB):
             if _sub_hit(xu, s0, t2):
                 for i in range(s0, s0 + _SUB):
                     if _key(xu[i]) >= klo:
                         if w < _STG:
-                            st_idx[bs + w] = i
+                            st_idx[bs + w] = i + shift
                             st_val[bs + w] = x[i]
                         w += 1
     else:
         for i in range(b0, b1):
             if _key(xu[i]) >= klo:
                 if w < _STG:
-                    st_idx[bs + w] = i
+                    st_idx[bs + w] = i + shift
                     st_val[bs + w] = x[i]
                 w += 1
     return w
@@ -415,38 +454,56 @@ def _sample_positions(n, s, step, a, b):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _add_select_ge(g, r, acc, klo, base, st_idx, st_val):
+def _add_select_ge(g, r, acc, klo, base, st_idx, st_val, addr):
     """``acc = g + r`` (float32) and, in the same pass, the indices (``+ base``, ascending) and
     values of ``acc``'s elements with ``key >= klo`` -- error feedback, the finite check and a
-    threshold selection fused: each block of ``_BLK`` sums is stored and its keys' maximum tested
-    while it is in the cache (hits staged as :func:`_select_ge` stages them).  Returns
-    ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums (``>= INF_KEY << 1``: some
-    sum is not finite)."""
+    threshold selection fused.  Per block of ``_BLK`` elements: the sums' keys' maximum (the
+    block's ``g`` and ``r`` come into the cache), the hits of a block that has any (staged as
+    :func:`_select_ge` stages them, from the block's sums made again in a small buffer), then the
+    sums written to ``acc`` with non-temporal stores (:func:`_add_stream16`; ``addr``: ``acc``'s
+    address; each chunk's blocks start at its first 64-byte aligned element), so that ``acc``'s
+    old lines are never read: three streams over memory, not four (17.1M elements on one core,
+    12.8 -> 8 ms).  Returns ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums
+    (``>= INF_KEY << 1``: some sum is not finite)."""
     n = g.size
     nch = (n + _CH - 1) // _CH
     counts = np.zeros(nch, np.int64)
     tops = np.zeros(nch, np.uint32)
     t2 = np.uint32(klo << 1)
-    au = acc.view(np.uint32)
     for c in prange(nch):
         lo = c * _CH
         hi = min(lo + _CH, n)
         w = 0
         top = np.uint32(0)
-        for b0 in range(lo, hi, _BLK):
-            b1 = min(b0 + _BLK, hi)
+        buf = np.empty(_BLK, np.float32)
+        bu = buf.view(np.uint32)
+        head = min(hi, lo + (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
+        b0 = lo
+        while b0 < hi:
+            b1 = head if b0 < head else min(b0 + _BLK, hi)
             ga = g[b0:b1]
             ra = r[b0:b1]
-            aa = acc[b0:b1]
-            for j in range(aa.size):
-                aa[j] = ga[j] + ra[j]
-            m = _shifted_max(au, b0, b1)
+            m = np.uint32(0)
+            for j in range(ga.size):
+                m = max(m, np.uint32(_float_bits(ga[j] + ra[j]) << _U1))
             top = max(top, m)
             if m >= t2:
-                w = _stage_hits(au, acc, b0, b1, t2, klo, st_idx, st_val, c * _STG, w)
+                for j in range(ga.size):
+                    buf[j] = ga[j] + ra[j]
+                w = _stage_hits(bu, buf, 0, b1 - b0, t2, klo, st_idx, st_val, c * _STG, w, b0)
+            i = b0
+            if b0 >= head:
+                while i + 16 <= b1:
+                    _add_stream16(acc, i, g, r)
+                    i += 16
+            while i < b1:
+                acc[i] = g[i] + r[i]
+                i += 1
+            b0 = b1
+        _store_fence()
         counts[c] = w
         tops[c] = top
-    out_idx, out_val = _compact(au, acc, klo, base, counts, st_idx, st_val)
+    out_idx, out_val = _compact(acc.view(np.uint32), acc, klo, base, counts, st_idx, st_val)
     top = np.uint32(0)
     for c in range(nch):
         top = max(top, tops[c])
@@ -1288,7 +1345,8 @@ def add_select(g, r, acc, klo: int, base: int = 0):
     ``acc``: contiguous float32 vectors of one size."""
     traffic.count("compensate", read=g.nbytes + r.nbytes, written=acc.nbytes)
     with _threads_for(g.size):
-        idx, val, top = _add_select_ge(g, r, acc, np.int64(klo), np.int64(base), *_staging(g.size))
+        idx, val, top = _add_select_ge(g, r, acc, np.int64(klo), np.int64(base), *_staging(g.size),
+                                       np.int64(acc.ctypes.data))
     return idx, val, int(top) < (_INFK << 1)
 
 
