@@ -189,7 +189,7 @@ class Bucket:
             return received
         t0 = time.perf_counter()
         result = received.result
-        dense = space.decode(result, self.spec.size, received.out)
+        dense = space.decode(result, self.spec.size, received.out, self.outputs)
         self.memory.update(result)
         return Outcome(dense, received.bytes, result.sent_elements, received.comm_s, time.perf_counter() - t0)
 

@@ -68,12 +68,29 @@ class AllreduceResult:
             self._values = sparse_decode(self.n, self.pieces)
         return self._values
 
-    def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    @property
+    def scattered(self) -> int | None:
+        """How many indices a sparse result scatters (an index in several pieces counts each
+        time); None for a dense result."""
+        if self.pieces is not None:
+            return sum(len(p[0]) for p in self.pieces)
+        return None if self.indices is None else len(self.indices)
+
+    def nonzero_indices(self) -> np.ndarray | None:
+        """A new array of every index where the dense result may be nonzero (None: a dense
+        result) -- what ``to_dense(n, out, nonzero=...)`` zeroes the next time ``out`` is used."""
+        if self.pieces is not None:
+            return np.concatenate([np.asarray(p[0]).reshape(-1) for p in self.pieces])
+        return None if self.indices is None else np.array(self.indices).reshape(-1)
+
+    def to_dense(self, n: int, out: np.ndarray | None = None, nonzero: np.ndarray | None = None) -> np.ndarray:
         """The result as a dense float32 vector, written into ``out`` when given (a host vector of
         ``n`` elements: every element is written).  Into ``out``, a sparse result (allgathered
         pieces, or indices) is written in one sequential pass where its indices ascend
         (:func:`densify`), the same bits as zeros plus a scatter; a dense result already in
-        ``out`` (the aggregator wrote it there) is not copied."""
+        ``out`` (the aggregator wrote it there) is not copied.  ``nonzero``: the indices outside
+        which ``out`` holds +0.0 already (the vector of an earlier sparse result): only those are
+        zeroed before the scatter, no pass over ``out``."""
         if self.indices is None and (self.pieces is None or out is None):
             values = self.values.reshape(-1)
             if out is None:
@@ -88,25 +105,26 @@ class AllreduceResult:
             out[self.indices] = self.values
             return out
         if self.pieces is not None:
-            densify(out, self.pieces, add=True)
+            densify(out, self.pieces, add=True, nonzero=nonzero)
         else:
-            densify(out, [(self.indices, self.values)], add=False)
+            densify(out, [(self.indices, self.values)], add=False, nonzero=nonzero)
         return out
 
 
-def densify(out: np.ndarray, pieces, add: bool = True) -> np.ndarray:
+def densify(out: np.ndarray, pieces, add: bool = True, nonzero: np.ndarray | None = None) -> np.ndarray:
     """``out[:]`` = the dense sum of sparse ``(indices, values)`` pieces (each with unique
     indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
-    Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
+    Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`),
+    or, where ``out`` is known to be +0.0 outside ``nonzero``, by zeroing those and scattering;
     otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
-    the same bits either way."""
+    the same bits every way."""
     from ..ops import cpu
 
     idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
     val = np.concatenate([p[1] for p in pieces]) if len(pieces) != 1 else pieces[0][1]
     starts = np.cumsum([0] + [len(p[0]) for p in pieces])
-    if cpu.densify_into(out, idx, val, starts, add=add):
+    if cpu.densify_into(out, idx, val, starts, add=add, nonzero=nonzero):
         return out
     traffic.count("decode", written=out.nbytes)
     out.fill(0.0)
