@@ -226,3 +226,21 @@ def test_host_outputs_know_a_vector_zero_but_at_its_indices_only_while_only_a_re
     del v, w
     v = outputs.take()
     np.testing.assert_array_equal(outputs.nonzero(v), [1])
+
+
+@pytest.mark.parametrize("algorithm,options", [("topk", {}), ("gtopk", {}), ("dense", {"wire_dtype": "int8"})])
+def test_streamed_error_feedback_gives_the_same_bits(algorithm, options, monkeypatch):
+    """Error feedback's pass with non-temporal stores (what buckets from ``STREAM_MIN`` elements on
+    get) gives every result and state bit for bit what plain stores give (P = 3)."""
+    from tfsparse.ops import cpu
+
+    plain = _rounds(3, algorithm, options)
+    monkeypatch.setattr(cpu, "STREAM_MIN", 1)
+    streamed = _rounds(3, algorithm, options)
+    for (outs_s, state_s), (outs_p, state_p) in zip(streamed, plain):
+        for step_s, step_p in zip(outs_s, outs_p):
+            for a, b in zip(step_s, step_p):
+                _same(a, b)
+        assert state_s.keys() == state_p.keys()
+        for key in state_s:
+            _same(state_s[key], state_p[key])

@@ -329,13 +329,15 @@ def test_densify_into_a_vector_zero_but_at_known_indices_refills_them_bit_for_bi
     assert cpu.refill_pays(16 * 100, 99) and not cpu.refill_pays(16 * 100, 100)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("t", [0.0, 0.5, 2.0, np.inf, np.nan])
-def test_add_select_is_add_then_select_threshold(t):
+def test_add_select_is_add_then_select_threshold(t, stream):
     """Error feedback, the finite check and a threshold selection in one pass: the float32 sum,
-    the elements with |sum| >= t (NaN always), offset by ``base``, and whether all sums are finite."""
+    the elements with |sum| >= t (NaN always), offset by ``base``, and whether all sums are finite
+    -- with plain and with non-temporal stores."""
     g, r = mixed(BIG, 3), mixed(BIG, 4, ties=False)
     acc = np.empty(BIG, np.float32)
-    idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 1000)
+    idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 1000, stream)
     same_bits(acc, g + r)
     ref_idx, ref_val = R.select_threshold(g + r, t)
     same_bits(idx, ref_idx + 1000)
@@ -351,12 +353,14 @@ def test_add_select_is_add_then_select_threshold(t):
 def test_add_select_streams_the_sums_whatever_the_alignment(offset, n):
     """The sums reach ``acc`` (non-temporal stores from its first 64-byte aligned element on, plain
     ones before and after) for any alignment and length, the hits staged the same -- with
-    ``acc``'s neighbours untouched; t = 0 collects every element (the chunks' overflow rescan)."""
+    ``acc``'s neighbours untouched; t = 0 collects every element (the chunks' overflow rescan);
+    vectors from ``STREAM_MIN`` elements on are streamed by default, smaller ones not."""
+    assert cpu.STREAM_MIN > BIG + 7
     g, r = mixed(n + 16, 6)[offset:offset + n], mixed(n + 16, 7, ties=False)[16 - offset:16 - offset + n]
     for t in (0.0, 1.0):
         whole = np.full(n + 32, 7.0, np.float32)
         acc = whole[offset + 8:offset + 8 + n]
-        idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 3)
+        idx, val, finite = cpu.add_select(g, r, acc, C.threshold_key(t), 3, stream=True)
         same_bits(acc, g + r)
         same_bits(whole[:offset + 8], np.full(offset + 8, 7.0, np.float32))
         same_bits(whole[offset + 8 + n:], np.full(24 - offset, 7.0, np.float32))

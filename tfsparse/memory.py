@@ -178,9 +178,10 @@ class ResidualMemory(Stateful):
 
         key = C.NAN_KEY + 1 if prefilter is None else prefilter.key  # above every key: collects nothing
         idx, val, finite, lo = [], [], True, 0
+        stream = self.acc.size >= cpu.STREAM_MIN  # the whole vector leaves the cache: stream it
         for a in arrays:
             hi = lo + a.size
-            i, v, ok = cpu.add_select(a.reshape(-1), self.residual[lo:hi], self.acc[lo:hi], key, lo)
+            i, v, ok = cpu.add_select(a.reshape(-1), self.residual[lo:hi], self.acc[lo:hi], key, lo, stream)
             idx.append(i)
             val.append(v)
             finite = finite and ok
