@@ -120,7 +120,7 @@ class HostOutputs:
         return vec
 
     def nonzero(self, vec) -> np.ndarray | None:
-        """For the decode into ``vec``, just :meth:`take` n: the indices outside which ``vec``
+        """For the decode into ``vec``, just taken (:meth:`take`): the indices outside which ``vec``
         holds +0.0 -- where the last decode into it was sparse and recorded (:meth:`wrote`) and
         the vector then went only to a reader (:meth:`lent`) -- else None (contents unknown)."""
         with self._pool._lock:
