@@ -195,6 +195,22 @@ def test_result_vectors_are_reused_only_once_released():
     assert third.__array_interface__["data"][0] == address  # released: reused
 
 
+def test_one_flat_array_gets_its_bucket_vector_itself():
+    """A flat input in one bucket gets the decoded vector itself (no copy), the bits of the list
+    API's result; a caller who writes it and lets it go gets a whole new decode next time."""
+    one = GradientExchange("topk", 0.01, communicator=InProcessWorld(1).comms[0])
+    ref = GradientExchange("topk", 0.01, communicator=InProcessWorld(1).comms[0])
+    rng = np.random.default_rng(4)
+    for step in range(3):
+        g = rng.standard_normal(50_000).astype(np.float32)
+        out = one.exchange_numpy(g)
+        _same(out, ref.exchange_numpy([g])[0])
+        pooled = one.bucket_states[0].outputs._pool._buffers
+        assert any(np.shares_memory(out, v) for v in pooled)
+        out[:] = 7.0  # the caller's to write
+        del out
+
+
 def test_host_outputs_know_a_vector_zero_but_at_its_indices_only_while_only_a_reader_had_it():
     """HostOutputs' record of a result vector: what a decode wrote (``wrote``) holds for the next
     decode into it only when the vector went to a reader since (``lent``); a vector not lent, or

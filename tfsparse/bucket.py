@@ -257,7 +257,9 @@ def make_bucket(spec, settings, space) -> Bucket:
 
 def assemble(layout, buckets, dense: dict, flat: bool, space):
     """Bucket results (``{bucket index: flat array}``) as one flat array, or one array per tensor
-    of ``layout`` (shaped)."""
+    of ``layout`` (shaped).  One bucket's flat result is its vector itself, not a copy."""
+    if flat and len(buckets) == 1:
+        return dense[buckets[0].spec.index]
     if flat:
         return space.concat([dense[b.spec.index] for b in sorted(buckets, key=lambda b: b.spec.start)])
     out = [None] * len(layout)
