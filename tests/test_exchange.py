@@ -156,6 +156,17 @@ def _same(a, b):
     assert np.array_equal(a.view(np.uint8), b.view(np.uint8)) if a.dtype.kind == "f" else np.array_equal(a, b)
 
 
+def _same_rounds(got, want):
+    """Every rank's results and final state of :func:`_rounds`, bit for bit."""
+    for (outs_g, state_g), (outs_w, state_w) in zip(got, want):
+        for step_g, step_w in zip(outs_g, outs_w):
+            for a, b in zip(step_g, step_w):
+                _same(a, b)
+        assert state_g.keys() == state_w.keys()
+        for key in state_g:
+            _same(state_g[key], state_w[key])
+
+
 @pytest.mark.parametrize("algorithm,options", FUSED_SETTINGS)
 def test_fused_passes_give_the_unfused_bits(algorithm, options, monkeypatch):
     """Error feedback fused with the finite check and the selection (the compressor's prefilter),
@@ -168,13 +179,7 @@ def test_fused_passes_give_the_unfused_bits(algorithm, options, monkeypatch):
     monkeypatch.setattr(ResidualMemory, "fuses", lambda self, arrays: False)
     monkeypatch.setattr(DenseAllreduce, "in_place_residual", False)
     plain = _rounds(3, algorithm, options)
-    for (outs_f, state_f), (outs_p, state_p) in zip(fused, plain):
-        for step_f, step_p in zip(outs_f, outs_p):
-            for a, b in zip(step_f, step_p):
-                _same(a, b)
-        assert state_f.keys() == state_p.keys()
-        for key in state_f:
-            _same(state_f[key], state_p[key])
+    _same_rounds(fused, plain)
 
 
 def test_result_vectors_are_reused_only_once_released():
@@ -253,10 +258,4 @@ def test_streamed_error_feedback_gives_the_same_bits(algorithm, options, monkeyp
     plain = _rounds(3, algorithm, options)
     monkeypatch.setattr(cpu, "STREAM_MIN", 1)
     streamed = _rounds(3, algorithm, options)
-    for (outs_s, state_s), (outs_p, state_p) in zip(streamed, plain):
-        for step_s, step_p in zip(outs_s, outs_p):
-            for a, b in zip(step_s, step_p):
-                _same(a, b)
-        assert state_s.keys() == state_p.keys()
-        for key in state_s:
-            _same(state_s[key], state_p[key])
+    _same_rounds(streamed, plain)
