@@ -436,7 +436,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         that epoch's first batch, from the backup's weights: the batches of that epoch before the
         backup are trained again, so only backups at an epoch's end (every epoch's, or a
         batch backup on its last batch) resume bit-identically.
-      delete_checkpoint: delete the backup when ``fit`` completes (default True).
+      delete_checkpoint: delete the backup when ``fit`` completes (default True); rank 0 deletes
+        it, and no rank's ``fit`` returns before it is gone.
       double_checkpoint: keep the previous backup too (``previous.weights.h5``), restored when the
         latest one is missing or unreadable (default False).
 
@@ -611,3 +612,5 @@ class BackupAndRestore(keras.callbacks.Callback):
                         os.remove(path)
             with contextlib.suppress(OSError):  # kept when it holds anything else
                 os.rmdir(self.backup_dir)
+        if runtime.communicator().size > 1:  # and no rank's fit returns before it is gone
+            _collective(self.model, lambda c: c.allreduce(np.ones(1, np.float64)))
