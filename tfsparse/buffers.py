@@ -107,7 +107,7 @@ class HostOutputs:
         vec = self._pool.take(self.n_padded, np.float32)[:self.n]
         at = _address(vec)
         with self._pool._lock:
-            kept = {_address(v) for v in self._pool._buffers}
+            kept = self._kept()
             for known in (self._written, self._zero_but, self._ready):
                 for a in [a for a in known if a not in kept]:  # a vector the pool let go
                     del known[a]
@@ -118,6 +118,10 @@ class HostOutputs:
             else:
                 self._ready[at] = zero_but
         return vec
+
+    def _kept(self) -> set:
+        """The addresses of the vectors the pool keeps (the caller holds the pool's lock)."""
+        return {_address(v) for v in self._pool._buffers}
 
     def nonzero(self, vec) -> np.ndarray | None:
         """For the decode into ``vec``, just taken (:meth:`take`): the indices outside which ``vec``
@@ -131,7 +135,7 @@ class HostOutputs:
         own: it is kept)."""
         at = _address(vec)
         with self._pool._lock:
-            if any(_address(v) == at for v in self._pool._buffers):
+            if at in self._kept():
                 self._written[at] = indices
 
     def lent(self, vec) -> None:

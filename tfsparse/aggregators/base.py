@@ -59,6 +59,7 @@ class AllreduceResult:
         self.sent_elements = int(sent_elements)
         self.loss = loss if loss is not None else WireLoss()
         self.pieces = pieces
+        self._joined = None  # the pieces' indices concatenated, once made
         self.n = n
         self.residual_in_place = bool(residual_in_place)
 
@@ -76,11 +77,22 @@ class AllreduceResult:
             return sum(len(p[0]) for p in self.pieces)
         return None if self.indices is None else len(self.indices)
 
+    def _piece_indices(self) -> np.ndarray:
+        """The pieces' indices in piece order: a single piece's own array, or the pieces'
+        concatenation (made once, shared by :meth:`to_dense` and :meth:`nonzero_indices`)."""
+        if len(self.pieces) == 1:
+            return np.asarray(self.pieces[0][0]).reshape(-1)
+        if self._joined is None:
+            self._joined = np.concatenate([np.asarray(p[0]).reshape(-1) for p in self.pieces])
+        return self._joined
+
     def nonzero_indices(self) -> np.ndarray | None:
         """A new array of every index where the dense result may be nonzero (None: a dense
         result) -- what ``to_dense(n, out, nonzero=...)`` zeroes the next time ``out`` is used."""
         if self.pieces is not None:
-            return np.concatenate([np.asarray(p[0]).reshape(-1) for p in self.pieces])
+            if len(self.pieces) == 1:
+                return np.array(self._piece_indices())
+            return self._piece_indices()  # a concatenation: already an array of its own
         return None if self.indices is None else np.array(self.indices).reshape(-1)
 
     def to_dense(self, n: int, out: np.ndarray | None = None, nonzero: np.ndarray | None = None) -> np.ndarray:
@@ -105,23 +117,28 @@ class AllreduceResult:
             out[self.indices] = self.values
             return out
         if self.pieces is not None:
-            densify(out, self.pieces, add=True, nonzero=nonzero)
+            densify(out, self.pieces, add=True, nonzero=nonzero, indices=self._piece_indices())
         else:
             densify(out, [(self.indices, self.values)], add=False, nonzero=nonzero)
         return out
 
 
-def densify(out: np.ndarray, pieces, add: bool = True, nonzero: np.ndarray | None = None) -> np.ndarray:
+def densify(out: np.ndarray, pieces, add: bool = True, nonzero: np.ndarray | None = None,
+            indices: np.ndarray | None = None) -> np.ndarray:
     """``out[:]`` = the dense sum of sparse ``(indices, values)`` pieces (each with unique
     indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
     Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`),
     or, where ``out`` is known to be +0.0 outside ``nonzero``, by zeroing those and scattering;
     otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
-    the same bits every way."""
+    the same bits every way.  ``indices``: the pieces' indices concatenated, where the caller
+    has them already."""
     from ..ops import cpu
 
-    idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
+    if indices is not None:
+        idx = indices
+    else:
+        idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
     val = np.concatenate([p[1] for p in pieces]) if len(pieces) != 1 else pieces[0][1]
     starts = np.cumsum([0] + [len(p[0]) for p in pieces])
     if cpu.densify_into(out, idx, val, starts, add=add, nonzero=nonzero):

@@ -466,10 +466,12 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val, addr, stream):
     threshold selection fused.  Per block of ``_BLK`` elements: the sums' keys' maximum (the
     block's ``g`` and ``r`` come into the cache), the hits of a block that has any (staged as
     :func:`_select_ge` stages them, from the block's sums made again in a small buffer), then the
-    sums written to ``acc`` with non-temporal stores (:func:`_add_stream16`; ``addr``: ``acc``'s
-    address; each chunk's blocks start at its first 64-byte aligned element), so that ``acc``'s
-    old lines are never read: three streams over memory, not four (17.1M elements on one core,
-    12.8 -> 9.3 ms collecting nothing).  Returns ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums
+    sums written to ``acc`` -- with ``stream``, by non-temporal stores (:func:`_add_stream16`;
+    ``addr``: ``acc``'s address; each chunk's blocks start at its first 64-byte aligned element),
+    so that ``acc``'s old lines are never read: three streams over memory, not four (17.1M
+    elements on one core, 12.8 -> 9.3 ms collecting nothing); without, by plain stores, which
+    leave ``acc`` in the cache for the next stage (the caller streams from ``STREAM_MIN`` on).
+    Returns ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums
     (``>= INF_KEY << 1``: some sum is not finite)."""
     n = g.size
     nch = (n + _CH - 1) // _CH
@@ -875,7 +877,7 @@ def _densify(out, idx, val, starts, add, nblocks):
 
 
 @njit(cache=True, nogil=True)
-def _refill(out, nonzero, idx, val, starts, add):
+def _refill(out, nonzero, idx, val, add):
     """:func:`_densify`'s result in a vector that is +0.0 everywhere but at ``nonzero``: those
     elements are zeroed, then the pieces scattered into it in piece order -- work on the
     indices alone, none on the rest of the vector."""
@@ -1463,7 +1465,7 @@ def densify_into(out, idx, val, starts, add=True, nonzero=None) -> bool:
             raise IndexError(f"densify_into: a nonzero index is >= n={n}")
         # the cache lines the scatter touches (each read and written back), at most the vector
         traffic.count("decode", written=min(out.nbytes, _LINE_BYTES * (nonzero.size + idx.size)))
-        _refill(out, nonzero, idx, val, starts, bool(add))
+        _refill(out, nonzero, idx, val, bool(add))
         return True
     traffic.count("decode", written=out.nbytes)
     with _threads_for(n):
