@@ -49,6 +49,18 @@ def test_bench_training_plot_only(tmp_path):
     assert "shm P=4 step: timed out after 1 s" in done.stdout
 
 
+def _cpu_model() -> str:
+    """The CPU model, as the tools name it in their records (tools/bench_host.py)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import bench_host
+    finally:
+        sys.path.pop(0)
+    model = bench_host.cpu_model()
+    assert model
+    return model
+
+
 def test_bench_encode_writes_json_and_png(tmp_path):
     """tools/bench_encode.py on a small gradient: every case timed, the summary, both files."""
     out = tmp_path / "enc"
@@ -60,6 +72,7 @@ def test_bench_encode_writes_json_and_png(tmp_path):
     assert {r["case"] for r in result["rows"]} == {"dragonn", "dgc", "dgc (Alg. 3 only)", "topk"}
     assert all(r["encode_ms"] > 0 and r["decode_ms"] > 0 for r in result["rows"])
     assert "n=200000,density=0.01" in result["summary"] and out.with_suffix(".png").stat().st_size > 0
+    assert _cpu_model() in result["machine"]
 
 
 def test_bench_kernels_cuda_path_runs_in_the_simulator(tmp_path):
@@ -101,6 +114,7 @@ def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path
         assert run["step_ms_median"] > 0 and run["stall_s"] >= 0
     assert topk["comm_bytes"] > 0 and topk["time_to_target_s"] is not None
     assert "| topk |" in text and out.with_suffix(".png").stat().st_size > 10_000
+    assert result["machine"].endswith(f"cores, {_cpu_model()}")  # names the host's CPU
 
 
 def test_measure_docs_lists_its_steps_and_refuses_an_unknown_one():

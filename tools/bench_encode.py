@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -38,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tfsparse import files  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 CASES = {  # label -> (algorithm, options)
     "dragonn": ("dragonn", {}),
@@ -145,7 +144,7 @@ def main(argv=None):
     result = run(sizes, densities, args.workers, args.repeats)
     import numba
 
-    result.update({"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    result.update({"machine": f"{bench_host.describe()}, "
                               f"{numba.get_num_threads()} Numba threads",
                    "workers": args.workers, "repeats": args.repeats, "summary": summarize(result["rows"]),
                    "goal": {"what": GOAL[0], "target": GOAL[1]}})

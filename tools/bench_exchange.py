@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tfsparse import files  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 WIDTHS = (1024, 4096, 4096, 1024)
 
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
         return 0
     n = sum(int(np.prod(s)) for s in mlp_shapes(args.scale))
     rows = run_job(args)
-    machine = f"{os.cpu_count()} cores, P={args.np}, n={n:,}, density {args.density}" + \
+    machine = f"{bench_host.describe()}, P={args.np}, n={n:,}, density {args.density}" + \
         (f", {args.label}" if args.label else "")
     print(f"{machine}; median of {args.steps} rounds (slowest rank); phases: mean per round")
     print(f"{'algorithm':<10}{'wire':<10}{'plan':<18}{'buckets':>8}{'round ms':>10}{'encode':>9}{'comm':>9}"

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -48,6 +47,7 @@ import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files, traffic  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 STEPS, SKIP = 12, 3
 MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch
@@ -199,7 +199,7 @@ def main():
     x = np.random.default_rng(comm.rank).standard_normal((batch * STEPS, inputs)).astype(np.float32)
     y = np.random.default_rng(comm.rank + 9).standard_normal((batch * STEPS, outputs)).astype(np.float32)
     results = {"processes": comm.size, "network": args.network, "backend": args.backend, "model": args.model,
-               "machine": f"{platform.node()}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+               "machine": bench_host.describe(), "date": time.strftime("%Y-%m-%d"),
                "runs": []}
     if not args.no_compute:
         configs = [{"label": "compute only (no exchange)", "algorithm": "compute"}] + configs

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tfsparse import files  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 GOALS = {
     "topk_vs_tf_top_k": ("exact top-k speed-up over tf.math.top_k at density 0.001", 10.0),
@@ -86,17 +87,13 @@ def machine_info() -> dict:
     import numba
 
     info = {"python": platform.python_version(), "numpy": np.__version__, "numba": numba.__version__,
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(),
             "numba_threads": numba.get_num_threads()}
     try:
         info["loadavg"] = os.getloadavg()
     except OSError:
         pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    info["cpu"] = bench_host.cpu_model()
     return info
 
 

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -45,6 +44,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 TRAIN_ROWS, BATCH, LR, MOMENTUM = 1536, 32, 0.05, 0.9
 
@@ -224,7 +224,7 @@ def main(argv=None):
     if comm.rank == 0:
         results = {"model": args.model, "processes": comm.size, "epochs": args.epochs, "target": args.target,
                    "network": args.network,
-                   "machine": f"{platform.node()}, {os.cpu_count()} cores", "batch_per_rank": BATCH,
+                   "machine": bench_host.describe(), "batch_per_rank": BATCH,
                    "date": time.strftime("%Y-%m-%d"), "runs": runs}
         files.write_text(args.out + ".json", json.dumps(results, indent=1))
         plot(results, args.out + ".png")

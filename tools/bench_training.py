@@ -59,6 +59,7 @@ DIGITS = REPO / "keras_examples" / "digits_demo.py"
 sys.path.insert(0, str(REPO))
 
 from tfsparse import files  # noqa: E402
+import bench_host  # noqa: E402  (tools/, first on the path)
 
 PHASES = ("encode", "comm", "decode", "other")
 COLORS = {"encode": "tab:orange", "comm": "tab:blue", "decode": "tab:green", "other": "tab:gray"}
@@ -167,12 +168,6 @@ def machine() -> dict:
         except OSError:
             return None
 
-    model = None
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                     None)
-    except OSError:
-        pass
     from importlib import metadata
 
     versions = {}
@@ -184,7 +179,7 @@ def machine() -> dict:
     dirty = bool(first_line(["git", "status", "--porcelain", "--untracked-files=no"]))
     return {"cpu_count": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu_model": model, "kernel": platform.release(), "machine": platform.machine(),
+            "cpu_model": bench_host.cpu_model(), "kernel": platform.release(), "machine": platform.machine(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(), "versions": versions, "mpirun": first_line(["mpirun", "--version"]),
             "git": (first_line(["git", "rev-parse", "--short", "HEAD"]) or "") + ("+dirty" if dirty else "")}
