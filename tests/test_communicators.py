@@ -162,3 +162,61 @@ def test_irecv_of_at_most_count_returns_what_was_sent():
     t.join(10)
     np.testing.assert_array_equal(got["short"], np.arange(5, dtype=np.uint8))
     assert "expected 8 elements" in got["exact"] and "at most 2" in got["long"]
+
+
+def test_a_quiet_wait_tests_and_sleeps_until_done(monkeypatch):
+    """MPICommunicator.wait_quietly: a request's wait calls MPI_Test (one turn of Open MPI's
+    progress engine) and sleeps ``pause`` between tests instead of spinning in MPI_Wait."""
+    import tfsparse.collectives.mpi as M
+
+    class Req:
+        def __init__(self):
+            self.tests, self.waits = [], 0
+
+        def Test(self, status=None):
+            self.tests.append(status)
+            return len(self.tests) == 3
+
+        def Wait(self, status=None):
+            self.waits += 1
+
+    slept = []
+    monkeypatch.setattr(M.time, "sleep", slept.append)
+    req, status = Req(), object()
+    M._wait(req, None, 1e-4, status)
+    assert req.tests == [status] * 3 and slept == [1e-4, 1e-4] and req.waits == 0
+    M._wait(req, None)  # no pause: MPI_Wait itself
+    assert req.waits == 1 and len(req.tests) == 3
+
+
+def test_a_communication_thread_takes_precedence_over_the_others():
+    """CommThread.take_precedence, in a process of its own (it renices the process's threads):
+    every other thread -- and one started later by a reniced thread -- runs at nice
+    PRECEDENCE_NICE, the communication thread's jobs at 0; a second call changes nothing."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    code = """
+import os, threading
+from tfsparse.collectives.thread import CommThread, PRECEDENCE_NICE
+nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+go = threading.Event()
+before = threading.Thread(target=go.wait)
+before.start()
+comm = CommThread()
+assert comm.take_precedence() and comm.take_precedence()
+later = []
+started = threading.Thread(target=lambda: later.append(nice()))
+started.start(); started.join()
+print(nice(), os.getpriority(os.PRIO_PROCESS, before.native_id), later[0], comm.submit(nice).result(), PRECEDENCE_NICE)
+go.set(); comm.close()
+"""
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # this checkout's tfsparse
+    assert done.returncode == 0, done.stderr
+    main, other, later, ahead, target = map(int, done.stdout.split())
+    assert (main, other, later, ahead) == (target, target, target, 0) and target > 0

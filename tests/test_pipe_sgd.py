@@ -13,7 +13,8 @@ import pytest
 from fakes import NoTalk
 from test_exchange_pipeline import ALGOS, OPTIONS, WIRES, flat, grads_of
 from tfsparse.collectives import InProcessWorld
-from tfsparse.exchange import GradientExchange
+from tfsparse.collectives.thread import PRECEDENCE_NICE
+from tfsparse.exchange import QUIET_PAUSE, GradientExchange
 from tfsparse.pipelined import Pipelined
 
 STEPS = 4
@@ -239,6 +240,10 @@ def test_keras_updates_follow_the_pipelined_sequence(P, route):
         np.testing.assert_allclose(r["pending"], np.concatenate([owed[0].ravel(), owed[1]]) * (P if route == "optimizer" else 1),
                                    rtol=1e-4, atol=1e-5)
         assert not r["in_flight"]
+        if route == "horovod":  # Horovod's own thread runs the collectives: nothing changes
+            assert r["quiet"] == -1.0 and r["nice_comm"] == r["nice_main"] == 0
+        else:  # over MPI the communication thread waits quietly and runs ahead of the others
+            assert r["quiet"] == QUIET_PAUSE and r["nice_comm"] == 0 and r["nice_main"] == PRECEDENCE_NICE
 
 
 def test_keras_dsync_warmup_then_pipelined_int8():
@@ -252,6 +257,7 @@ def test_keras_dsync_warmup_then_pipelined_int8():
         np.testing.assert_array_equal(r["w"], ranks[0]["w"])
         np.testing.assert_allclose(r["w"], w, rtol=0.02, atol=0.02)  # epoch 2 over int8
         np.testing.assert_allclose(r["b"], b, rtol=0.02, atol=0.02)
+    assert all(r["quiet"] == QUIET_PAUSE and r["nice_comm"] < r["nice_main"] for r in ranks)
     f32, i8 = ranks[0]["epoch_bytes"]
     assert f32 == 2 * 4 * 12 * 2 // 3  # 12 parameters, float32 ring volume per step
     assert i8 == 2 * 2 * (4 + 4)  # int8: 4 values and one float32 scale per message

@@ -59,6 +59,13 @@ from .settings import Settings
 from .space import HOST, space_for
 from .wire import get_wire
 
+#: seconds between the tests of a quiet wait on a communication thread that runs ahead
+#: (:attr:`GradientExchange.comm_ahead`): at 1 Gbit/s about 6 KB arrive meanwhile, far less than
+#: a socket's buffer.  Measured with Pipe-SGD (``pipeline=2``, int8, the 17.1M MLP, P = 4 on the
+#: 2-core VM, ``--net 1gbit``): a step 501.5 -> 471.7 ms with quiet waits and precedence, 499.6 with
+#: quiet waits alone, 483.3 with precedence alone (busy polling then takes the cores)
+QUIET_PAUSE = 50e-6
+
 _AGREE_HINT = "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer settings."
 
 
@@ -149,6 +156,9 @@ class GradientExchange:
         self.wire = get_wire(self.settings.wire_dtype)
         self.schedule = None  # callable round -> density, or None (the density as set)
         self.side_channel = False  # a second communicator for run_collective (Pipelined asks for it)
+        #: whether the communication thread runs ahead of the training's threads, waiting quietly
+        #: (Pipelined asks for it: its rounds move while the next step computes)
+        self.comm_ahead = False
         self._comm = communicator
         self._xcomm = self._side = self._runner = None
         self.layout: Layout | None = None
@@ -269,6 +279,9 @@ class GradientExchange:
         # transport allows two collectives in flight at once (not Horovod's: there they queue)
         side = self.side_channel and isinstance(self._runner, CommThread) and comm.concurrent_collectives
         self._side = comm.duplicate() if side else None
+        if self.comm_ahead and isinstance(self._runner, CommThread) and self._xcomm.wait_quietly(QUIET_PAUSE):
+            if not self._runner.take_precedence():
+                self._xcomm.wait_quietly(None)  # no precedence: waiting quietly alone changes nothing
         weakref.finalize(self, self._runner.close)
         self.layout = layout
         self.bucket_states = buckets

@@ -9,6 +9,12 @@ the paper's indexing, iteration dependency K = 2).  The first pipelined step app
 gradient (Alg. 1 initialises ``g_sum`` of iterations ``1-K .. 0`` to zero).  ``depth=1`` is the
 synchronous exchange.
 
+Its engine's communication thread runs ahead of the training's threads
+(:attr:`GradientExchange.comm_ahead <tfsparse.exchange.GradientExchange.comm_ahead>`): over MPI it
+waits quietly and the process's other threads run at nice +5
+(:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`), so that the round in flight
+moves while the next step's compute keeps the cores busy.
+
 The wrapper owns the pipelining state, per bucket: the round whose result the next step takes
 (*in flight*), or that result once finished (*held*), and what each started round's step returns
 instead of its own result (*owed*).  The held result is explicit state (``pending`` in
@@ -44,6 +50,7 @@ class Pipelined:
         if self.depth not in (1, 2):
             raise ValueError(f"depth={depth!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD)")
         engine.side_channel = self.depth > 1
+        engine.comm_ahead = self.depth > 1  # its rounds move while the next step computes
         self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
         # (first round, steps): a pipelined round that ends an epoch is waited for in its own step
         self.sync_points: tuple | None = None

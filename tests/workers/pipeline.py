@@ -12,6 +12,7 @@ round was left in flight, and the bytes of each epoch.
 """
 import os
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,6 +75,16 @@ model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, callbacks=callba
 exchange = exchange_of(model)
 in_flight = any(b.futures for b in exchange.bucket_states)
 state = exchange.get_state()
+
+
+def nice(tid):
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+# the communication thread runs ahead of the training's threads (quiet waits, their nice raised)
+quiet = exchange._xcomm.quiet_pause
 save_result(comm.rank, x=x, y=y, w0=w0[0], b0=w0[1], w=model.trainable_weights[0].numpy(),
             b=model.trainable_weights[1].numpy(), pending=state["pending"], in_flight=np.array(in_flight),
-            epoch_bytes=np.array(record.bytes))
+            epoch_bytes=np.array(record.bytes), quiet=np.array(-1.0 if quiet is None else quiet),
+            nice_comm=np.array(nice(exchange._runner._thread.native_id)),
+            nice_main=np.array(nice(threading.get_native_id())))

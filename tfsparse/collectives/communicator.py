@@ -103,6 +103,17 @@ class Communicator(ABC):
         self.size = int(size)
         self.bytes_sent = 0
         self.calls = 0
+        #: seconds a point-to-point wait sleeps between tests of its request (None: the
+        #: transport's own wait, which may poll); see :meth:`wait_quietly`
+        self.quiet_pause: float | None = None
+
+    def wait_quietly(self, pause: float | None) -> bool:
+        """From now on, this communicator's point-to-point requests (``isend``, ``irecv`` and what
+        is built on them) wait by testing every ``pause`` seconds and sleeping in between, instead
+        of the transport's busy polling -- for a thread that should leave the CPU to others while
+        it waits (None: poll again).  Returns whether this transport does so; the base class does
+        not (its waits are its own)."""
+        return False
 
     # -- statistics -------------------------------------------------------
     def _count(self, nbytes) -> None:

@@ -1,6 +1,8 @@
 """MPI transport over mpi4py (the default engine)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .communicator import Communicator, Request, split_counts
@@ -99,6 +101,13 @@ class MPICommunicator(Communicator):
                             [recvbuf, (recv_counts.tolist(), rdispl.tolist())])
         return [recvbuf[int(d):int(d + c)] for d, c in zip(rdispl, recv_counts)]
 
+    def wait_quietly(self, pause):
+        """Open MPI waits by polling (``MPI_Wait`` spins, yielding at most); here a quiet wait
+        calls ``MPI_Test`` -- one turn of the progress engine, which moves what the sockets
+        take -- every ``pause`` seconds and sleeps in between."""
+        self.quiet_pause = None if pause is None else float(pause)
+        return True
+
     def _barrier(self):
         self.comm.Barrier()
 
@@ -110,7 +119,8 @@ class MPICommunicator(Communicator):
 
     def _isend(self, x, dest, tag):
         req = self.comm.Isend(x, dest=dest, tag=tag)
-        return Request(lambda: _wait(req, x))  # x stays referenced until the send completes
+        pause = self.quiet_pause
+        return Request(lambda: _wait(req, x, pause))  # x stays referenced until the send completes
 
     def _recv(self, source, tag, dtype):
         MPI = _mpi()
@@ -127,17 +137,24 @@ class MPICommunicator(Communicator):
     def _irecv_into(self, source, buf, tag, exact=True):
         dtype = buf.dtype
         req = self.comm.Irecv(buf, source=source, tag=tag)
+        pause = self.quiet_pause
 
         def wait():
             if exact:
-                req.Wait()
+                _wait(req, buf, pause)
                 return buf
             status = _mpi().Status()
-            req.Wait(status)
+            _wait(req, buf, pause, status)
             return buf[:status.Get_count(_mpi().BYTE) // dtype.itemsize]
 
         return Request(wait)
 
 
-def _wait(req, _buffer):
-    req.Wait()
+def _wait(req, _buffer, pause=None, status=None):
+    """``req.Wait(status)`` -- or, with a ``pause``, ``req.Test(status)`` every ``pause`` seconds
+    (:meth:`MPICommunicator.wait_quietly`)."""
+    if pause is None:
+        req.Wait(status)
+        return
+    while not req.Test(status):
+        time.sleep(pause)
