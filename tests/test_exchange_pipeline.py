@@ -119,6 +119,42 @@ def test_sparse_bytes_follow_the_wire_exactly(wire, value_bytes):
     assert InProcessWorld(P).run(fn) == [(P - 1) * (4 + k * (2 + value_bytes) + scale)] * P
 
 
+@pytest.mark.filterwarnings("ignore:tfsparse. the gradient of round 1 is not finite:RuntimeWarning")
+def test_int8_round_with_a_non_finite_sum_is_dropped_and_the_residual_kept():
+    """Dense int8, where the error feedback and the encoding of the other ranks' blocks are one
+    pass: a NaN in rank 1's gradient (in a block it sends, and in its own) drops the round on
+    every rank; the residuals stay those of the round before, and the next round is the same as
+    it is without the dropped one in between."""
+    P = 3
+    shapes = [(5000,), (9000,), (7,)]
+
+    def grads(rank, step):
+        return [np.random.default_rng([rank, step, i]).standard_normal(s).astype(np.float32)
+                for i, s in enumerate(shapes)]
+
+    def fn(comm, poison):
+        ex = GradientExchange("dense", 1.0, wire_dtype="int8", communicator=comm)
+        ex.exchange_numpy(grads(comm.rank, 0))
+        kept = ex.residual.copy()
+        if poison:
+            bad = grads(comm.rank, 1)
+            if comm.rank == 1:
+                bad[0][10] = np.nan  # in the block rank 0 owns
+                bad[1][6000] = np.inf  # in rank 1's own block
+            ex.exchange_numpy(bad)
+            assert ex.total.skipped_buckets == 1
+            np.testing.assert_array_equal(ex.residual, kept)
+        out = ex.exchange_numpy(grads(comm.rank, 2))
+        ex.close()
+        return flat(out), ex.residual
+
+    clean = InProcessWorld(P).run(lambda comm: fn(comm, False))
+    dropped = InProcessWorld(P).run(lambda comm: fn(comm, True))
+    for (out, res), (out0, res0) in zip(dropped, clean):
+        np.testing.assert_array_equal(out, out0)
+        np.testing.assert_array_equal(res, res0)
+
+
 def test_float16_overflow_is_scaled_and_kept():
     """A gradient beyond float16's range travels scaled (never Inf); what the wire lost stays
     in the residual, so applied + residual == sent."""

@@ -646,3 +646,27 @@ def test_dlpack_view_of_tf_tensor_is_zero_copy_and_owned():
     for dtype in (tf.int32, tf.int64, tf.int8, tf.float16, tf.uint16):
         np.testing.assert_array_equal(_dlpack.view(tf.constant([3, 0, 1], dtype=dtype)), [3, 0, 1])
     same_bits(ops.topk_abs(_dlpack.view(tf.constant(mixed(700, 19))), 5)[0], R.topk_abs(mixed(700, 19), 5)[0])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n,offset", [(3 * 4096 + 17, 3), (4096, 0), (100, 1), (2_000_003, 5)])
+def test_add_quantize_int8_chunks_is_the_sum_then_the_quantization(n, offset, stream):
+    """Error feedback fused with the int8 encoding: the same codes, scales and loss bits as
+    ``g + r`` quantized in place, for vectors that start off a cache line (the non-temporal
+    stores begin at the first aligned element), a last partial chunk, a chunk of zeros, one
+    holding NaN and one holding Inf (scales NaN / Inf: the caller's finite check)."""
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal(n + 16).astype(np.float32)[offset:offset + n]
+    r = (0.1 * rng.standard_normal(n + 16)).astype(np.float32)[offset:offset + n]
+    if n > 3 * 4096:
+        g[4096:8192] = r[4096:8192] = 0.0
+        g[8200], g[2] = np.nan, -np.inf
+    acc = np.empty(n + 16, np.float32)[offset:offset + n]
+    q = np.empty(n, np.int8)
+    scales = cpu.add_quantize_int8_chunks(g, r, acc, 4096, q, stream)
+    q0, s0, loss0 = cpu.quantize_int8_chunks(g + r, 4096)
+    assert np.array_equal(q, q0)
+    np.testing.assert_array_equal(scales.view(np.uint32), s0.view(np.uint32))
+    np.testing.assert_array_equal(acc.view(np.uint32), loss0.view(np.uint32))
+    with pytest.raises(TypeError, match="acc contiguous"):
+        cpu.add_quantize_int8_chunks(g, r, np.empty(n + 1, np.float32), 4096, q)

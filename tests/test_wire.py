@@ -308,3 +308,32 @@ def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
         assert part.numpy().all()
     for part in run()[1:]:
         assert part.all()
+
+
+@pytest.mark.parametrize("sizes", [[5000, 3, 9000, 4096], [20_000], [100, 100], [4096, 4096, 1]])
+def test_int8_fused_error_feedback_is_the_sum_then_the_encoding(sizes):
+    """Int8.compensate_encode -- chunks inside a piece summed and quantized in one pass, chunks a
+    piece boundary cuts summed piece by piece and quantized after -- gives the message and the
+    loss (over acc) of the definition in Wire: every sum first, then encode_loss_into; and a
+    sum that is not finite is reported (finite False)."""
+    from tfsparse.wire import Wire
+
+    rng = np.random.default_rng(len(sizes))
+    n = sum(sizes)
+    g = [rng.standard_normal(s).astype(np.float32) for s in sizes]
+    r = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    pieces, at = [], 0
+    for a in g:
+        pieces.append((a, r[at:at + a.size], at))
+        at += a.size
+    wire = get_wire("int8")
+    assert wire.fuses_compensation and not get_wire("float16").fuses_compensation
+    acc, ref = np.empty(n, np.float32), np.empty(n, np.float32)
+    message, finite = wire.compensate_encode(pieces, acc)
+    expected, ok = Wire.compensate_encode(wire, pieces, ref)
+    assert finite and ok
+    np.testing.assert_array_equal(message, expected)
+    np.testing.assert_array_equal(acc.view(np.uint32), ref.view(np.uint32))
+    g[-1][-1] = np.inf
+    assert not wire.compensate_encode(pieces, acc)[1]
+    assert not Wire.compensate_encode(wire, pieces, ref)[1]

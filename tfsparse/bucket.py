@@ -141,7 +141,10 @@ class Bucket:
         ahead what it needs (:meth:`Aggregator.prefilter
         <tfsparse.aggregators.Aggregator.prefilter>`) the selection too
         (:meth:`ResidualMemory.compensate_select <tfsparse.memory.ResidualMemory.compensate_select>`):
-        the selection then reads only what that pass collected -- the same result."""
+        the selection then reads only what that pass collected -- the same result.  A dense
+        exchange over a wire that encodes as it sums (int8) takes its blocks for the other ranks
+        encoded in that pass (:meth:`ResidualMemory.compensate_encode
+        <tfsparse.memory.ResidualMemory.compensate_encode>`)."""
         memory = self.memory
         aggregator = self.aggregator_at(density)
         n = int(self.spec.size)
@@ -149,6 +152,13 @@ class Bucket:
         wire = FLOAT32 if dsync else self.wire
         candidates = None
         if memory.fuses(arrays):
+            spans = aggregator.fused_spans(comm, n, wire) if aggregator.in_place_residual else None
+            if spans is not None:  # the blocks for the other ranks encoded in the same pass
+                messages, finite = memory.compensate_encode(arrays, spans, wire, getattr(aggregator, "buffers", None))
+                if finite:
+                    return aggregator, aggregator.encode(comm, memory.acc, k, wire, in_place=True,
+                                                         encoded=messages), True
+                # some sum is not finite: the round is dropped, compensated again below as ever
             prefilter = aggregator.prefilter(comm, n, k, lambda at: memory.peek(arrays, at))
             candidates, finite = memory.compensate_select(arrays, prefilter)
         else:

@@ -192,6 +192,48 @@ class ResidualMemory(Stateful):
         return Candidates(idx[0] if one else np.concatenate(idx), val[0] if one else np.concatenate(val),
                           prefilter.key, prefilter.threshold), finite
 
+    def compensate_encode(self, arrays, spans, wire, buffers=None) -> tuple[list, bool]:
+        """:meth:`compensate` of the whole bucket with the encoding of ``spans`` fused into it (a
+        dense exchange's blocks for the other ranks, :meth:`Aggregator.fused_spans
+        <tfsparse.aggregators.Aggregator.fused_spans>`): each span ``(start, stop)`` of
+        :attr:`acc` is summed and encoded by ``wire`` in one pass
+        (:meth:`Wire.compensate_encode <tfsparse.wire.Wire.compensate_encode>`), what the
+        encoding lost written over it (the new residual, built in place); the rest of
+        :attr:`acc` is summed with the finite check (:func:`tfsparse.ops.cpu.add_select`).
+        Returns ``(messages, finite)``, a message per span; where some sum is not finite the
+        messages and :attr:`acc` are undefined (the caller compensates again)."""
+        from .ops import _common as C, cpu
+
+        stream = self.acc.size >= cpu.STREAM_MIN
+        flat, starts = [a.reshape(-1) for a in arrays], [0]
+        for a in flat:
+            starts.append(starts[-1] + a.size)
+        messages, finite = [], True
+        edges = [(s0, s1, True) for s0, s1 in spans]
+        gaps, at = [], 0
+        for s0, s1 in sorted(spans):
+            if s0 > at:
+                gaps.append((at, s0, False))
+            at = s1
+        if at < self.acc.size:
+            gaps.append((at, self.acc.size, False))
+        for s0, s1, encoded in edges + gaps:
+            pieces = []
+            for a, lo, hi in zip(flat, starts, starts[1:]):
+                x0, x1 = max(lo, s0), min(hi, s1)
+                if x1 > x0:
+                    pieces.append((a[x0 - lo:x1 - lo], self.residual[x0:x1], x0))
+            if encoded:
+                message, ok = wire.compensate_encode([(g, r, x0 - s0) for g, r, x0 in pieces], self.acc[s0:s1],
+                                                     buffers, stream)
+                messages.append(message)
+            else:
+                ok = True
+                for g, r, x0 in pieces:
+                    ok = cpu.add_select(g, r, self.acc[x0:x0 + g.size], C.NAN_KEY + 1, x0, stream)[2] and ok
+            finite = finite and ok
+        return messages, finite
+
     def update(self, result) -> None:
         """The new residual, built in place of ``acc`` (the two buffers then swap): the
         contributed entries removed (``result.contributed``; ``None`` means everything), plus

@@ -116,6 +116,8 @@ class Wire:
     name = "base"
     value_bytes = 4
     lossy = True
+    #: whether :meth:`compensate_encode` fuses the error feedback's sum into the encoding
+    fuses_compensation = False
 
     def encode(self, values) -> np.ndarray:
         """float32 values -> one ``uint8`` buffer."""
@@ -141,6 +143,21 @@ class Wire:
         else:
             loss[:] = lost
         return buf
+
+    def compensate_encode(self, pieces, acc, buffers=None, stream=False) -> tuple[np.ndarray, bool]:
+        """:meth:`encode_loss_into` of ``acc`` (the loss written over it) where ``acc`` is first
+        the error feedback's sum: ``pieces`` are ``(g, r, at)``, float32 vectors whose sum
+        ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order.  Returns
+        ``(message, finite)``: whether every sum is finite -- if not, the message and ``acc`` are
+        undefined.  This one sums, then encodes; a wire whose encoding takes the sums as they are
+        made (:attr:`fuses_compensation`) does both in one pass.  ``stream``: ``acc`` leaves the
+        cache anyway (non-temporal stores where the wire uses them)."""
+        for g, r, at in pieces:
+            np.add(g, r, out=acc[at:at + g.size])
+        traffic.count("compensate", read=8 * acc.size, written=4 * acc.size)
+        if not np.isfinite(acc).all():
+            return np.empty(0, np.uint8), False
+        return self.encode_loss_into(acc, acc, buffers), True
 
     def decode(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` float32 values held by ``buf`` (a whole encoded block)."""
@@ -342,6 +359,39 @@ class Int8(Wire):
         _, scales, _ = _kernels().quantize_int8_chunks(values, INT8_CHUNK, loss=loss, out=buf[:count])
         buf[count:] = scales.view(np.uint8)
         return buf
+
+    fuses_compensation = True
+
+    def compensate_encode(self, pieces, acc, buffers=None, stream=False):
+        """Every chunk that lies within one piece is summed, quantized and its loss written in
+        one pass (:func:`tfsparse.ops.cpu.add_quantize_int8_chunks`); the few chunks a piece
+        boundary cuts are summed piece by piece, then quantized in place.  The same message and
+        loss as summing first and :meth:`encode_loss_into` after."""
+        k = _kernels()
+        count, C = acc.size, INT8_CHUNK
+        buf = np.empty(self.nbytes(count), np.uint8) if buffers is None else buffers.take(self.nbytes(count), np.uint8)
+        codes = buf[:count]
+        scales = np.empty(-(-count // C), np.float32)
+        cut = set()  # chunks a piece boundary cuts
+        for g, r, at in pieces:
+            end = at + g.size
+            lo = -(-at // C) * C                     # the first chunk that starts in this piece ...
+            hi = end if end == count else end // C * C  # ... to the last one that ends in it
+            if hi <= lo:
+                lo = hi = end
+            else:
+                scales[lo // C:-(-hi // C)] = k.add_quantize_int8_chunks(
+                    g[lo - at:hi - at], r[lo - at:hi - at], acc[lo:hi], C, codes[lo:hi], stream)
+            for a, b in ((at, lo), (hi, end)):  # the parts of cut chunks
+                if b > a:
+                    np.add(g[a - at:b - at], r[a - at:b - at], out=acc[a:b])
+                    traffic.count("compensate", read=8 * (b - a), written=4 * (b - a))
+                    cut.update(range(a // C, -(-b // C)))
+        for c in sorted(cut):
+            lo, hi = c * C, min(c * C + C, count)
+            scales[c] = k.quantize_int8_chunks(acc[lo:hi], C, loss=acc[lo:hi], out=codes[lo:hi])[1][0]
+        buf[count:] = scales.view(np.uint8)
+        return buf, bool(np.isfinite(scales).all())  # a chunk's scale is NaN/Inf where a sum is
 
     def _decode_range(self, buf, count, lo, hi, out, accumulate):
         first, end = lo // INT8_CHUNK, -(-hi // INT8_CHUNK)  # lo is a multiple of INT8_CHUNK

@@ -177,6 +177,14 @@ class Aggregator(Stateful):
         (:class:`~tfsparse.compressors.Candidates`), handed to the compressor."""
         raise TypeError(f"{type(self).__name__} does not define encode()")
 
+    def fused_spans(self, comm: Communicator, n: int, wire: Wire) -> list | None:
+        """The ranges ``(start, stop)`` of the offered vector that :meth:`encode` (with
+        ``in_place``) encodes, each a message of its own, where it takes them encoded already
+        (``encoded=``): the memory then sums and encodes them in one pass
+        (:meth:`ResidualMemory.compensate_encode <tfsparse.memory.ResidualMemory.compensate_encode>`).
+        None (the default): it encodes what it selects itself."""
+        return None
+
     def prefilter(self, comm: Communicator, n: int, k: int, peek):
         """What the next :meth:`encode` of an ``n``-element vector at budget ``k`` needs of it, asked
         before error feedback makes the vector, so that the memory's pass collects it on the way

@@ -83,10 +83,21 @@ class DenseAllreduce(Aggregator):
         #: the 16/8-bit exchange's messages, receive buffers and block sums, reused round after round
         self.buffers = Reusable(keep=32)
 
-    def encode(self, comm, acc, k=None, wire=FLOAT32, in_place=False):
+    def fused_spans(self, comm, n, wire):
+        """The direct reduce-scatter's blocks for the other ranks, over a lossy wire whose
+        encoding fuses the error feedback's sum (:attr:`Wire.fuses_compensation
+        <tfsparse.wire.Wire.fuses_compensation>`)."""
+        if not (wire.lossy and wire.fuses_compensation) or comm.size == 1 or self.reduce_scatter != "direct":
+            return None
+        offs = np.concatenate(([0], np.cumsum(split_counts(n, comm.size))))
+        return [(int(offs[j]), int(offs[j + 1])) for j in range(comm.size) if j != comm.rank]
+
+    def encode(self, comm, acc, k=None, wire=FLOAT32, in_place=False, encoded=None):
         """``in_place``: ``acc`` (finite) is the memory's scratch vector -- each block's encoding
         writes what it lost over the block it read (one pass), so that after the exchange ``acc``
-        holds this rank's new residual (``result.residual_in_place``) and nothing else is kept."""
+        holds this rank's new residual (``result.residual_in_place``) and nothing else is kept.
+        ``encoded``: those blocks' messages, made already with the error feedback's pass (in
+        the order of :meth:`fused_spans`)."""
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
         if not wire.lossy or comm.size == 1:
             return _DensePayload(acc, wire)
@@ -95,6 +106,10 @@ class DenseAllreduce(Aggregator):
         loss = WireLoss()
         if self.reduce_scatter == "ring":  # the partial sums are encoded hop by hop, in exchange()
             return _DensePayload(acc, wire, counts, None, loss, in_place)
+        if encoded is not None:
+            blocks = list(encoded)
+            blocks.insert(comm.rank, None)
+            return _DensePayload(acc, wire, counts, blocks, loss, in_place)
         blocks = []
         for j in range(comm.size):
             if j == comm.rank:

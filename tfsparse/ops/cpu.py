@@ -105,6 +105,24 @@ def _add_stream16(typingctx, dst, i, a, b):
 
 
 @intrinsic
+def _copy_stream16(typingctx, dst, i, src, j):
+    """``dst[i:i + 16] = src[j:j + 16]`` (float32) with one non-temporal vector store, as
+    :func:`_add_stream16` stores (``dst[i]`` 64-byte aligned; ordered by :func:`_store_fence`)."""
+    def codegen(context, builder, signature, args):
+        darr, di, sarr, sj = args
+        vt = ir.VectorType(ir.FloatType(), 16)
+
+        def at(arr, aty, k):
+            data = context.make_array(aty)(context, builder, arr).data
+            return builder.bitcast(builder.gep(data, [k]), vt.as_pointer())
+        value = builder.load(at(sarr, signature.args[2], sj), align=4)
+        store = builder.store(value, at(darr, signature.args[0], di), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return types.void(dst, i, src, j), codegen
+
+
+@intrinsic
 def _store_fence(typingctx):
     """A fence after :func:`_add_stream16`'s stores (``mfence`` on x86), before others read them."""
     def codegen(context, builder, signature, args):
@@ -1023,6 +1041,43 @@ def _lookup_into(codes, table, out, accumulate):
     return out
 
 
+@njit(cache=True, inline="always")
+def _quantize_chunk(y, xs, qs, ls, in_place):
+    """One chunk of :func:`_quantize_chunks`: ``xs`` (``y``: its bits) into the codes ``qs`` and
+    the loss ``ls`` (``xs`` itself with ``in_place``); returns the chunk's scale."""
+    top = np.uint32(0)  # the largest magnitude's bits (vectorised; NaN's are above Inf's)
+    for i in range(y.size):
+        top = max(top, y[i] & np.uint32(_ABS))
+    nan = top > np.uint32(_INFK)
+    amax = _as_float(top)
+    scale = np.float32(np.nan) if nan else np.float32(amax / np.float32(127.0))
+    if nan or amax == np.inf or amax == 0:
+        for i in range(qs.size):
+            qs[i] = 0
+            ls[i] = np.float32(0.0)
+    else:
+        inv = np.float32(np.float32(127.0) / amax)
+        if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
+            for i in range(xs.size):
+                v = xs[i]
+                code = np.int8(min(max(np.rint(np.float64(v) * 127.0 / np.float64(amax)), -127.0), 127.0))
+                qs[i] = code
+                ls[i] = v - np.float32(code) * scale
+        elif in_place:
+            for i in range(xs.size):
+                v = xs[i]
+                code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
+                qs[i] = code
+                xs[i] = v - np.float32(code) * scale
+        else:
+            for i in range(xs.size):
+                v = xs[i]
+                code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
+                qs[i] = code
+                ls[i] = v - np.float32(code) * scale
+    return scale
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _quantize_chunks(x, chunk, q, scales, loss, in_place):
     """Per chunk: ``scale = max|x| / 127``, ``q = clip(rint(x * (127 / max|x|)), -127, 127)``;
@@ -1038,40 +1093,48 @@ def _quantize_chunks(x, chunk, q, scales, loss, in_place):
     for c in prange(scales.size):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        y = xu[lo:hi]
-        top = np.uint32(0)  # the largest magnitude's bits (vectorised; NaN's are above Inf's)
-        for i in range(y.size):
-            top = max(top, y[i] & np.uint32(_ABS))
-        nan = top > np.uint32(_INFK)
-        amax = _as_float(top)
-        scales[c] = np.float32(np.nan) if nan else np.float32(amax / np.float32(127.0))
-        xs, qs, ls = x[lo:hi], q[lo:hi], loss[lo:hi]
-        if nan or amax == np.inf or amax == 0:
-            for i in range(qs.size):
-                qs[i] = 0
-                ls[i] = np.float32(0.0)
-        else:
-            inv = np.float32(np.float32(127.0) / amax)
-            scale = scales[c]
-            if inv == np.inf:  # max|x| below 127 / FLT_MAX: the ratio in float64
-                for i in range(xs.size):
-                    v = xs[i]
-                    code = np.int8(min(max(np.rint(np.float64(v) * 127.0 / np.float64(amax)), -127.0), 127.0))
-                    qs[i] = code
-                    ls[i] = v - np.float32(code) * scale
-            elif in_place:
-                for i in range(xs.size):
-                    v = xs[i]
-                    code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
-                    qs[i] = code
-                    xs[i] = v - np.float32(code) * scale
-            else:
-                for i in range(xs.size):
-                    v = xs[i]
-                    code = np.int8(min(max(np.rint(v * inv), np.float32(-127.0)), np.float32(127.0)))
-                    qs[i] = code
-                    ls[i] = v - np.float32(code) * scale
+        scales[c] = _quantize_chunk(xu[lo:hi], x[lo:hi], q[lo:hi], loss[lo:hi], in_place)
     return q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
+    """``acc = g + r`` quantized as :func:`_quantize_chunks` does in place -- error feedback and
+    the int8 encoding in one pass: per chunk the sums are made in a chunk-sized buffer (in the
+    cache), quantized there into ``q`` and ``scales``, and what that lost is written to ``acc``
+    -- with ``stream``, by non-temporal stores from its first 64-byte aligned element on
+    (``addr``: ``acc``'s address), so that ``acc``'s old lines are never read.  Memory traffic:
+    ``g`` and ``r`` read, ``acc`` and the codes written, against the separate passes' ``g``,
+    ``r`` read, ``acc`` written, read again and written again."""
+    n = g.size
+    nch = scales.size
+    per = max(1, _CH // chunk)  # chunks per parallel task: one buffer each
+    for t in prange((nch + per - 1) // per):
+        buf = np.empty(chunk, np.float32)
+        bu = buf.view(np.uint32)
+        for c in range(t * per, min((t + 1) * per, nch)):
+            lo = c * chunk
+            hi = min(lo + chunk, n)
+            m = hi - lo
+            bs, gs, rs = buf[:m], g[lo:hi], r[lo:hi]
+            for i in range(m):
+                bs[i] = gs[i] + rs[i]
+            scales[c] = _quantize_chunk(bu[:m], bs, q[lo:hi], bs, True)
+            i = 0
+            if stream:
+                head = min(m, (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
+                a = acc[lo:lo + head]
+                for j in range(head):
+                    a[j] = bs[j]
+                i = head
+                while i + 16 <= m:
+                    _copy_stream16(acc, lo + i, buf, i)
+                    i += 16
+            a, b = acc[lo + i:hi], bs[i:]
+            for j in range(a.size):
+                a[j] = b[j]
+        _store_fence()
+    return scales
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1575,6 +1638,28 @@ def quantize_int8_chunks(x, chunk, loss=None, out=None):
     return q, scales, loss
 
 
+def add_quantize_int8_chunks(g, r, acc, chunk, out, stream=False):
+    """``acc = g + r`` (error feedback) and :func:`quantize_int8_chunks` of it in place, in one
+    pass: the codes into ``out`` (int8 or bytes, ``g``'s size), what quantizing lost into
+    ``acc``; returns the chunks' scales (a chunk's scale is NaN or Inf where it holds a value
+    that is not finite).  ``stream``: ``acc`` is written by non-temporal stores (a vector that
+    leaves the cache anyway).  The same bits as :meth:`add` then :func:`quantize_int8_chunks`."""
+    g, r = as_f32(g), as_f32(r)
+    chunk = C.check_chunk(chunk)
+    n = g.size
+    if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
+                           and acc.flags.c_contiguous):
+        raise TypeError(f"add_quantize_int8_chunks: g, r and acc must be float32 vectors of {n} elements "
+                        f"(acc contiguous)")
+    q = _codes_buffer(g, out, np.int8)
+    scales = np.empty(C.num_chunks(n, chunk), np.float32)
+    traffic.count("compensate", read=2 * g.nbytes, written=acc.nbytes)  # the loss is acc's only write
+    traffic.count("encode", written=q.nbytes)  # the sums are quantized in the cache
+    with _threads_for(n):
+        _add_quantize_chunks(g, r, acc, chunk, q, scales, np.int64(acc.ctypes.data), bool(stream))
+    return scales
+
+
 def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
     """``out (+)= q * scale`` of each chunk."""
     traffic.count("decode", read=q.size + (4 * q.size if accumulate else 0), written=4 * q.size)
@@ -1611,6 +1696,8 @@ def warmup() -> None:
     decode16_into(codes, HALF_TABLE, np.empty(x.size, np.float32))
     decode16_into(bfloat16_encode(x)[0], BF16_TABLE, np.zeros(x.size, np.float32), accumulate=True)
     q, scales, _ = quantize_int8_chunks(x, 4096)
+    for stream in (False, True):
+        add_quantize_int8_chunks(x, x, np.empty_like(x), 4096, np.empty(x.size, np.int8), stream)
     dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)
