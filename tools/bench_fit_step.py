@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -47,7 +49,8 @@ import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files, traffic  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where loaded by path
+import bench_host  # noqa: E402
 
 STEPS, SKIP = 12, 3
 MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch

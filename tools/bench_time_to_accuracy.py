@@ -34,7 +34,9 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -44,7 +46,8 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where loaded by path
+import bench_host  # noqa: E402
 
 TRAIN_ROWS, BATCH, LR, MOMENTUM = 1536, 32, 0.05, 0.9
 
