@@ -668,5 +668,5 @@ def test_add_quantize_int8_chunks_is_the_sum_then_the_quantization(n, offset, st
     assert np.array_equal(q, q0)
     np.testing.assert_array_equal(scales.view(np.uint32), s0.view(np.uint32))
     np.testing.assert_array_equal(acc.view(np.uint32), loss0.view(np.uint32))
-    with pytest.raises(TypeError, match="acc contiguous"):
+    with pytest.raises(TypeError, match="acc contiguous and aligned"):
         cpu.add_quantize_int8_chunks(g, r, np.empty(n + 1, np.float32), 4096, q)

@@ -241,9 +241,9 @@ def test_keras_updates_follow_the_pipelined_sequence(P, route):
                                    rtol=1e-4, atol=1e-5)
         assert not r["in_flight"]
         if route == "horovod":  # Horovod's own thread runs the collectives: nothing changes
-            assert r["quiet"] == -1.0 and r["nice_comm"] == r["nice_main"] == 0
+            assert r["quiet"] == -1.0 and r["nice_comm"] == r["nice_main"]
         else:  # over MPI the communication thread waits quietly and runs ahead of the others
-            assert r["quiet"] == QUIET_PAUSE and r["nice_comm"] == 0 and r["nice_main"] == PRECEDENCE_NICE
+            assert r["quiet"] == QUIET_PAUSE and r["nice_main"] - r["nice_comm"] == PRECEDENCE_NICE
 
 
 def test_keras_dsync_warmup_then_pipelined_int8():

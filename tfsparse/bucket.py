@@ -158,7 +158,7 @@ class Bucket:
                 if finite:
                     return aggregator, aggregator.encode(comm, memory.acc, k, wire, in_place=True,
                                                          encoded=messages), True
-                # some sum is not finite: the round is dropped, compensated again below as ever
+                del messages  # some sum is not finite: the round is dropped, compensated again below as ever
             prefilter = aggregator.prefilter(comm, n, k, lambda at: memory.peek(arrays, at))
             candidates, finite = memory.compensate_select(arrays, prefilter)
         else:

@@ -11,7 +11,7 @@ synchronous exchange.
 
 Its engine's communication thread runs ahead of the training's threads
 (:attr:`GradientExchange.comm_ahead <tfsparse.exchange.GradientExchange.comm_ahead>`): over MPI it
-waits quietly and the process's other threads run at nice +5
+waits quietly and the process's other threads run five nice levels below it
 (:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`), so that the round in flight
 moves while the next step's compute keeps the cores busy.
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tfsparse import files  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+import bench_host  # noqa: E402  (run as a script: tools/ is on the path)
 
 CASES = {  # label -> (algorithm, options)
     "dragonn": ("dragonn", {}),

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tfsparse import files  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+import bench_host  # noqa: E402  (run as a script: tools/ is on the path)
 
 WIDTHS = (1024, 4096, 4096, 1024)
 

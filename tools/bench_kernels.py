@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tfsparse import files  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+import bench_host  # noqa: E402  (run as a script: tools/ is on the path)
 
 GOALS = {
     "topk_vs_tf_top_k": ("exact top-k speed-up over tf.math.top_k at density 0.001", 10.0),

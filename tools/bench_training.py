@@ -59,7 +59,7 @@ DIGITS = REPO / "keras_examples" / "digits_demo.py"
 sys.path.insert(0, str(REPO))
 
 from tfsparse import files  # noqa: E402
-import bench_host  # noqa: E402  (tools/, first on the path)
+import bench_host  # noqa: E402  (run as a script: tools/ is on the path)
 
 PHASES = ("encode", "comm", "decode", "other")
 COLORS = {"encode": "tab:orange", "comm": "tab:blue", "decode": "tab:green", "other": "tab:gray"}

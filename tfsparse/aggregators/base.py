@@ -87,8 +87,8 @@ class AllreduceResult:
         return self._joined
 
     def nonzero_indices(self) -> np.ndarray | None:
-        """A new array of every index where the dense result may be nonzero (None: a dense
-        result) -- what ``to_dense(n, out, nonzero=...)`` zeroes the next time ``out`` is used."""
+        """An array of its own (not a piece's) of every index where the dense result may be
+        nonzero (None: a dense result) -- what ``to_dense(n, out, nonzero=...)`` zeroes the next time ``out`` is used."""
         if self.pieces is not None:
             if len(self.pieces) == 1:
                 return np.array(self._piece_indices())

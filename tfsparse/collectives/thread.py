@@ -20,11 +20,46 @@ from concurrent.futures import Future
 
 _STOP = object()
 
-#: the nice value the process's other threads get from :meth:`CommThread.take_precedence`
-#: (CFS weights 1024 : 335, the communication thread's three to one)
+#: how much higher the nice of the process's other threads is made than a communication thread's
+#: by :meth:`CommThread.take_precedence` (CFS weights 1024 : 335 at 0 and 5: three to one)
 PRECEDENCE_NICE = 5
 
 _AHEAD: set = set()  # native ids of the communication threads that took precedence
+
+
+class _Starter:
+    """A thread left at the nice the process had when a communication thread first took
+    precedence: it starts the communication threads created after that, which so inherit that
+    nice (Linux threads take their creator's) rather than the raised one of the thread that
+    creates them -- which no unprivileged process could lower again."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="tfsparse-starter", daemon=True)
+        self._thread.start()
+
+    @property
+    def native_id(self) -> int:
+        return self._thread.native_id
+
+    def _loop(self):
+        while True:
+            thread, done, failed = self._jobs.get()
+            try:
+                thread.start()
+            except BaseException as e:  # handed to the caller
+                failed.append(e)
+            done.set()
+
+    def start(self, thread: threading.Thread) -> None:
+        done, failed = threading.Event(), []
+        self._jobs.put((thread, done, failed))
+        done.wait()
+        if failed:
+            raise failed[0]
+
+
+_STARTER: list = []  # the _Starter, once a communication thread took precedence
 
 
 class CommThread:
@@ -34,7 +69,10 @@ class CommThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
-        self._thread.start()
+        if _STARTER:  # at the process's own nice, not the one raised for the training's threads
+            _STARTER[0].start(self._thread)
+        else:
+            self._thread.start()
 
     def submit(self, fn, *args) -> Future:
         """Queues ``fn(*args)``; the returned future holds its result (or its exception)."""
@@ -80,39 +118,40 @@ class CommThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def take_precedence(self, nice: int = PRECEDENCE_NICE) -> bool:
+    def take_precedence(self, offset: int = PRECEDENCE_NICE) -> bool:
         """Lets this thread have the CPU before the rest of the process: every other thread (but
-        the communication threads that took precedence before) runs at nice ``nice`` or above
-        from now on -- and so do the threads they start later (Linux threads inherit their
-        creator's nice: TensorFlow's and Numba's pools), while this one keeps its own (or goes
-        back to 0 where the process may raise a priority).  Raising a thread's nice needs no
-        privilege; nothing is lowered but this thread's.  For a transport that moves messages
-        only while its calls run (Open MPI over TCP), on a node where training keeps every core
-        busy: a message ready to move then waits at most a scheduler's wake-up for this thread,
-        instead of its time slice behind the training's threads.  Linux only (per-thread nice);
-        returns whether this thread now runs ahead of the others."""
+        the communication threads that took precedence before) runs at a nice ``offset`` above
+        this one's, or higher, from now on -- and so do the threads they start later (Linux
+        threads inherit their creator's nice: TensorFlow's and Numba's pools).  Only nice values
+        are raised, which needs no privilege, and they stay raised.  Communication threads
+        created later start from a thread left at this one's nice (:class:`_Starter`), so that
+        they too can run ahead.  For a transport that moves messages only while its calls run
+        (Open MPI over TCP), on a node where training keeps every core busy: a message ready to
+        move then waits at most a scheduler's wake-up for this thread, instead of its time slice
+        behind the training's threads.  Linux only (per-thread nice); returns whether this
+        thread now runs ahead of the others.  (A thread that ends while the others are reniced
+        leaves its id to be reused: the window is a few system calls.)"""
         if not sys.platform.startswith("linux") or not self._thread.is_alive():
             return False
         me = self._thread.native_id
         try:
-            if os.getpriority(os.PRIO_PROCESS, me) >= nice:  # inherited from a thread set back before
-                os.setpriority(os.PRIO_PROCESS, me, 0)
-        except OSError:  # no privilege to raise a priority: it stays with the others
-            pass
+            base = os.getpriority(os.PRIO_PROCESS, me)
+        except OSError:
+            return False
+        if not _STARTER:  # before any thread's nice is raised: it keeps the process's own
+            _STARTER.append(_Starter())
+        _AHEAD.add(me)
+        keep = _AHEAD | {_STARTER[0].native_id}
         try:
-            mine = os.getpriority(os.PRIO_PROCESS, me)
             tids = [int(t) for t in os.listdir("/proc/self/task")]
         except OSError:
             return False
-        if mine >= nice:
-            return False
-        _AHEAD.add(me)
         for tid in tids:
-            if tid in _AHEAD:
+            if tid in keep:
                 continue
             try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                if os.getpriority(os.PRIO_PROCESS, tid) < base + offset:
+                    os.setpriority(os.PRIO_PROCESS, tid, base + offset)
             except OSError:  # the thread ended meanwhile
                 pass
         return True

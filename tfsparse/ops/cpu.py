@@ -1648,9 +1648,9 @@ def add_quantize_int8_chunks(g, r, acc, chunk, out, stream=False):
     chunk = C.check_chunk(chunk)
     n = g.size
     if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
-                           and acc.flags.c_contiguous):
+                           and acc.flags.c_contiguous and acc.flags.aligned):
         raise TypeError(f"add_quantize_int8_chunks: g, r and acc must be float32 vectors of {n} elements "
-                        f"(acc contiguous)")
+                        f"(acc contiguous and aligned)")
     q = _codes_buffer(g, out, np.int8)
     scales = np.empty(C.num_chunks(n, chunk), np.float32)
     traffic.count("compensate", read=2 * g.nbytes, written=acc.nbytes)  # the loss is acc's only write
