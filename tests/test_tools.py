@@ -137,13 +137,14 @@ def test_measure_docs_lists_its_steps_and_refuses_an_unknown_one():
 def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_path):
     """tools/pipe_sgd_timing.py reads bench_fit_step.py's JSON as it is written now (the compute
     floor first, then the settings): Eq. 2 for D-Sync, Eq. 4 for pipeline=2, the floor left out."""
-    def run(label, pipeline, step, encode, comm, wait, mb):
+    def run(label, pipeline, step, encode, comm, wait, mb, wire="float32"):
         return {"label": label, "algorithm": "dense", "pipeline": pipeline, "step_ms": step, "encode_ms": encode,
-                "comm_ms": comm, "decode_ms": 0.0, "wait_ms": wait, "mb_per_step": mb}
+                "comm_ms": comm, "decode_ms": 0.0, "wait_ms": wait, "mb_per_step": mb, "wire_dtype": wire}
     record = {"processes": 4, "network": "test", "runs": [
         {"label": "compute only (no exchange)", "algorithm": "compute", "step_ms": 190.0, "mb_per_step": 0.0},
         run("D-Sync f32", 1, 2000.0, 20.0, 1800.0, 1780.0, 150.0),
-        run("Pipe-SGD int8", 2, 600.0, 150.0, 500.0, 300.0, 37.5)]}
+        run("Pipe-SGD f32", 2, 1900.0, 20.0, 1850.0, 1700.0, 150.0),
+        run("Pipe-SGD int8", 2, 600.0, 150.0, 500.0, 300.0, 37.5, "int8")]}
     path = tmp_path / "fit.json"
     path.write_text(json.dumps(record))
     out = tmp_path / "timing"
@@ -151,10 +152,13 @@ def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     model = json.loads(out.with_suffix(".json").read_text())
-    assert model["l_compute_ms"] == 200.0 and [r["label"] for r in model["runs"]] == ["D-Sync f32", "Pipe-SGD int8"]
-    dsync, pipe = model["runs"]
+    assert model["l_compute_ms"] == 200.0
+    assert [r["label"] for r in model["runs"]] == ["D-Sync f32", "Pipe-SGD f32", "Pipe-SGD int8"]
+    dsync, pipe32, pipe = model["runs"]
     assert dsync["model_measured_comm_ms"] == 200.0 + 20.0 + 1800.0  # Eq. 2
-    assert pipe["model_measured_comm_ms"] == 500.0  # Eq. 4: max(200 + 150, 500)
+    assert pipe32["model_measured_comm_ms"] == 1850.0 and not pipe32["error_feedback"]  # Eq. 4: max(200 + 20, 1850)
+    # a residual: round t's encoding and communication come before step t+1's encoding
+    assert pipe["model_measured_comm_ms"] == 650.0 and pipe["error_feedback"]  # max(200 + 150, 150 + 500)
     assert out.with_suffix(".png").stat().st_size > 0
 
 

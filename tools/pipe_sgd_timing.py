@@ -15,7 +15,10 @@ launch) and predicts every run's step time from measured parts:
   :class:`tfsparse.collectives.AlphaBeta` (``--bandwidth``, ``--latency`` as it parses them).
 
 D-Sync (``pipeline=1``, Eq. 2): ``l_compute + encode + l_comm``;
-Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)``.
+Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)`` -- and, where the run keeps a
+residual (error feedback: a lossy wire, unless ``memory="none"``), ``max(l_compute + encode,
+encode + l_comm)``: step t+1's compression needs round t's residual, so a round's encoding and
+its communication follow one another every step, a dependency the paper's Eq. 4 does not have.
 
     python tools/pipe_sgd_timing.py results/pipe_1gbit.json --bandwidth 1gbit --latency 0 \\
         --out results/pipe_timing
@@ -54,14 +57,18 @@ def predict(results: dict, ab: AlphaBeta) -> dict:
         if r.get("algorithm") != "dense":  # the compute floor and Horovod's runs have no exchange to model
             continue
         pipelined = int(r.get("pipeline", 1)) == 2
+        residual = r.get("wire_dtype", "float32") != "float32" and r.get("memory", "residual") != "none"
         measured_comm = r["comm_ms"] + r["decode_ms"]
         ab_comm = 1e3 * ring_seconds(ab, p, r["mb_per_step"] * 1e6)
 
         def model(l_comm):
             busy = l_compute + r["encode_ms"]
-            return max(busy, l_comm) if pipelined else busy + l_comm
+            if not pipelined:
+                return busy + l_comm
+            return max(busy, l_comm + (r["encode_ms"] if residual else 0.0))
 
-        rows.append({"label": r["label"], "pipeline": 2 if pipelined else 1, "measured_ms": r["step_ms"],
+        rows.append({"label": r["label"], "pipeline": 2 if pipelined else 1, "error_feedback": residual,
+                     "measured_ms": r["step_ms"],
                      "model_measured_comm_ms": round(model(measured_comm), 1),
                      "model_alpha_beta_ms": round(model(ab_comm), 1),
                      "l_comm_measured_ms": round(measured_comm, 1), "l_comm_alpha_beta_ms": round(ab_comm, 1),
