@@ -149,15 +149,11 @@ class Wire:
         the error feedback's sum: ``pieces`` are ``(g, r, at)``, float32 vectors whose sum
         ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order.  Returns
         ``(message, finite)``: whether every sum is finite -- if not, the message and ``acc`` are
-        undefined.  This one sums, then encodes; a wire whose encoding takes the sums as they are
-        made (:attr:`fuses_compensation`) does both in one pass.  ``stream``: ``acc`` leaves the
-        cache anyway (non-temporal stores where the wire uses them)."""
-        for g, r, at in pieces:
-            np.add(g, r, out=acc[at:at + g.size])
-        traffic.count("compensate", read=8 * acc.size, written=4 * acc.size)
-        if not np.isfinite(acc).all():
-            return np.empty(0, np.uint8), False
-        return self.encode_loss_into(acc, acc, buffers), True
+        undefined.  The same message and loss as summing first and :meth:`encode_loss_into` after,
+        in one pass; only a wire with :attr:`fuses_compensation` offers it (the others are summed
+        by the memory and encoded by the aggregator).  ``stream``: ``acc`` leaves the cache anyway
+        (non-temporal stores where the wire uses them)."""
+        raise TypeError(f"the {self.name} wire does not encode as it sums (fuses_compensation is False)")
 
     def decode(self, buf: np.ndarray, count: int) -> np.ndarray:
         """The ``count`` float32 values held by ``buf`` (a whole encoded block)."""

@@ -3,8 +3,9 @@ core count and its CPU model (from ``/proc/cpuinfo``), e.g. ``"vm, 2 cores, Inte
 The same 2-core VM has run on an AMD and on an Intel host: the memory speed and the codecs' cost
 moved with it, so a record without the CPU model cannot be compared with a later one.
 
-The tools run as scripts (``python tools/bench_fit_step.py``), with ``tools/`` first on the path,
-and import this module by its name."""
+The tools import this module by its name: run as scripts (``python tools/bench_fit_step.py``),
+they have ``tools/`` first on the path; the two that other code loads by path
+(``bench_fit_step``, ``bench_time_to_accuracy``) put it there themselves."""
 
 from __future__ import annotations
 
