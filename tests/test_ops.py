@@ -628,6 +628,38 @@ def test_tf_set_path_validates():
     assert set(T.PATHS) == {"cpu", "cuda"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("n,offset", [(3 * 65536 + 2049, 3), (2048, 0), (100, 1), (2_000_003, 5)])
+def test_add_encode16_is_the_sum_then_the_encoding(n, offset, half, stream):
+    """Error feedback fused with the float16 / bfloat16 encoding: the same codes and loss bits as
+    ``g + r`` encoded with the loss over it, for vectors that start off a cache line, partial
+    steps and tasks; overflows counted as half_encode counts them; a NaN or Inf sum reported."""
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal(n + 16).astype(np.float32)[offset:offset + n]
+    r = (0.1 * rng.standard_normal(n + 16)).astype(np.float32)[offset:offset + n]
+    g[::97] *= np.float32(1e-30)  # subnormal float16 results and exact zeros of the loss
+    acc = np.empty(n + 16, np.float32)[offset:offset + n]
+    codes = np.empty(n, np.uint16)
+    over, finite = cpu.add_encode16(g, r, acc, codes, half, stream)
+    s = g + r
+    if half:
+        c0, l0, o0 = cpu.half_encode(s)
+    else:
+        (c0, l0), o0 = cpu.bfloat16_encode(s), 0
+    assert finite and over == o0 == 0
+    assert np.array_equal(codes, c0)
+    np.testing.assert_array_equal(acc.view(np.uint32), l0.view(np.uint32))
+    g[n // 2] = 1e5
+    assert cpu.add_encode16(g, r, acc, codes, half, stream) == (int(half), True)
+    g[n - 1] = np.nan
+    assert not cpu.add_encode16(g, r, acc, codes, half, stream)[1]
+    g[n - 1] = -np.inf
+    assert not cpu.add_encode16(g, r, acc, codes, half, stream)[1]
+    with pytest.raises(TypeError, match="acc contiguous and aligned"):
+        cpu.add_encode16(g, r, np.empty(n + 1, np.float32), codes, half)
+
+
 def test_dlpack_view_of_tf_tensor_is_zero_copy_and_owned():
     tf = pytest.importorskip("tensorflow")
     import gc

@@ -310,12 +310,14 @@ def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
         assert part.all()
 
 
+@pytest.mark.parametrize("name", ["int8", "float16", "bfloat16"])
 @pytest.mark.parametrize("sizes", [[5000, 3, 9000, 4096], [20_000], [100, 100], [4096, 4096, 1]])
-def test_int8_fused_error_feedback_is_the_sum_then_the_encoding(sizes):
-    """Int8.compensate_encode -- chunks inside a piece summed and quantized in one pass, chunks a
-    piece boundary cuts summed piece by piece and quantized after -- gives the message and the
-    loss (over acc) of its definition: every sum first, then encode_loss_into; and a sum that
-    is not finite is reported (finite False)."""
+def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes):
+    """Wire.compensate_encode -- int8: chunks inside a piece summed and quantized in one pass,
+    chunks a piece boundary cuts summed piece by piece and quantized after; float16 and bfloat16:
+    every piece summed and encoded in one pass, float16 encoding again, scaled, where a sum
+    overflows -- gives the message and the loss (over acc) of its definition: every sum first,
+    then encode_loss_into; and a sum that is not finite is reported (finite False)."""
     def sum_then_encode(wire, pieces, acc):
         for g, r, at in pieces:
             np.add(g, r, out=acc[at:at + g.size])
@@ -331,16 +333,25 @@ def test_int8_fused_error_feedback_is_the_sum_then_the_encoding(sizes):
     for a in g:
         pieces.append((a, r[at:at + a.size], at))
         at += a.size
-    wire = get_wire("int8")
-    assert wire.fuses_compensation and not get_wire("float16").fuses_compensation
+    wire = get_wire(name)
+    assert wire.fuses_compensation
     acc, ref = np.empty(n, np.float32), np.empty(n, np.float32)
-    message, finite = wire.compensate_encode(pieces, acc)
-    expected, ok = sum_then_encode(wire, pieces, ref)
-    assert finite and ok
-    np.testing.assert_array_equal(message, expected)
-    np.testing.assert_array_equal(acc.view(np.uint32), ref.view(np.uint32))
+
+    def same():
+        message, finite = wire.compensate_encode(pieces, acc)
+        expected, ok = sum_then_encode(wire, pieces, ref)
+        assert finite and ok
+        np.testing.assert_array_equal(message, expected)
+        np.testing.assert_array_equal(acc.view(np.uint32), ref.view(np.uint32))
+        return message
+
+    assert same().size == wire.nbytes(n)
+    g[-1][0] = 7e4  # beyond float16's range: its message is scaled (one byte more)
+    assert same().size == wire.nbytes(n) + (name == "float16")
     g[-1][-1] = np.inf
     assert not wire.compensate_encode(pieces, acc)[1]
     assert not sum_then_encode(wire, pieces, ref)[1]
-    with pytest.raises(TypeError, match="float16 wire does not encode as it sums"):
-        get_wire("float16").compensate_encode(pieces, ref)
+    g[-1][-1] = np.nan
+    assert not wire.compensate_encode(pieces, acc)[1]
+    with pytest.raises(TypeError, match="float32 wire does not encode as it sums"):
+        get_wire("float32").compensate_encode(pieces, ref)

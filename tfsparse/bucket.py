@@ -142,8 +142,8 @@ class Bucket:
         <tfsparse.aggregators.Aggregator.prefilter>`) the selection too
         (:meth:`ResidualMemory.compensate_select <tfsparse.memory.ResidualMemory.compensate_select>`):
         the selection then reads only what that pass collected -- the same result.  A dense
-        exchange over a wire that encodes as it sums (int8) takes its blocks for the other ranks
-        encoded in that pass (:meth:`ResidualMemory.compensate_encode
+        exchange over a wire that encodes as it sums (int8, float16, bfloat16) takes its blocks
+        for the other ranks encoded in that pass (:meth:`ResidualMemory.compensate_encode
         <tfsparse.memory.ResidualMemory.compensate_encode>`)."""
         memory = self.memory
         aggregator = self.aggregator_at(density)

@@ -281,6 +281,14 @@ class Float16(Wire):
         loss[:] = lost
         return buf
 
+    fuses_compensation = True
+
+    def compensate_encode(self, pieces, acc, buffers=None, stream=False):
+        """Each piece summed, encoded and its loss written in one pass
+        (:func:`tfsparse.ops.cpu.add_encode16`).  Where a sum overflows float16, the sums are
+        made again and :meth:`encode_loss_into` scales them (rare: gradients beyond 65504)."""
+        return _compensate_encode16(self, pieces, acc, buffers, stream, half=True)
+
     def _scaled(self, values):
         """A message of finite values of which some overflow float16: all divided by ``2**e``."""
         finite = np.isfinite(values)
@@ -325,9 +333,32 @@ class BFloat16(Wire):
         out = None if buffers is None else buffers.take(values.size, np.uint16)
         return _kernels().bfloat16_encode(values, loss=loss, out=out)[0].view(np.uint8)
 
+    fuses_compensation = True
+
+    def compensate_encode(self, pieces, acc, buffers=None, stream=False):
+        """Each piece summed, encoded and its loss written in one pass
+        (:func:`tfsparse.ops.cpu.add_encode16`)."""
+        return _compensate_encode16(self, pieces, acc, buffers, stream, half=False)
+
     def _decode_range(self, buf, count, lo, hi, out, accumulate):
         k = _kernels()
         k.decode16_into(buf[2 * lo:2 * hi].view(np.uint16), k.BF16_TABLE, out, accumulate)
+
+
+def _compensate_encode16(wire, pieces, acc, buffers, stream, half):
+    """:meth:`Wire.compensate_encode` for the 16-bit wires: the codes of ``g + r`` in one
+    message, the loss over ``acc``."""
+    codes = np.empty(acc.size, np.uint16) if buffers is None else buffers.take(acc.size, np.uint16)
+    over, finite = 0, True
+    for g, r, at in pieces:
+        o, ok = _kernels().add_encode16(g, r, acc[at:at + g.size], codes[at:at + g.size], half, stream)
+        over, finite = over + o, finite and ok
+    if not finite or not over:
+        return codes.view(np.uint8), finite
+    for g, r, at in pieces:  # some sum overflowed float16: the whole message is scaled
+        np.add(g, r, out=acc[at:at + g.size])
+        traffic.count("compensate", read=8 * g.size, written=4 * g.size)
+    return wire.encode_loss_into(acc, acc, buffers), True
 
 
 @register_wire

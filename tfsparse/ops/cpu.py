@@ -1137,6 +1137,65 @@ def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
     return scales
 
 
+_SUM16 = 2048  # elements summed and encoded per step of _add_encode16 (8 KiB: stays in L1)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _add_encode16(g, r, acc, codes, addr, stream, half):
+    """``acc = g + r`` encoded to 16 bits -- error feedback and the float16 (``half``: as
+    :func:`_half_rne`) or bfloat16 (as :func:`_bf16_truncate`) encoding in one pass: per
+    :data:`_SUM16` elements the sums are made in a buffer (in the cache), encoded there into
+    ``codes``, and what that lost is written to ``acc`` -- with ``stream``, by non-temporal stores
+    from its first 64-byte aligned element on (``addr``: ``acc``'s address).  Returns
+    ``(overflowed, nonfinite)``: how many finite sums float16 turned into Inf (their loss is not
+    kept: the caller encodes again, scaled) and how many sums are NaN/Inf (their codes and loss
+    are undefined: the caller drops the round)."""
+    n = g.size
+    over = 0
+    bad = 0
+    for t in prange((n + _CH - 1) // _CH):
+        buf = np.empty(_SUM16, np.float32)
+        bu = buf.view(np.uint32)
+        for lo in range(t * _CH, min((t + 1) * _CH, n), _SUM16):
+            hi = min(lo + _SUM16, n, (t + 1) * _CH)
+            m = hi - lo
+            bs, ys, gs, rs, cs = buf[:m], bu[:m], g[lo:hi], r[lo:hi], codes[lo:hi]
+            for i in range(m):
+                bs[i] = gs[i] + rs[i]
+            if half:
+                for i in range(m):
+                    a = ys[i] & np.uint32(_ABS)
+                    v = bs[i]
+                    code = _to_half(v)
+                    big = a >= np.uint32(0x477FF000)  # >= 65520 rounds to Inf
+                    finite = a < np.uint32(_INFK)
+                    over += np.int64(big and finite)
+                    bad += np.int64(not finite)
+                    cs[i] = code
+                    bs[i] = v - _from_half(code)
+            else:
+                for i in range(m):
+                    u = ys[i]
+                    bad += np.int64((u & np.uint32(_ABS)) >= np.uint32(_INFK))
+                    cs[i] = np.uint16(u >> np.uint32(16))
+                    bs[i] = bs[i] - _as_float(u & np.uint32(0xFFFF0000))
+            i = 0
+            if stream:
+                head = min(m, (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
+                a_ = acc[lo:lo + head]
+                for j in range(head):
+                    a_[j] = bs[j]
+                i = head
+                while i + 16 <= m:
+                    _copy_stream16(acc, lo + i, buf, i)
+                    i += 16
+            a_, b_ = acc[lo + i:hi], bs[i:]
+            for j in range(a_.size):
+                a_[j] = b_[j]
+        _store_fence()
+    return over, bad
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _dequantize_chunks_into(q, scales, chunk, out, accumulate):
     n = q.size
@@ -1660,6 +1719,28 @@ def add_quantize_int8_chunks(g, r, acc, chunk, out, stream=False):
     return scales
 
 
+def add_encode16(g, r, acc, out, half, stream=False):
+    """``acc = g + r`` (error feedback) and its 16-bit encoding in one pass -- float16 (``half``,
+    as :func:`half_encode`) or bfloat16 (as :func:`bfloat16_encode`): the codes into ``out``
+    (uint16 or bytes, ``g``'s size), what encoding lost into ``acc``.  Returns ``(overflowed,
+    finite)``: how many finite sums float16 turned into Inf (then ``acc`` holds no usable loss
+    there: encode ``g + r`` again, scaled) and whether every sum is finite (if not, codes and
+    ``acc`` are undefined).  ``stream``: ``acc`` is written by non-temporal stores.  Otherwise the
+    same bits as :meth:`add` then the encoding with the loss over the sums."""
+    g, r = as_f32(g), as_f32(r)
+    n = g.size
+    if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
+                           and acc.flags.c_contiguous and acc.flags.aligned):
+        raise TypeError(f"add_encode16: g, r and acc must be float32 vectors of {n} elements "
+                        f"(acc contiguous and aligned)")
+    codes = _codes_buffer(g, out, np.uint16)
+    traffic.count("compensate", read=2 * g.nbytes, written=acc.nbytes)  # the loss is acc's only write
+    traffic.count("encode", written=codes.nbytes)  # the sums are encoded in the cache
+    with _threads_for(n):
+        over, bad = _add_encode16(g, r, acc, codes, np.int64(acc.ctypes.data), bool(stream), bool(half))
+    return int(over), bad == 0
+
+
 def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
     """``out (+)= q * scale`` of each chunk."""
     traffic.count("decode", read=q.size + (4 * q.size if accumulate else 0), written=4 * q.size)
@@ -1698,6 +1779,7 @@ def warmup() -> None:
     q, scales, _ = quantize_int8_chunks(x, 4096)
     for stream in (False, True):
         add_quantize_int8_chunks(x, x, np.empty_like(x), 4096, np.empty(x.size, np.int8), stream)
+    add_encode16(x, x, np.empty_like(x), np.empty(x.size, np.uint16), True)
     dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)
