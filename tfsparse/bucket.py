@@ -154,7 +154,7 @@ class Bucket:
         if memory.fuses(arrays):
             spans = aggregator.fused_spans(comm, n, wire) if aggregator.in_place_residual else None
             if spans is not None:  # the blocks for the other ranks encoded in the same pass
-                messages, finite = memory.compensate_encode(arrays, spans, wire, getattr(aggregator, "buffers", None))
+                messages, finite = memory.compensate_encode(arrays, spans, wire, aggregator.buffers)
                 if finite:
                     return aggregator, aggregator.encode(comm, memory.acc, k, wire, in_place=True,
                                                          encoded=messages), True

@@ -170,6 +170,9 @@ class Aggregator(Stateful):
     #: whether :meth:`encode` takes ``in_place=True``: the offered vector is the memory's scratch
     #: buffer, and the aggregator may leave the new residual in it (``result.residual_in_place``)
     in_place_residual = False
+    #: a :class:`~tfsparse.buffers.Reusable` the aggregator takes its messages from round after
+    #: round (None: fresh ones), which a fused encoding (:meth:`fused_spans`) takes them from too
+    buffers = None
 
     def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32, candidates=None):
         """Local phase (no communication): returns the payload :meth:`exchange` takes.
