@@ -11,6 +11,7 @@ import pytest
 import tfsparse.ops as ops
 from tfsparse.ops import _common as C
 from tfsparse.ops import cpu
+from tfsparse import buffers
 from tfsparse.ops import reference as R
 
 BIG = 3 * (1 << 16) + 12345  # > one parallel chunk: the sampled prefilter and the multi-chunk paths run
@@ -630,16 +631,25 @@ def test_tf_set_path_validates():
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("half", [True, False])
-@pytest.mark.parametrize("n,offset", [(3 * 65536 + 2049, 3), (2048, 0), (100, 1), (2_000_003, 5)])
-def test_add_encode16_is_the_sum_then_the_encoding(n, offset, half, stream):
+@pytest.mark.parametrize("n,offset,threads", [(3 * 65536 + 2049, 3, 1), (2048, 0, 1), (100, 1, 1),
+                                               (2_000_003, 5, 1), (5 * 65536 + 77, 7, 2)])
+def test_add_encode16_is_the_sum_then_the_encoding(n, offset, threads, half, stream, monkeypatch):
     """Error feedback fused with the float16 / bfloat16 encoding: the same codes and loss bits as
-    ``g + r`` encoded with the loss over it, for vectors that start off a cache line, partial
-    steps and tasks; overflows counted as half_encode counts them; a NaN or Inf sum reported."""
+    ``g + r`` encoded with the loss over it -- for ``acc`` starting at every offset from a cache
+    line (the non-temporal stores begin at the first aligned element), partial steps and tasks,
+    several threads; sums that are float16 subnormals, exact (loss +0), -0.0, float16's largest
+    value and the values around its rounding to Inf (65520: counted as overflows, as half_encode
+    counts them); a NaN or Inf sum reported."""
+    if threads > 1:
+        monkeypatch.setattr(cpu, "PARALLEL_MIN", 1)  # several tasks on several threads
     rng = np.random.default_rng(n)
     g = rng.standard_normal(n + 16).astype(np.float32)[offset:offset + n]
     r = (0.1 * rng.standard_normal(n + 16)).astype(np.float32)[offset:offset + n]
-    g[::97] *= np.float32(1e-30)  # subnormal float16 results and exact zeros of the loss
-    acc = np.empty(n + 16, np.float32)[offset:offset + n]
+    edge = np.array([2.0**-24, 3 * 2.0**-25, -2.0**-20, 0.5, -0.0, 65504.0, 65519.99, -65519.0],
+                    np.float32)
+    for j, v in enumerate(edge):  # sums of exactly these values
+        g[j * 37 % n], r[j * 37 % n] = v, (-0.0 if v == 0 else 0.0)
+    acc = buffers.aligned_empty(n + 16)[offset % 16:offset % 16 + n]
     codes = np.empty(n, np.uint16)
     over, finite = cpu.add_encode16(g, r, acc, codes, half, stream)
     s = g + r
@@ -650,8 +660,12 @@ def test_add_encode16_is_the_sum_then_the_encoding(n, offset, half, stream):
     assert finite and over == o0 == 0
     assert np.array_equal(codes, c0)
     np.testing.assert_array_equal(acc.view(np.uint32), l0.view(np.uint32))
-    g[n // 2] = 1e5
-    assert cpu.add_encode16(g, r, acc, codes, half, stream) == (int(half), True)
+    g[n // 2], g[n // 3], r[n // 2], r[n // 3] = 65520.0, -7e4, 0.0, 0.0  # both round to Inf
+    assert cpu.add_encode16(g, r, acc, codes, half, stream) == (2 * int(half), True)
+    keep = np.ones(n, bool)
+    keep[[n // 2, n // 3]] = False
+    c1 = cpu.half_encode(g + r)[0] if half else cpu.bfloat16_encode(g + r)[0]
+    assert np.array_equal(codes[keep], c1[keep])  # the others encoded as ever
     g[n - 1] = np.nan
     assert not cpu.add_encode16(g, r, acc, codes, half, stream)[1]
     g[n - 1] = -np.inf

@@ -3,6 +3,7 @@ sparse messages and the record of what the wire lost."""
 import numpy as np
 import pytest
 
+from tfsparse.buffers import Reusable
 from tfsparse.wire import (DECODE_PIECE, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire,
                            index_codec, index_dtype, pack_sparse, unpack_sparse)
 
@@ -310,14 +311,16 @@ def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
         assert part.all()
 
 
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("name", ["int8", "float16", "bfloat16"])
 @pytest.mark.parametrize("sizes", [[5000, 3, 9000, 4096], [20_000], [100, 100], [4096, 4096, 1]])
-def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes):
+def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes, pooled):
     """Wire.compensate_encode -- int8: chunks inside a piece summed and quantized in one pass,
     chunks a piece boundary cuts summed piece by piece and quantized after; float16 and bfloat16:
     every piece summed and encoded in one pass, float16 encoding again, scaled, where a sum
     overflows -- gives the message and the loss (over acc) of its definition: every sum first,
-    then encode_loss_into; and a sum that is not finite is reported (finite False)."""
+    then encode_loss_into; and a sum that is not finite is reported (finite False).  ``pooled``:
+    messages taken from a pool (as the dense aggregator's), acc written by streaming stores."""
     def sum_then_encode(wire, pieces, acc):
         for g, r, at in pieces:
             np.add(g, r, out=acc[at:at + g.size])
@@ -337,15 +340,19 @@ def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes):
     assert wire.fuses_compensation
     acc, ref = np.empty(n, np.float32), np.empty(n, np.float32)
 
+    pool = Reusable() if pooled else None
+
     def same():
-        message, finite = wire.compensate_encode(pieces, acc)
+        message, finite = wire.compensate_encode(pieces, acc, pool, stream=pooled)
         expected, ok = sum_then_encode(wire, pieces, ref)
         assert finite and ok
         np.testing.assert_array_equal(message, expected)
         np.testing.assert_array_equal(acc.view(np.uint32), ref.view(np.uint32))
-        return message
+        return message.copy()
 
-    assert same().size == wire.nbytes(n)
+    first = same()
+    assert first.size == wire.nbytes(n)
+    np.testing.assert_array_equal(same(), first)  # again, into a pooled message
     g[-1][0] = 7e4  # beyond float16's range: its message is scaled (one byte more)
     assert same().size == wire.nbytes(n) + (name == "float16")
     g[-1][-1] = np.inf

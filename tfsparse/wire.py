@@ -147,9 +147,9 @@ class Wire:
     def compensate_encode(self, pieces, acc, buffers=None, stream=False) -> tuple[np.ndarray, bool]:
         """:meth:`encode_loss_into` of ``acc`` (the loss written over it) where ``acc`` is first
         the error feedback's sum: ``pieces`` are ``(g, r, at)``, float32 vectors whose sum
-        ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order.  Returns
-        ``(message, finite)``: whether every sum is finite -- if not, the message and ``acc`` are
-        undefined.  The same message and loss as summing first and :meth:`encode_loss_into` after,
+        ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order (``g`` and ``r``
+        do not overlap ``acc``: a wire may read them again).  Returns ``(message, finite)``:
+        whether every sum is finite -- if not, the message and ``acc`` are undefined.  The same message and loss as summing first and :meth:`encode_loss_into` after,
         in one pass; only a wire with :attr:`fuses_compensation` offers it (the others are summed
         by the memory and encoded by the aggregator).  ``stream``: ``acc`` leaves the cache anyway
         (non-temporal stores where the wire uses them)."""
@@ -355,6 +355,7 @@ def _compensate_encode16(wire, pieces, acc, buffers, stream, half):
         over, finite = over + o, finite and ok
     if not finite or not over:
         return codes.view(np.uint8), finite
+    del codes  # back to the pool for the scaled message
     for g, r, at in pieces:  # some sum overflowed float16: the whole message is scaled
         np.add(g, r, out=acc[at:at + g.size])
         traffic.count("compensate", read=8 * g.size, written=4 * g.size)

@@ -1702,7 +1702,7 @@ def add_quantize_int8_chunks(g, r, acc, chunk, out, stream=False):
     pass: the codes into ``out`` (int8 or bytes, ``g``'s size), what quantizing lost into
     ``acc``; returns the chunks' scales (a chunk's scale is NaN or Inf where it holds a value
     that is not finite).  ``stream``: ``acc`` is written by non-temporal stores (a vector that
-    leaves the cache anyway).  The same bits as :meth:`add` then :func:`quantize_int8_chunks`."""
+    leaves the cache anyway).  The same bits as ``np.add`` then :func:`quantize_int8_chunks`."""
     g, r = as_f32(g), as_f32(r)
     chunk = C.check_chunk(chunk)
     n = g.size
@@ -1726,7 +1726,7 @@ def add_encode16(g, r, acc, out, half, stream=False):
     finite)``: how many finite sums float16 turned into Inf (then ``acc`` holds no usable loss
     there: encode ``g + r`` again, scaled) and whether every sum is finite (if not, codes and
     ``acc`` are undefined).  ``stream``: ``acc`` is written by non-temporal stores.  Otherwise the
-    same bits as :meth:`add` then the encoding with the loss over the sums."""
+    same bits as ``np.add`` then the encoding with the loss over the sums."""
     g, r = as_f32(g), as_f32(r)
     n = g.size
     if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
