@@ -193,9 +193,10 @@ def test_a_communication_thread_takes_precedence_over_the_others():
     """CommThread.take_precedence, in a process of its own (it renices the process's threads):
     every other thread -- and one started later by a reniced thread -- runs PRECEDENCE_NICE above
     the communication thread, whose jobs run at the process's nice; a communication thread
-    created afterwards, by a reniced thread, still starts at the process's nice (its starter
-    thread kept it), so that it can take precedence without privilege; a second call changes
-    nothing."""
+    created afterwards to run ahead, by a reniced thread, still starts at the process's nice (its
+    starter thread kept it), so that it can take precedence without privilege, while one created
+    for a synchronous exchange starts level with its reniced creator (the training's threads); a
+    second call changes nothing."""
     import subprocess
     import sys
 
@@ -214,17 +215,20 @@ assert comm.take_precedence() and comm.take_precedence()
 later = []
 started = threading.Thread(target=lambda: later.append(nice()))
 started.start(); started.join()
-second = CommThread()  # created by this (reniced) thread
+second = CommThread(ahead=True)  # created by this (reniced) thread
 fresh = second.submit(nice).result()
 assert second.take_precedence()
+level = CommThread()  # a synchronous exchange's, created by this thread too
 print(nice() - start, os.getpriority(os.PRIO_PROCESS, before.native_id) - start, later[0] - start,
-      comm.submit(nice).result() - start, fresh - start, second.submit(nice).result() - start, PRECEDENCE_NICE)
-go.set(); comm.close(); second.close()
+      comm.submit(nice).result() - start, fresh - start, second.submit(nice).result() - start,
+      level.submit(nice).result() - start, PRECEDENCE_NICE)
+go.set(); comm.close(); second.close(); level.close()
 """
     from pathlib import Path
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])  # this checkout's tfsparse
     assert done.returncode == 0, done.stderr
-    main, other, later, ahead, fresh, second, offset = map(int, done.stdout.split())
-    assert (main, other, later, ahead, fresh, second) == (offset, offset, offset, 0, 0, 0) and offset > 0
+    main, other, later, ahead, fresh, second, level, offset = map(int, done.stdout.split())
+    assert (main, other, later, ahead, fresh, second, level) == (offset, offset, offset, 0, 0, 0, offset)
+    assert offset > 0

@@ -222,7 +222,9 @@ def test_keras_updates_follow_the_pipelined_sequence(P, route):
     """Step t+1 applies step t's averaged gradient, across the epoch boundary too; after fit
     nothing is in flight, the last round is held by the exchange, and the weights are
     identical on every rank (the Horovod backend too: there the metric averaging queues
-    behind the round, Horovod refusing two collectives in flight at once)."""
+    behind the round, Horovod refusing two collectives in flight at once).  A synchronous
+    exchange built in the same process afterwards sums right, its communication thread level
+    with the training's threads (not ahead of them, as the pipelined one's is)."""
     from mpi_harness import mpirun
 
     if route == "horovod":
@@ -244,6 +246,9 @@ def test_keras_updates_follow_the_pipelined_sequence(P, route):
             assert r["quiet"] == -1.0 and r["nice_comm"] == r["nice_main"]
         else:  # over MPI the communication thread waits quietly and runs ahead of the others
             assert r["quiet"] == QUIET_PAUSE and r["nice_main"] - r["nice_comm"] == PRECEDENCE_NICE
+        # a synchronous exchange built after it: its thread level with the training's, not ahead
+        assert r["nice_sync"] == r["nice_main"]
+        np.testing.assert_array_equal(r["sync_total"], np.full(3, P * (P + 1) / 2, np.float32))
 
 
 def test_keras_dsync_warmup_then_pipelined_int8():

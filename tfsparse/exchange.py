@@ -273,15 +273,16 @@ class GradientExchange:
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
-        self._runner = CommThread() if comm.size > 1 and comm.thread_safe else _Inline()
+        threaded = comm.size > 1 and comm.thread_safe
+        ahead = self.comm_ahead and threaded and self._xcomm.wait_quietly(QUIET_PAUSE)
+        self._runner = CommThread(ahead=ahead) if threaded else _Inline()
         # pipelined, the caller's own collectives (metric averaging) must not queue behind the round
         # in flight: they get a communicator of their own, used from the caller's thread -- where the
         # transport allows two collectives in flight at once (not Horovod's: there they queue)
-        side = self.side_channel and isinstance(self._runner, CommThread) and comm.concurrent_collectives
+        side = self.side_channel and threaded and comm.concurrent_collectives
         self._side = comm.duplicate() if side else None
-        if self.comm_ahead and isinstance(self._runner, CommThread) and self._xcomm.wait_quietly(QUIET_PAUSE):
-            if not self._runner.take_precedence():
-                self._xcomm.wait_quietly(None)  # no precedence: waiting quietly alone changes nothing
+        if ahead and not self._runner.take_precedence():
+            self._xcomm.wait_quietly(None)  # no precedence: waiting quietly alone changes nothing
         weakref.finalize(self, self._runner.close)
         self.layout = layout
         self.bucket_states = buckets

@@ -29,9 +29,9 @@ _AHEAD: set = set()  # native ids of the communication threads that took precede
 
 class _Starter:
     """A thread left at the nice the process had when a communication thread first took
-    precedence: it starts the communication threads created after that, which so inherit that
-    nice (Linux threads take their creator's) rather than the raised one of the thread that
-    creates them -- which no unprivileged process could lower again."""
+    precedence: it starts the communication threads created after that to run ahead as well,
+    which so inherit that nice (Linux threads take their creator's) rather than the raised one of
+    the thread that creates them -- which no unprivileged process could lower again."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -63,13 +63,19 @@ _STARTER: list = []  # the _Starter, once a communication thread took precedence
 
 
 class CommThread:
-    """Runs submitted jobs one at a time, in submission order, on a daemon thread."""
+    """Runs submitted jobs one at a time, in submission order, on a daemon thread.
 
-    def __init__(self, name: str = "tfsparse-comm"):
+    ``ahead``: the thread is to run ahead of the training's threads (:meth:`take_precedence`),
+    so once another communication thread did, it starts at the process's own nice, not at the
+    raised one of its creator; otherwise it starts at its creator's nice, level with the
+    training's threads -- a synchronous exchange's thread, which polls while it waits, must not
+    take the CPU from the training of a process where a pipelined exchange ran before."""
+
+    def __init__(self, name: str = "tfsparse-comm", ahead: bool = False):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
-        if _STARTER:  # at the process's own nice, not the one raised for the training's threads
+        if ahead and _STARTER:  # at the process's own nice, not the one raised for the training's threads
             _STARTER[0].start(self._thread)
         else:
             self._thread.start()
@@ -124,8 +130,9 @@ class CommThread:
         this one's, or higher, from now on -- and so do the threads they start later (Linux
         threads inherit their creator's nice: TensorFlow's and Numba's pools).  Only nice values
         are raised, which needs no privilege, and they stay raised.  Communication threads
-        created later start from a thread left at this one's nice (:class:`_Starter`), so that
-        they too can run ahead.  For a transport that moves messages only while its calls run
+        created later to run ahead (``CommThread(ahead=True)``) start from a thread left at this
+        one's nice (:class:`_Starter`), so that they too can; the others start level with the
+        training's threads.  For a transport that moves messages only while its calls run
         (Open MPI over TCP), on a node where training keeps every core busy: a message ready to
         move then waits at most a scheduler's wake-up for this thread, instead of its time slice
         behind the training's threads.  Linux only (per-thread nice); returns whether this
