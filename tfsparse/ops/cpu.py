@@ -1097,6 +1097,27 @@ def _quantize_chunks(x, chunk, q, scales, loss, in_place):
     return q
 
 
+@njit(cache=True, inline="always")
+def _store_block(acc, lo, hi, buf, addr, stream):
+    """``acc[lo:hi] = buf[:hi - lo]`` -- with ``stream``, by non-temporal stores from ``acc``'s
+    first 64-byte aligned element on (``addr``: ``acc``'s address), so that its old lines are
+    never read; ordered by the caller's :func:`_store_fence`."""
+    m = hi - lo
+    i = 0
+    if stream:
+        head = min(m, (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
+        a = acc[lo:lo + head]
+        for j in range(head):
+            a[j] = buf[j]
+        i = head
+        while i + 16 <= m:
+            _copy_stream16(acc, lo + i, buf, i)
+            i += 16
+    a, b = acc[lo + i:hi], buf[i:m]
+    for j in range(a.size):
+        a[j] = b[j]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
     """``acc = g + r`` quantized as :func:`_quantize_chunks` does in place -- error feedback and
@@ -1120,19 +1141,7 @@ def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
             for i in range(m):
                 bs[i] = gs[i] + rs[i]
             scales[c] = _quantize_chunk(bu[:m], bs, q[lo:hi], bs, True)
-            i = 0
-            if stream:
-                head = min(m, (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
-                a = acc[lo:lo + head]
-                for j in range(head):
-                    a[j] = bs[j]
-                i = head
-                while i + 16 <= m:
-                    _copy_stream16(acc, lo + i, buf, i)
-                    i += 16
-            a, b = acc[lo + i:hi], bs[i:]
-            for j in range(a.size):
-                a[j] = b[j]
+            _store_block(acc, lo, hi, buf, addr, stream)
         _store_fence()
     return scales
 
@@ -1179,19 +1188,7 @@ def _add_encode16(g, r, acc, codes, addr, stream, half):
                     bad += np.int64((u & np.uint32(_ABS)) >= np.uint32(_INFK))
                     cs[i] = np.uint16(u >> np.uint32(16))
                     bs[i] = bs[i] - _as_float(u & np.uint32(0xFFFF0000))
-            i = 0
-            if stream:
-                head = min(m, (-(addr // 4 + lo)) % 16)  # elements before the first aligned one
-                a_ = acc[lo:lo + head]
-                for j in range(head):
-                    a_[j] = bs[j]
-                i = head
-                while i + 16 <= m:
-                    _copy_stream16(acc, lo + i, buf, i)
-                    i += 16
-            a_, b_ = acc[lo + i:hi], bs[i:]
-            for j in range(a_.size):
-                a_[j] = b_[j]
+            _store_block(acc, lo, hi, buf, addr, stream)
         _store_fence()
     return over, bad
 
@@ -1697,23 +1694,37 @@ def quantize_int8_chunks(x, chunk, loss=None, out=None):
     return q, scales, loss
 
 
+def _fused_operands(name, g, r, acc):
+    """``g`` and ``r`` as float32 vectors, checked to match ``acc``: a contiguous, aligned float32
+    vector of their size (an error-feedback kernel's operands)."""
+    g, r = as_f32(g), as_f32(r)
+    n = g.size
+    if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
+                           and acc.flags.c_contiguous and acc.flags.aligned):
+        raise TypeError(f"{name}: g, r and acc must be float32 vectors of {n} elements "
+                        f"(acc contiguous and aligned)")
+    return g, r
+
+
+def _count_fused(g, codes):
+    """The traffic of error feedback fused with an encoding: ``g`` and ``r`` read, ``acc`` written
+    once (the loss), the codes written (the sums are encoded in the cache)."""
+    traffic.count("compensate", read=2 * g.nbytes, written=g.nbytes)
+    traffic.count("encode", written=codes.nbytes)
+
+
 def add_quantize_int8_chunks(g, r, acc, chunk, out, stream=False):
     """``acc = g + r`` (error feedback) and :func:`quantize_int8_chunks` of it in place, in one
     pass: the codes into ``out`` (int8 or bytes, ``g``'s size), what quantizing lost into
     ``acc``; returns the chunks' scales (a chunk's scale is NaN or Inf where it holds a value
     that is not finite).  ``stream``: ``acc`` is written by non-temporal stores (a vector that
     leaves the cache anyway).  The same bits as ``np.add`` then :func:`quantize_int8_chunks`."""
-    g, r = as_f32(g), as_f32(r)
+    g, r = _fused_operands("add_quantize_int8_chunks", g, r, acc)
     chunk = C.check_chunk(chunk)
     n = g.size
-    if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
-                           and acc.flags.c_contiguous and acc.flags.aligned):
-        raise TypeError(f"add_quantize_int8_chunks: g, r and acc must be float32 vectors of {n} elements "
-                        f"(acc contiguous and aligned)")
     q = _codes_buffer(g, out, np.int8)
     scales = np.empty(C.num_chunks(n, chunk), np.float32)
-    traffic.count("compensate", read=2 * g.nbytes, written=acc.nbytes)  # the loss is acc's only write
-    traffic.count("encode", written=q.nbytes)  # the sums are quantized in the cache
+    _count_fused(g, q)
     with _threads_for(n):
         _add_quantize_chunks(g, r, acc, chunk, q, scales, np.int64(acc.ctypes.data), bool(stream))
     return scales
@@ -1727,15 +1738,10 @@ def add_encode16(g, r, acc, out, half, stream=False):
     there: encode ``g + r`` again, scaled) and whether every sum is finite (if not, codes and
     ``acc`` are undefined).  ``stream``: ``acc`` is written by non-temporal stores.  Otherwise the
     same bits as ``np.add`` then the encoding with the loss over the sums."""
-    g, r = as_f32(g), as_f32(r)
+    g, r = _fused_operands("add_encode16", g, r, acc)
     n = g.size
-    if r.size != n or not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.size == n
-                           and acc.flags.c_contiguous and acc.flags.aligned):
-        raise TypeError(f"add_encode16: g, r and acc must be float32 vectors of {n} elements "
-                        f"(acc contiguous and aligned)")
     codes = _codes_buffer(g, out, np.uint16)
-    traffic.count("compensate", read=2 * g.nbytes, written=acc.nbytes)  # the loss is acc's only write
-    traffic.count("encode", written=codes.nbytes)  # the sums are encoded in the cache
+    _count_fused(g, codes)
     with _threads_for(n):
         over, bad = _add_encode16(g, r, acc, codes, np.int64(acc.ctypes.data), bool(stream), bool(half))
     return int(over), bad == 0
