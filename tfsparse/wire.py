@@ -149,9 +149,10 @@ class Wire:
         the error feedback's sum: ``pieces`` are ``(g, r, at)``, float32 vectors whose sum
         ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order (``g`` and ``r``
         do not overlap ``acc``: a wire may read them again).  Returns ``(message, finite)``:
-        whether every sum is finite -- if not, the message and ``acc`` are undefined.  The same message and loss as summing first and :meth:`encode_loss_into` after,
-        in one pass; only a wire with :attr:`fuses_compensation` offers it (the others are summed
-        by the memory and encoded by the aggregator).  ``stream``: ``acc`` leaves the cache anyway
+        whether every sum is finite -- if not, the message and ``acc`` are undefined.  The same
+        message and loss as summing first and :meth:`encode_loss_into` after, in one pass; only a
+        wire with :attr:`fuses_compensation` offers it (the others are summed by the memory and
+        encoded by the aggregator).  ``stream``: ``acc`` leaves the cache anyway
         (non-temporal stores where the wire uses them)."""
         raise TypeError(f"the {self.name} wire does not encode as it sums (fuses_compensation is False)")
 
