@@ -371,6 +371,35 @@ def test_add_select_streams_the_sums_whatever_the_alignment(offset, n):
         assert finite == bool(np.all(np.isfinite(g + r)))
 
 
+@pytest.mark.parametrize("around", [-17, -9, 0, 1, 7, 16])
+def test_staging_fills_to_its_end(around):
+    """A chunk with about as many hits as its staging area holds (``_STG`` + ``around``): the
+    staging takes them 16 at a time while 16 fit (:func:`cpu._compress16` on AVX-512) and one by one
+    after, and a chunk with more is rescanned -- the same indices and values as the reference, for
+    the threshold selection and error feedback's pass, NaN (always a hit) and a key above NaN's
+    (nothing) included."""
+    rng = np.random.default_rng(around + 40)
+    n = 2 * cpu._CH + 77
+    x = np.full(n, 0.25, np.float32)
+    x[rng.choice(cpu._CH, cpu._STG + around, replace=False)] = -3.0  # chunk 0
+    x[cpu._CH + rng.choice(cpu._CH, cpu._STG - around, replace=False)] = 2.0  # chunk 1
+    x[[9, cpu._CH + 3, n - 1]] = [np.nan, np.inf, -0.0]
+    acc = np.empty_like(x)
+    for t in (1.0, 0.25):
+        ref_idx, ref_val = R.select_threshold(x, t)
+        idx, val = ops.select_threshold(x, t)
+        same_bits(idx, ref_idx)
+        same_bits(val, ref_val)
+        idx, val, finite = cpu.add_select(x, np.zeros_like(x), acc, C.threshold_key(t), 5)
+        same_bits(idx, ref_idx + 5)
+        same_bits(val, ref_val)
+        assert not finite
+    idx, val, _ = cpu.add_select(x, np.zeros_like(x), acc, C.NAN_KEY + 1)
+    assert idx.size == 0 and val.size == 0
+    idx, _, _ = cpu.add_select(x, np.zeros_like(x), acc, C.NAN_KEY)
+    same_bits(idx, np.array([9]))
+
+
 def test_candidates_give_the_exact_topk_and_the_hash_table():
     """From the elements at or above a key: the exact top-k (when there are at least k) and
     DRAGONN's table -- what topk_abs and hash_select make of the whole vector."""

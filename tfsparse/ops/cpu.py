@@ -14,7 +14,8 @@ Table 1).  Every kernel here therefore makes one streaming pass in the common ca
 * the scan tests blocks of 64 elements with a vectorised max of the keys and only
   looks at elements of blocks that hold a hit (at density 0.001 most blocks have
   none), and writes hits to a small per-chunk staging area, compacted afterwards;
-* hit blocks are narrowed by a second test on 8-element sub-blocks before the scalar
+* hit blocks are staged 16 elements at a time by compressing stores (AVX-512), or, on CPUs
+  without them, narrowed by a second test on 8-element sub-blocks before the scalar
   per-element work (branchy code only runs where a hit is);
 * exact top-k uses a stratified sample to get a key that is very likely below the
   k-th largest, gathers the (1.5-3 k) candidates in that single pass and selects
@@ -122,6 +123,58 @@ def _copy_stream16(typingctx, dst, i, src, j):
     return types.void(dst, i, src, j), codegen
 
 
+def _compress_store_fast() -> bool:
+    """Whether the host CPU compresses a vector into memory in one cheap instruction: AVX-512F's
+    ``vpcompressd/q`` on Intel.  Elsewhere LLVM expands :func:`_compress16` into a branch per
+    lane (AVX2), or the instruction is microcoded (AMD Zen 4), so the sub-block tests stay."""
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx512f")) and not binding.get_host_cpu_name().startswith("znver")
+
+
+#: :func:`_stage_hits` stages a hit block 16 elements at a time by :func:`_compress16` (read when
+#: a kernel compiles: Numba freezes it into the machine code it caches for this CPU)
+_COMPRESS = _compress_store_fast()
+
+
+@intrinsic
+def _compress16(typingctx, xu, x, i, kmin, st_idx, st_val, at, first):
+    """Stages the elements of ``x[i:i + 16]`` whose magnitude bits ``xu & 0x7FFFFFFF`` are at
+    least ``kmin`` (uint32; ``key >= klo`` for ``kmin = klo <= NAN_KEY``) at
+    ``st_idx/st_val[at:]`` -- their indices numbered from ``first`` -- in order, with two
+    compressing stores (``llvm.masked.compressstore``: AVX-512's ``vpcompressd/q``, no branch per
+    element), and returns how many (the mask's population count).  ``st_idx/st_val[at:at + 16]``
+    must exist."""
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        axu, ax, ai, akmin, aidx, aval, aat, afirst = args
+        i1, i16, i32, i64 = (ir.IntType(b) for b in (1, 16, 32, 64))
+        v32, v64, vf, vm = (ir.VectorType(t, 16) for t in (i32, i64, ir.FloatType(), i1))
+
+        def at(arr, aty, k, vt=None):
+            p = builder.gep(context.make_array(aty)(context, builder, arr).data, [k])
+            return p if vt is None else builder.bitcast(p, vt.as_pointer())
+
+        def splat(value, vt):
+            v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(v32, [0] * 16))
+        bits = builder.and_(builder.load(at(axu, signature.args[0], ai, v32), align=4),
+                            ir.Constant(v32, [0x7FFFFFFF] * 16))
+        mask = builder.icmp_unsigned(">=", bits, splat(builder.trunc(akmin, i32), v32))
+        module = builder.module
+        values = builder.load(at(ax, signature.args[1], ai, vf), align=4)
+        indices = builder.add(splat(afirst, v64), ir.Constant(v64, list(range(16))))
+        for value, arr, aty, vt, name in ((values, aval, signature.args[5], vf, "v16f32"),
+                                          (indices, aidx, signature.args[4], v64, "v16i64")):
+            fnty = ir.FunctionType(ir.VoidType(), [vt, vt.element.as_pointer(), vm])
+            store = cgutils.get_or_insert_function(module, fnty, "llvm.masked.compressstore." + name)
+            builder.call(store, [value, at(arr, aty, aat), mask])
+        ctpop = cgutils.get_or_insert_function(module, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
+        return builder.zext(builder.call(ctpop, [builder.bitcast(mask, i16)]), i64)
+    return types.int64(xu, x, i, kmin, st_idx, st_val, at, first), codegen
+
+
 @intrinsic
 def _store_fence(typingctx):
     """A fence after :func:`_add_stream16`'s stores (``mfence`` on x86), before others read them."""
@@ -210,9 +263,23 @@ def _count_ge(xu, b0, b1, klo):
 def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w, shift=0):
     """Stages the elements of ``xu[b0:b1]`` with ``key >= klo`` at ``st_idx/st_val[bs + w:]`` (up to
     ``_STG`` per chunk, counting the rest; index ``i`` staged as ``i + shift``) and returns the new
-    count: a full block narrowed by its ``_SUB``-element sub-blocks' maxima, a short one element
-    by element."""
-    if b1 - b0 == _BLK:
+    count: a full block 16 elements at a time by compressing stores where the CPU has them
+    (:data:`_COMPRESS`; error feedback's pass over 17.1M elements on one core, 196K hits: 19.2 -> 15.3 ms,
+    513K hits: 27.0 -> 15.4 ms), else narrowed by its
+    ``_SUB``-element sub-blocks' maxima; a short one element by element."""
+    if b1 - b0 == _BLK and _COMPRESS:
+        kmin = np.int64(klo) if 0 <= klo <= _NANK else np.int64(0 if klo < 0 else 0xFFFFFFFF)
+        for s0 in range(b0, b1, 16):
+            if w + 16 <= _STG:
+                w += _compress16(xu, x, s0, kmin, st_idx, st_val, bs + w, np.int64(s0 + shift))
+            else:
+                for i in range(s0, s0 + 16):
+                    if _key(xu[i]) >= klo:
+                        if w < _STG:
+                            st_idx[bs + w] = i + shift
+                            st_val[bs + w] = x[i]
+                        w += 1
+    elif b1 - b0 == _BLK:
         for s0 in range(b0, b1, _SUB):
             if _sub_hit(xu, s0, t2):
                 for i in range(s0, s0 + _SUB):
