@@ -745,3 +745,25 @@ def test_add_quantize_int8_chunks_is_the_sum_then_the_quantization(n, offset, st
     np.testing.assert_array_equal(acc.view(np.uint32), loss0.view(np.uint32))
     with pytest.raises(TypeError, match="acc contiguous and aligned"):
         cpu.add_quantize_int8_chunks(g, r, np.empty(n + 1, np.float32), 4096, q)
+
+
+def test_stage_hits_without_compressing_stores(monkeypatch):
+    """A full block staged by the sub-block tests, as on CPUs without cheap compressing stores
+    (``_COMPRESS`` off, run here as Python; this CPU's compiled way: the tests above): the hits in
+    order, counted past the staging area's end, stored only inside it."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(cpu._BLK).astype(np.float32)
+    x[[3, 40]] = [np.nan, -np.inf]
+    xu = x.view(np.uint32)
+    monkeypatch.setattr(cpu, "_COMPRESS", False)
+    for klo in (C.threshold_key(1.0), C.threshold_key(0.1), C.NAN_KEY, C.NAN_KEY + 1):
+        want = np.flatnonzero(np.minimum(xu & 0x7FFFFFFF, C.NAN_KEY) >= klo)
+        for w0 in (0, cpu._STG - 5, cpu._STG + 2):
+            st_idx = np.full(cpu._STG + 8, -1, np.int64)
+            st_val = np.zeros(cpu._STG + 8, np.float32)
+            w = cpu._stage_hits.py_func(xu, x, 0, cpu._BLK, np.uint32(klo << 1), klo, st_idx, st_val, 0, w0, 100)
+            assert w == w0 + want.size
+            stored = max(0, min(cpu._STG, w) - w0)
+            same_bits(st_idx[w0:w0 + stored], want[:stored] + 100)
+            same_bits(st_val[w0:w0 + stored], x[want[:stored]])
+            assert (st_idx[max(w0, min(w, cpu._STG)):] == -1).all()
