@@ -126,7 +126,8 @@ def _copy_stream16(typingctx, dst, i, src, j):
 def _compress_store_fast() -> bool:
     """Whether the host CPU compresses a vector into memory in one cheap instruction: AVX-512F's
     ``vpcompressd/q`` on Intel.  Elsewhere LLVM expands :func:`_compress16` into a branch per
-    lane (AVX2), or the instruction is microcoded (AMD Zen 4), so the sub-block tests stay."""
+    lane (AVX2), or the store form is reported slow (AMD Zen 4; not measured here), so the
+    sub-block tests stay."""
     from llvmlite import binding
 
     return bool(binding.get_host_cpu_features().get("avx512f")) and not binding.get_host_cpu_name().startswith("znver")
