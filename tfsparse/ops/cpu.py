@@ -130,7 +130,8 @@ def _compress_store_fast() -> bool:
     sub-block tests stay."""
     from llvmlite import binding
 
-    return bool(binding.get_host_cpu_features().get("avx512f")) and not binding.get_host_cpu_name().startswith("znver")
+    avx512 = bool(binding.get_host_cpu_features().get("avx512f"))
+    return avx512 and not binding.get_host_cpu_name().startswith("znver")
 
 
 #: :func:`_stage_hits` stages a hit block 16 elements at a time by :func:`_compress16` (read when
@@ -261,13 +262,25 @@ def _count_ge(xu, b0, b1, klo):
 
 
 @njit(cache=True, inline="always")
+def _stage_one(xu, x, i, klo, st_idx, st_val, bs, w, shift):
+    """Stages element ``i`` (as ``i + shift``) when its key is ``>= klo`` and the chunk's staging
+    area has room; returns the new count (counting past the area's end)."""
+    if _key(xu[i]) >= klo:
+        if w < _STG:
+            st_idx[bs + w] = i + shift
+            st_val[bs + w] = x[i]
+        w += 1
+    return w
+
+
+@njit(cache=True, inline="always")
 def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w, shift=0):
     """Stages the elements of ``xu[b0:b1]`` with ``key >= klo`` at ``st_idx/st_val[bs + w:]`` (up to
     ``_STG`` per chunk, counting the rest; index ``i`` staged as ``i + shift``) and returns the new
     count: a full block 16 elements at a time by compressing stores where the CPU has them
-    (:data:`_COMPRESS`; error feedback's pass over 17.1M elements on one core, 196K hits: 19.2 -> 15.3 ms,
-    513K hits: 27.0 -> 15.4 ms), else narrowed by its
-    ``_SUB``-element sub-blocks' maxima; a short one element by element."""
+    (:data:`_COMPRESS`; error feedback's pass over 17.1M elements on one core, 196K hits:
+    19.2 -> 15.3 ms, 513K hits: 27.0 -> 15.4 ms), else narrowed by its ``_SUB``-element
+    sub-blocks' maxima; a short one element by element."""
     if b1 - b0 == _BLK and _COMPRESS:
         kmin = np.int64(klo) if 0 <= klo <= _NANK else np.int64(0 if klo < 0 else 0xFFFFFFFF)
         for s0 in range(b0, b1, 16):
@@ -275,27 +288,15 @@ def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w, shift=0):
                 w += _compress16(xu, x, s0, kmin, st_idx, st_val, bs + w, np.int64(s0 + shift))
             else:
                 for i in range(s0, s0 + 16):
-                    if _key(xu[i]) >= klo:
-                        if w < _STG:
-                            st_idx[bs + w] = i + shift
-                            st_val[bs + w] = x[i]
-                        w += 1
+                    w = _stage_one(xu, x, i, klo, st_idx, st_val, bs, w, shift)
     elif b1 - b0 == _BLK:
         for s0 in range(b0, b1, _SUB):
             if _sub_hit(xu, s0, t2):
                 for i in range(s0, s0 + _SUB):
-                    if _key(xu[i]) >= klo:
-                        if w < _STG:
-                            st_idx[bs + w] = i + shift
-                            st_val[bs + w] = x[i]
-                        w += 1
+                    w = _stage_one(xu, x, i, klo, st_idx, st_val, bs, w, shift)
     else:
         for i in range(b0, b1):
-            if _key(xu[i]) >= klo:
-                if w < _STG:
-                    st_idx[bs + w] = i + shift
-                    st_val[bs + w] = x[i]
-                w += 1
+            w = _stage_one(xu, x, i, klo, st_idx, st_val, bs, w, shift)
     return w
 
 
