@@ -1,7 +1,8 @@
 """The only module that touches TensorFlow's and Keras' private APIs.
 
 SparseStrategy subclasses ``OneDeviceStrategy``/``OneDeviceExtended`` (one device
-per process) and overrides a handful of hooks; it is a Keras ``KerasSaveable`` so that
+per process) and overrides a handful of hooks, its replica context's ``all_reduce`` among them (no
+custom gradient registered for ever where none can be asked for); it is a Keras ``KerasSaveable`` so that
 Keras model files hold the exchange's state; the exchange refuses XLA; and when Keras
 distributes a dataset, the strategy reads how many steps its epoch iterator will run and for
 which model method; ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
@@ -32,6 +33,42 @@ from tensorflow.python.distribute import one_device_strategy as _one_device  # n
 
 OneDeviceStrategy = _one_device.OneDeviceStrategy
 OneDeviceExtended = _one_device.OneDeviceExtended
+
+from tensorflow.python.distribute import distribute_lib as _distribute_lib  # noqa: E402
+from tensorflow.python.eager import record as _record  # noqa: E402
+
+
+class _ReplicaContext(_one_device._OneDeviceReplicaContext):
+    """``OneDeviceStrategy``'s replica context, whose ``all_reduce`` wraps the reduction in no
+    custom gradient while no tape records.
+
+    TF wraps every ``all_reduce`` in ``tf.custom_gradient``; inside a ``tf.function`` that
+    registers a closure holding this context -- hence the strategy and its exchange (residuals,
+    buffers: hundreds of MB on a 25M-parameter model) -- in TF's global gradient registry, for the
+    life of the process (tensorflow/tensorflow#27492, #97697).  Keras' optimizer reduces the
+    gradients after the tape has ended, where no gradient of the reduction can be asked for, so
+    there it is the bare reduction (the same ``merge_call`` and ``batch_reduce_to``, the same
+    values) and a strategy that nothing else holds is freed.  Under a recording tape (a
+    synchronized BatchNormalization's moments) TF's own path runs, gradient and all."""
+
+    def all_reduce(self, reduce_op, value, options=None):
+        if _record.could_possibly_record():
+            return super().all_reduce(reduce_op, value, options)
+        flat = tf.nest.flatten(value)
+        if isinstance(reduce_op, str):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+
+        def batch_all_reduce(strategy, *values):
+            return strategy.extended.batch_reduce_to(
+                reduce_op, [(v, _distribute_lib._batch_reduce_destination(v)) for v in values], options)
+
+        return tf.nest.pack_sequence_as(value, self.merge_call(batch_all_reduce, args=flat))
+
+
+def call_for_each_replica(extended, fn, args, kwargs):
+    """``OneDeviceExtended._call_for_each_replica`` with :class:`_ReplicaContext`."""
+    with tf.device(extended._device), _ReplicaContext(extended._container_strategy()):
+        return fn(*args, **(kwargs or {}))
 
 from tensorflow.python.ops import control_flow_util as _control_flow_util  # noqa: E402
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -116,11 +117,26 @@ def _engine(exchange):
 
 class _Glue:
     """The bodies of the per-bucket ops: host arrays or device tensors in, the bucket started or
-    finished through the pipelined exchange."""
+    finished through the pipelined exchange.
+
+    It holds the exchange weakly: TensorFlow keeps every ``tf.numpy_function``'s Python function
+    for the life of the process (in the outermost graph: eager mode's global one), and through it
+    the exchange -- its residuals and buffers -- after the model that traced it is gone.  A model
+    holds its exchange (its strategy's, or its ``DistributedOptimizer``'s) as long as it can run
+    the traced step."""
 
     def __init__(self, exchange):
-        self.exchange = exchange
+        self._exchange = weakref.ref(exchange)
         self.space = _engine(exchange).space  # in_space enters it
+
+    @property
+    def exchange(self):
+        exchange = self._exchange()
+        if exchange is None:
+            raise RuntimeError("tfsparse: the gradient exchange this TensorFlow graph was traced with has "
+                               "been freed; keep a reference to it (the strategy, the DistributedOptimizer "
+                               "or the GradientExchange) while the traced function runs")
+        return exchange
 
     def _bucket(self, index: int):
         return _engine(self.exchange).bucket_states[index]

@@ -34,8 +34,8 @@ import numpy as np
 import tensorflow as tf
 
 from .. import runtime
-from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, keras_epoch_steps, keras_running,
-                           reject_xla)
+from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
+                           keras_epoch_steps, keras_running, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
@@ -186,7 +186,7 @@ class SparseExtended(OneDeviceExtended):
             return self._agreed_finite(owner, *args, **(kwargs or {}))
         if name == "train_step" and owner is not None:
             self._trace_train_step(owner)
-        outputs = super()._call_for_each_replica(fn, args, kwargs)
+        outputs = call_for_each_replica(self, fn, args, kwargs)
         if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
             outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [])
