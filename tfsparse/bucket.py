@@ -27,6 +27,7 @@ from .aggregators import get_aggregator
 from .aggregators.dense import DenseAllreduce
 from .memory import get_memory
 from .schedules import check_density, k_from_density
+from .space import HOST
 from .wire import FLOAT32, get_wire
 
 
@@ -110,6 +111,7 @@ class Bucket:
         self.outputs = outputs
         self.rounds = 0
         self.futures: dict = {}
+        self._staging = None  # the host copy of the gradients, where they live on a device and the memory does not
 
     def check_start(self, previous) -> int:
         """The index of the round about to start; RuntimeError if this bucket's last round is
@@ -144,8 +146,17 @@ class Bucket:
         the selection then reads only what that pass collected -- the same result.  A dense
         exchange over a wire that encodes as it sums (int8, float16, bfloat16) takes its blocks
         for the other ranks encoded in that pass (:meth:`ResidualMemory.compensate_encode
-        <tfsparse.memory.ResidualMemory.compensate_encode>`)."""
+        <tfsparse.memory.ResidualMemory.compensate_encode>`).
+
+        Gradients on a device for an aggregator that takes no device vector (dense, Ok-Topk, DGC,
+        Gaussian-k, CSC: :func:`make_bucket` keeps their memory on the host) are copied once into
+        the bucket's page-locked host vector, and the host's passes above run on the copies."""
         memory = self.memory
+        if memory.space is not space:  # the gradients live on a device, the memory on the host
+            if self._staging is None:
+                self._staging = space.staging(self.spec.size)
+            arrays = space.host_copies(arrays, self._staging)
+            space = memory.space
         aggregator = self.aggregator_at(density)
         n = int(self.spec.size)
         k = k_from_density(n, density) if aggregator.uses_memory else n
@@ -260,9 +271,13 @@ def make_bucket(spec, settings, space) -> Bucket:
     options = copy.deepcopy({**(settings.options if algorithm == settings.algorithm else {}), **spec.options})
     density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
     aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or settings.wire_dtype)
+    # error feedback where the aggregator takes its vector: an aggregator that takes no device
+    # vector is handed the bucket on the host anyway, so there the gradients cross to the host
+    # once and the host's fused passes run (Bucket.encode)
+    home = space if aggregator.accepts_device or not space.on_device else HOST
     memory = get_memory(settings.memory, spec.size, settings.memory_options, aggregator.uses_memory or wire.lossy,
-                        space)
-    return Bucket(spec, aggregator, wire, density, memory, space.outputs(spec.size))
+                        home)
+    return Bucket(spec, aggregator, wire, density, memory, home.outputs(spec.size))
 
 
 def assemble(layout, buckets, dense: dict, flat: bool, space):

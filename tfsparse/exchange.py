@@ -446,15 +446,16 @@ class GradientExchange:
         if not self.bucket_states:
             pending = (self._pending_state or {}).get("residual")
             return None if pending is None else np.array(pending, np.float32).reshape(-1)
-        return self.over_layout(lambda b: b.memory.residual) if self.uses_memory else None
+        return self.over_layout(lambda b: b.memory.residual, lambda b: b.memory.space) if self.uses_memory else None
 
-    def over_layout(self, part) -> np.ndarray:
-        """``part(bucket)`` of every bucket placed over the whole layout (zeros where it is None)."""
+    def over_layout(self, part, space_of=None) -> np.ndarray:
+        """``part(bucket)`` of every bucket placed over the whole layout (zeros where it is None);
+        ``space_of(bucket)``: where that vector lives (default: the exchange's space)."""
         out = np.zeros(self.layout.n, np.float32)
         for b in self.bucket_states:
             value = part(b)
             if value is not None:
-                out[b.spec.start:b.spec.stop] = self.space.to_host(value)
+                out[b.spec.start:b.spec.stop] = (space_of(b) if space_of else self.space).to_host(value)
         return out
 
     def check_idle(self, what: str) -> None:

@@ -14,7 +14,10 @@ what the wire lost, decoding a result -- so that one exchange pipeline serves bo
   :attr:`tfsparse.aggregators.Aggregator.accepts_device`), only the sparse payload is copied to
   the host for the transport, and the result is decoded on the device (gtopk-ssgd-shi2019
   §III-F: "transferring the non-values through PCIe could be much faster than transferring the
-  whole gradients"; dragonn-wang2022 §4.3: decoding on the GPU).
+  whole gradients"; dragonn-wang2022 §4.3: decoding on the GPU).  The buckets of the other
+  aggregators keep their memory on the host: their gradients are copied once into a page-locked
+  host vector (:meth:`CudaSpace.host_copies`), the host's fused passes run there, and the result
+  is copied to the device.
 
 Decoding is deterministic on both: the payloads of the P ranks are added one rank after the
 other (each payload's indices are unique, so no two threads of a launch touch one element), in
@@ -131,6 +134,10 @@ class HostSpace:
 
     def _put(self, x, values) -> None:
         x[:] = values
+
+    def host_copies(self, arrays, staging):
+        """``arrays`` as host float32 arrays: on the host, themselves."""
+        return arrays
 
     def to_host(self, x):
         return x
@@ -249,6 +256,24 @@ class CudaSpace(HostSpace):
 
     def to_host(self, x):
         return x.copy_to_host()
+
+    def host_copies(self, arrays, staging):
+        """``arrays`` (device vectors) copied into consecutive views of ``staging``, a host float32
+        vector at least as long as they are together (:meth:`staging`): one copy each, into memory
+        that is reused (page-locked: the copies run at the link's speed, no page is faulted)."""
+        out, off = [], 0
+        for a in arrays:
+            size = int(a.size)
+            view = staging[off:off + size].reshape(a.shape)
+            a.copy_to_host(view)
+            out.append(view)
+            off += size
+        traffic.count("copy", read=4 * off, written=4 * off)
+        return out
+
+    def staging(self, n: int):
+        """A page-locked host float32 vector of ``n`` elements, for :meth:`host_copies`."""
+        return self._cuda.pinned_array(int(n), np.float32)
 
     def from_host(self, x):
         return self._cuda.to_device(np.ascontiguousarray(x, np.float32))

@@ -123,6 +123,34 @@ def check_selection_on_device_only_payload_to_host():
         space.CudaSpace.to_host = to_host
 
 
+def check_host_algorithms_copy_each_gradient_to_the_host_once():
+    """dense (int8, ring), Ok-Topk and DGC take no device vector: their error feedback runs on the
+    host (the bucket's memory lives there), the gradients copied once into the bucket's host
+    staging vector, and the bucket vector never copied to the host afterwards; the result is a
+    device array, the host exchange's bit for bit (the same_as_host_* checks)."""
+    from tfsparse import space
+
+    _setup()
+    to_host = space.CudaSpace.to_host
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a bucket vector was copied to the host")
+
+    space.CudaSpace.to_host = refuse
+    try:
+        for algorithm, options in (("dense", {"wire_dtype": "int8"}), ("dense", {"reduce_scatter": "ring"}),
+                                   ("oktopk", {}), ("dgc", {"seed": 3})):
+            host, dev = _pair(algorithm, options)
+            for step in range(2):
+                g = _grads(step)
+                _same_list(host.exchange_numpy(g), dev.exchange_numpy(_devs(g)))
+            buckets = dev.engine.bucket_states
+            assert dev.space.on_device and all(not b.memory.space.on_device for b in buckets), algorithm
+            assert all(b._staging is not None and b._staging.size == b.spec.size for b in buckets), algorithm
+    finally:
+        space.CudaSpace.to_host = to_host
+
+
 def check_device_result_stays_on_device_flat():
     _setup()
     host, dev = _pair("topk", {})
