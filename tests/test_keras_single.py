@@ -459,3 +459,21 @@ def test_all_reduce_under_a_tape_keeps_its_gradient():
     y, grad = strategy.run(step)
     np.testing.assert_array_equal(y.numpy(), [3.0, -6.0])
     np.testing.assert_array_equal(grad.numpy(), [3.0, 3.0])
+
+
+def test_held_weakly_calls_through_a_weak_reference():
+    import gc
+
+    from tfsparse.runtime import held_weakly
+
+    class Owner:
+        def twice(self, x):
+            return 2 * x
+
+    owner = Owner()
+    call = held_weakly(owner.twice)
+    assert call(4) == 8
+    del owner
+    gc.collect()
+    with pytest.raises(RuntimeError, match="Owner.twice runs for an object that has been freed"):
+        call(4)

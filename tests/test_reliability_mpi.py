@@ -64,6 +64,7 @@ def test_data_of_unknown_length_that_runs_out_early_ends_the_epoch_on_every_rank
         assert r["steps"] == [9, 9, 9]  # the last rank has 9 batches, the others 10
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         assert r["eval"] == res[0]["eval"]
+        assert r["freed"] == [True, True, True]  # model, strategy, exchange
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import numpy as np
 
@@ -399,3 +400,20 @@ def raise_on_uneven_counts(counts: list[int]) -> None:
         f"of batches: shard with tfsparse.data.shard(x, y) (equal shards), pass the same "
         f"steps_per_epoch= on every rank, or drop the remainder (batch(..., drop_remainder=True)).")
 
+
+def held_weakly(method):
+    """``method`` (a bound method) called through a weak reference to its object, for a Python
+    function that TensorFlow keeps -- that of a ``tf.numpy_function`` traced in a ``tf.function`` or
+    a dataset, which it holds for the life of the process: so the object (a strategy, an
+    exchange, their buffers) is freed once nothing else holds it.  A call after that raises."""
+    ref, name = weakref.WeakMethod(method), method.__qualname__
+
+    def call(*args):
+        bound = ref()
+        if bound is None:
+            raise RuntimeError(f"tfsparse: {name} runs for an object that has been freed (a "
+                               f"strategy or exchange nothing holds any more); keep a reference to it while "
+                               f"the traced function or dataset runs")
+        return bound(*args)
+
+    return call

@@ -2,7 +2,8 @@
 
 * ``end``: a tf.data pipeline of unknown length (``filter``): rank 0 has 10 batches per epoch,
   the last rank 9 (the others 10); under the default uneven_data="end" every rank runs 9 steps in
-  each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data.
+  each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data; then the
+  model, its strategy and exchange are freed once deleted.
 * ``error``: the same data with uneven_data="error": fit raises StepCountMismatch.
 * ``join``: the same data with uneven_data="join": 10 steps per epoch on every rank, the last
   rank's 10th batch zero-weighted; and a reference fit on known-length arrays with that batch
@@ -99,5 +100,15 @@ if case == "join":  # the last rank's 10th batch: its first batch again, weighte
 keep = {"end": 144 if last else 160, "error": 144 if last else 160, "empty": 0 if last else 160}[case]
 model.fit(dataset(keep), epochs=3, verbose=0, callbacks=[count])
 ev = model.evaluate(dataset(keep), verbose=0, return_dict=True)
-save_result(rank, steps=count.steps, weights=np.concatenate([w.ravel() for w in model.get_weights()]), eval=ev)
+weights, steps = np.concatenate([w.ravel() for w in model.get_weights()]), count.steps
+# the model, its strategy and exchange, once nothing holds them, are freed: TensorFlow keeps the
+# Python functions of the traced steps' and the datasets' tf.numpy_function ops (the metric
+# averaging, the per-batch data vote), which hold them weakly
+import gc, weakref  # noqa: E401, E402
+
+strategy = model.distribute_strategy
+held = [weakref.ref(o) for o in (model, strategy, strategy.extended.exchange)]
+del model, strategy, count  # a callback holds its model
+gc.collect()
+save_result(rank, steps=steps, weights=weights, eval=ev, freed=[r() is None for r in held])
 print(f"rank {rank}: done", flush=True)

@@ -108,7 +108,11 @@ class SparseExtended(OneDeviceExtended):
         if min(counts) >= 0:
             raise_on_uneven_counts(counts)
             return dataset
-        return agree_on_data(dataset, DataAgreement(self.exchange.run_collective, self.uneven_data, running))
+        return agree_on_data(dataset, DataAgreement(runtime.held_weakly(self._run_collective), self.uneven_data, running))
+
+    def _run_collective(self, fn):
+        """``fn(comm)`` on the exchange's communication thread (the exchange this strategy has now)."""
+        return self.exchange.run_collective(fn)
 
     # -- gradient exchange ------------------------------------------------
     def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
@@ -208,7 +212,7 @@ class SparseExtended(OneDeviceExtended):
         sizes = [int(p.shape.num_elements()) for p in pieces]
         with tf.control_dependencies([flat[i] for i in out_pos]):
             packed = tf.concat(pieces, axis=0)
-        synced = tf.numpy_function(self._sync_np, [packed], tf.float64, stateful=True,
+        synced = tf.numpy_function(runtime.held_weakly(self._sync_np), [packed], tf.float64, stateful=True,
                                    name="tfsparse_metric_sync")
         synced.set_shape(packed.shape)
         parts = tf.split(synced, sizes)
