@@ -100,7 +100,7 @@ class Bucket:
     (None: the exchange's) and the rounds started on it (``futures``: round index -> the
     communication job's future)."""
 
-    def __init__(self, spec, aggregator, wire, density, memory, outputs=None):
+    def __init__(self, spec, aggregator, wire, density, memory, outputs=None, staging=None):
         self.spec = spec
         self.aggregator = aggregator
         self.dense = None  # the bucket's DenseAllreduce, for dense steps of a sparse algorithm
@@ -111,7 +111,8 @@ class Bucket:
         self.outputs = outputs
         self.rounds = 0
         self.futures: dict = {}
-        self._staging = None  # the host copy of the gradients, where they live on a device and the memory does not
+        #: the host copy of the gradients, where they live on a device and the memory does not
+        self._staging = staging
 
     def check_start(self, previous) -> int:
         """The index of the round about to start; RuntimeError if this bucket's last round is
@@ -152,9 +153,7 @@ class Bucket:
         Gaussian-k, CSC: :func:`make_bucket` keeps their memory on the host) are copied once into
         the bucket's page-locked host vector, and the host's passes above run on the copies."""
         memory = self.memory
-        if memory.space is not space:  # the gradients live on a device, the memory on the host
-            if self._staging is None:
-                self._staging = space.staging(self.spec.size)
+        if self._staging is not None:  # the gradients live on a device, the memory on the host
             arrays = space.host_copies(arrays, self._staging)
             space = memory.space
         aggregator = self.aggregator_at(density)
@@ -277,7 +276,8 @@ def make_bucket(spec, settings, space) -> Bucket:
     home = space if aggregator.accepts_device or not space.on_device else HOST
     memory = get_memory(settings.memory, spec.size, settings.memory_options, aggregator.uses_memory or wire.lossy,
                         home)
-    return Bucket(spec, aggregator, wire, density, memory, home.outputs(spec.size))
+    staging = space.staging(spec.size) if home is not space else None
+    return Bucket(spec, aggregator, wire, density, memory, home.outputs(spec.size), staging)
 
 
 def assemble(layout, buckets, dense: dict, flat: bool, space):

@@ -135,10 +135,6 @@ class HostSpace:
     def _put(self, x, values) -> None:
         x[:] = values
 
-    def host_copies(self, arrays, staging):
-        """``arrays`` as host float32 arrays: on the host, themselves."""
-        return arrays
-
     def to_host(self, x):
         return x
 

@@ -14,7 +14,9 @@
 * ``other_algorithm``: the last rank uses gtopk, the others topk: ``except
   tfsparse.ConfigurationMismatch`` catches it on every rank.
 """
+import gc
 import sys
+import weakref
 
 import numpy as np
 import keras
@@ -104,8 +106,6 @@ weights, steps = np.concatenate([w.ravel() for w in model.get_weights()]), count
 # the model, its strategy and exchange, once nothing holds them, are freed: TensorFlow keeps the
 # Python functions of the traced steps' and the datasets' tf.numpy_function ops (the metric
 # averaging, the per-batch data vote), which hold them weakly
-import gc, weakref  # noqa: E401, E402
-
 strategy = model.distribute_strategy
 held = [weakref.ref(o) for o in (model, strategy, strategy.extended.exchange)]
 del model, strategy, count  # a callback holds its model
