@@ -4,8 +4,8 @@ side by side in one launch beside the compute floor and Horovod: the 25.2M-param
 64-4096-4096-10 (``--model mlp17m``, batch 32 per rank, the digits MLP of
 ``bench_time_to_accuracy.py``), SGD momentum, MSE on random data, 12 steps per setting, median
 over steps 4-12 of the slowest rank's step time, its ratio to the compute floor (``x_compute``),
-the bytes one rank sends per step, and rank 0's exchange phases per step (``encode_ms``,
-``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``), and rank 0's memory traffic
+the bytes one rank sends per step, rank 0's exchange phases per step, medians over the same
+steps (``encode_ms``, ``comm_ms``, ``decode_ms``, ``wait_ms``: see ``CommunicationStats``), and rank 0's memory traffic
 per step in passes over the gradient, per stage (``passes``: :mod:`tfsparse.traffic`).
 
 Memory speed is measured in the same launch too: ``pass_ms`` is one pass over the model's
@@ -49,6 +49,7 @@ import keras  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files, traffic  # noqa: E402
+from tfsparse.keras.ownership import exchange_of  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where loaded by path
 import bench_host  # noqa: E402
 
@@ -65,6 +66,52 @@ class StepTimes(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self.t0)
+
+
+class PhaseTimes(keras.callbacks.Callback):
+    """This rank's exchange phases per step (:class:`~tfsparse.bucket.ExchangeStats`' sums, read
+    after every batch), so that they are medians over the same steps as the step time -- an
+    epoch's mean would fold in the first steps' compilation and first touch of fresh memory."""
+
+    PHASES = ("encode", "comm", "decode", "wait")
+
+    def on_train_begin(self, logs=None):
+        self.steps = []
+
+    def _sums(self) -> np.ndarray:
+        st = exchange_of(self.model).stats
+        return np.array([getattr(st, f"{phase}_seconds") for phase in self.PHASES])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last = self._sums()  # (after CommunicationStats, listed before, has reset them)
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = self._sums()
+        self.steps.append(now - self._last)
+        self._last = now
+
+    def medians_ms(self) -> dict:
+        per_step = np.array(self.steps[SKIP:]).reshape(-1, len(self.PHASES))
+        return {f"{phase}_ms": round(1e3 * float(np.median(per_step[:, i])), 1) if len(per_step) else 0.0
+                for i, phase in enumerate(self.PHASES)}
+
+
+def default_label(config: dict) -> str:
+    """``algorithm density option=value ...`` for a config given without a label."""
+    rest = " ".join(f"{k}={v}" for k, v in config.items() if k not in ("label", "algorithm", "density"))
+    return " ".join(str(part) for part in (config["algorithm"], config.get("density", ""), rest) if part != "")
+
+
+def check_configs(configs) -> list[dict]:
+    """The configs as a list of dicts with a label each; a ValueError names what is wrong before
+    anything runs."""
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise ValueError(f"CONFIGS_JSON={configs!r} must be a JSON list of objects, e.g. "
+                         '\'[{"algorithm": "gtopk", "density": 0.01}]\'')
+    for c in configs:
+        if "algorithm" not in c:
+            raise ValueError(f"config {c!r} has no 'algorithm' (an exchange algorithm, 'compute' or 'horovod')")
+    return [{"label": default_label(c), **c} if "label" not in c else c for c in configs]
 
 
 def build(model_name):
@@ -90,14 +137,12 @@ def measure(comm, config, x, y, model_name):
     with strategy.scope():
         model = build(model_name)
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
-    timer = StepTimes()
+    timer, phases = StepTimes(), PhaseTimes()
     with traffic.recording() as moved:
         hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
-                         callbacks=[timer, tfsparse.keras.callbacks.CommunicationStats()])
+                         callbacks=[timer, tfsparse.keras.callbacks.CommunicationStats(), phases])
     return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": hist.history["comm_bytes"][-1] / 1e6,
-            "passes": moved.passes(4 * model.count_params(), len(timer.times)),
-            "encode_ms": hist.history["encode_ms"][-1], "comm_ms": hist.history["comm_ms"][-1],
-            "decode_ms": hist.history["decode_ms"][-1], "wait_ms": hist.history["wait_ms"][-1],
+            "passes": moved.passes(4 * model.count_params(), len(timer.times)), **phases.medians_ms(),
             "parameters": model.count_params()}
 
 
@@ -196,7 +241,7 @@ def main():
     parser.add_argument("--backend", default="mpi", choices=("mpi", "horovod"),
                         help="tfsparse.init(backend=...): mpi4py (default) or Horovod's TF collectives")
     args = parser.parse_args()
-    configs = json.loads(args.configs)
+    configs = check_configs(json.loads(args.configs))
     comm = tfsparse.init(backend=args.backend)
     inputs, _, outputs, batch = MODELS[args.model]
     x = np.random.default_rng(comm.rank).standard_normal((batch * STEPS, inputs)).astype(np.float32)

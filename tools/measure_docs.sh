@@ -29,9 +29,11 @@ FIT17M='[{"label":"dense f32","algorithm":"dense"},
  {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2},
  {"label":"dense int8 pipeline=2, 4 MB buckets","algorithm":"dense","wire_dtype":"int8","pipeline":2,"plan":4194304},
  {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
- {"label":"topk 0.01","algorithm":"topk","density":0.01},{"label":"dragonn 0.01","algorithm":"dragonn","density":0.01}]'
+ {"label":"topk 0.01","algorithm":"topk","density":0.01},{"label":"dragonn 0.01","algorithm":"dragonn","density":0.01},
+ {"label":"gtopk 1e-5: nothing on the wire","algorithm":"gtopk","density":0.00001}]'
 SPARSE25M='[{"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001},
- {"label":"topk","algorithm":"topk","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001}]'
+ {"label":"topk","algorithm":"topk","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001},
+ {"label":"gtopk 1e-6: nothing on the wire","algorithm":"gtopk","density":0.000001}]'
 SHM17M='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk","algorithm":"gtopk","density":0.01},
  {"label":"oktopk","algorithm":"oktopk","density":0.01},{"label":"topk","algorithm":"topk","density":0.01},
  {"label":"dragonn","algorithm":"dragonn","density":0.01}]'
