@@ -119,18 +119,19 @@ def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path
 
 @pytest.mark.mpi
 def test_bench_fit_step_reports_the_floor_and_phase_medians_of_the_timed_steps(tmp_path):
-    """tools/bench_fit_step.py at P = 3 on the 17.1M MLP: the compute floor first, then a setting
-    given without a label (labelled by its algorithm and density); its phases are medians over the
+    """tools/bench_fit_step.py at P = 3 on the 17.1M MLP: the compute floor first, the compute in
+    lockstep, then a setting given without a label (labelled by its algorithm and density); its phases are medians over the
     timed steps, each at most the step (an epoch's mean would fold in the first rounds' compilation
     and first touch of fresh memory, which alone took 400 ms)."""
     from mpi_harness import mpirun
 
     out = tmp_path / "fit"
-    configs = json.dumps([{"algorithm": "topk", "density": 0.01}])
+    configs = json.dumps([{"algorithm": "compute", "barrier": True}, {"algorithm": "topk", "density": 0.01}])
     _, text = mpirun(3, REPO / "tools" / "bench_fit_step.py", configs, "--model", "mlp17m", "--out", str(out),
                      timeout=300)
-    compute, topk = json.loads(out.with_suffix(".json").read_text())["runs"]
+    compute, lockstep, topk = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert compute["algorithm"] == "compute" and compute["x_compute"] == 1.0
+    assert lockstep["label"] == "compute barrier=True" and lockstep["step_ms"] > 0 and "passes" not in lockstep
     assert topk["label"] == "topk 0.01" and topk["x_compute"] == round(topk["step_ms"] / compute["step_ms"], 2)
     for phase in ("encode", "comm", "decode", "wait"):
         assert 0.0 <= topk[f"{phase}_ms"] <= topk["step_ms"], phase

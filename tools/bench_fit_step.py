@@ -19,7 +19,9 @@ costs per step on this machine with every rank at work, however fast its kernels
 
 The **compute floor** runs first in every launch: the same model and data in plain Keras (no
 strategy, no exchange; each rank trains alone), so every setting's ``x_compute`` is a ratio measured
-side by side.  A config ``{"algorithm": "horovod", "compression": "none" | "fp16"}`` is the peer a
+side by side; ``{"algorithm": "compute", "barrier": true}`` is the same with a barrier after every
+step (the ranks in lockstep, as a synchronous exchange holds them).  A config
+``{"algorithm": "horovod", "compression": "none" | "fp16"}`` is the peer a
 user would otherwise pick: the same model trained by a custom loop whose gradients go through
 Horovod's ``hvd.allreduce`` (Tensor Fusion, average; Horovod's ``DistributedGradientTape`` fails on
 Keras 3 variables) -- it needs Horovod (``tools/install.sh --horovod``).
@@ -129,7 +131,7 @@ def slowest_ms(comm, times):
 def measure(comm, config, x, y, model_name):
     batch = MODELS[model_name][3]
     if config["algorithm"] == "compute":
-        return measure_compute(comm, x, y, model_name)
+        return measure_compute(comm, x, y, model_name, barrier=bool(config.get("barrier")))
     if config["algorithm"] == "horovod":
         return measure_horovod(comm, config, x, y, model_name)
     options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
@@ -146,12 +148,26 @@ def measure(comm, config, x, y, model_name):
             "parameters": model.count_params()}
 
 
-def measure_compute(comm, x, y, model_name):
-    """The compute floor: plain Keras, no strategy, no exchange (each rank trains alone)."""
+class Barrier(keras.callbacks.Callback):
+    """Every rank waits for the others after each step (``comm.barrier()``): the compute in lockstep."""
+
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.comm.barrier()
+
+
+def measure_compute(comm, x, y, model_name, barrier: bool = False):
+    """The compute floor: plain Keras, no strategy, no exchange (each rank trains alone) -- or,
+    ``barrier``, with the ranks in lockstep (a barrier after every step, as a synchronous exchange
+    holds them), to tell what waiting for the slowest rank alone costs from what the exchange does."""
     model = build(model_name)
     model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
     timer = StepTimes()
-    model.fit(x, y, batch_size=MODELS[model_name][3], epochs=1, verbose=0, callbacks=[timer])
+    callbacks = [timer, Barrier(comm)] if barrier else [timer]
+    model.fit(x, y, batch_size=MODELS[model_name][3], epochs=1, verbose=0, callbacks=callbacks)
     return {"step_ms": slowest_ms(comm, timer.times), "mb_per_step": 0.0, "parameters": model.count_params()}
 
 

@@ -20,7 +20,8 @@ NET1G="--net 1gbit"
 
 HOROVOD='{"label":"horovod none","algorithm":"horovod","compression":"none"},
  {"label":"horovod fp16","algorithm":"horovod","compression":"fp16"},'
-FIT17M='[{"label":"dense f32","algorithm":"dense"},
+FIT17M='[{"label":"compute, a barrier per step","algorithm":"compute","barrier":true},
+ {"label":"dense f32","algorithm":"dense"},
  {"label":"dense f32, 4 MB buckets","algorithm":"dense","plan":4194304},
  {"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
@@ -31,7 +32,8 @@ FIT17M='[{"label":"dense f32","algorithm":"dense"},
  {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
  {"label":"topk 0.01","algorithm":"topk","density":0.01},{"label":"dragonn 0.01","algorithm":"dragonn","density":0.01},
  {"label":"gtopk 1e-5: nothing on the wire","algorithm":"gtopk","density":0.00001}]'
-SPARSE25M='[{"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001},
+SPARSE25M='[{"label":"compute, a barrier per step","algorithm":"compute","barrier":true},
+ {"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001},
  {"label":"topk","algorithm":"topk","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001},
  {"label":"gtopk 1e-6: nothing on the wire","algorithm":"gtopk","density":0.000001}]'
 SHM17M='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk","algorithm":"gtopk","density":0.01},
