@@ -6,6 +6,7 @@ without losing a gradient, and keeps the caller's collectives off the round in f
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,61 @@ def test_pipelined_steps_are_the_synchronous_ones_one_step_late(algorithm, wire)
         if "residual" in sync_state:
             np.testing.assert_array_equal(state["residual"], sync_state["residual"])
         assert int(state["round"][0]) == STEPS
+
+
+@pytest.mark.parametrize("wire", ["int8", "bfloat16"])
+@pytest.mark.parametrize("memory", ["residual", "none"])
+def test_the_next_round_starts_once_the_residual_is_whole(monkeypatch, wire, memory):
+    """A pipelined dense round over a lossy wire settles its memory as soon as the residual is
+    whole (after the reduce-scatter and the encoding of this rank's block of the sum), so the
+    next step's round starts -- its error feedback and encoding -- while the allgather of the
+    round before is still running; the steps stay the synchronous ones, one step late, and the
+    residual the same, bit for bit."""
+    from tfsparse.aggregators.dense import DenseAllreduce
+
+    exchange = DenseAllreduce.exchange
+    ended, started = {}, {}
+
+    def slow_allgather(self, comm, payload, out=None, settled=None):
+        def settle():
+            settled()
+            time.sleep(0.3)  # the rest of the round (the allgather) takes its time
+
+        result = exchange(self, comm, payload, out=out, settled=settle if settled is not None else None)
+        ended.setdefault(comm.rank, []).append(time.perf_counter())
+        return result
+
+    monkeypatch.setattr(DenseAllreduce, "exchange", slow_allgather)
+
+    def fn(comm):
+        kw = {"memory": memory}
+        sync = Pipelined(GradientExchange("dense", 1.0, wire_dtype=wire, pipeline=1, communicator=comm, **kw))
+        pipe = Pipelined(GradientExchange("dense", 1.0, wire_dtype=wire, pipeline=2, communicator=comm, **kw))
+        a = [flat(sync.step(grads_of(comm.rank, s))) for s in range(STEPS)]
+        ended.pop(comm.rank, None)
+        begin, begun = pipe.engine.begin, []
+
+        def timed_begin(*args, **kwargs):
+            index = begin(*args, **kwargs)
+            begun.append(time.perf_counter())  # round ``index`` encoded and queued
+            return index
+
+        pipe.engine.begin = timed_begin
+        b = [flat(pipe.step(grads_of(comm.rank, s))) for s in range(STEPS)]
+        state, sync_state = pipe.get_state(), sync.get_state()
+        for ex in (sync, pipe):
+            ex.close()
+        return a, b, begun, ended[comm.rank], state, sync_state
+
+    for a, b, begun, done, state, sync_state in InProcessWorld(3, timeout=60).run(fn):
+        for s in range(1, STEPS):
+            np.testing.assert_array_equal(b[s], a[s - 1])
+        np.testing.assert_array_equal(state["pending"], a[-1])
+        if memory == "residual":
+            np.testing.assert_array_equal(state["residual"], sync_state["residual"])
+        # round s + 1 was encoded and queued while round s's allgather still ran
+        assert len(begun) == len(done) == STEPS
+        assert all(begun[s + 1] < done[s] for s in range(STEPS - 1)), (begun, done)
 
 
 def test_the_pending_round_is_saved_and_applied_after_a_resume():

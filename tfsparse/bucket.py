@@ -5,6 +5,10 @@ explicit state.
         -> exchange (aggregator over the communicator)                    communication thread
         -> decode -> update (memory)                        the thread that finishes the round
 
+A dense exchange over a lossy wire settles the memory earlier, on the communication thread, as
+soon as the residual is whole (:meth:`Bucket.exchange`): the bucket's next round may then start
+while the rest of this one travels (:meth:`Bucket.check_start`, :meth:`Bucket.wait_settled`).
+
 * the :mod:`memory <tfsparse.memory>` owns the bucket's vectors: the buffer offered to the
   exchange (``acc``), the residual and (momentum correction) the velocity;
 * the :mod:`aggregator <tfsparse.aggregators>` owns its compressor and its own state
@@ -17,6 +21,7 @@ explicit state.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import warnings
 
@@ -89,16 +94,20 @@ class Received:
     """A bucket's round off the wire, not yet decoded: the aggregator's result, the vector to
     decode it into, the bytes sent and the seconds the collectives took."""
 
-    __slots__ = ("result", "out", "bytes", "comm_s")
+    __slots__ = ("result", "out", "bytes", "comm_s", "settled")
 
-    def __init__(self, result, out, nbytes, comm_s):
+    def __init__(self, result, out, nbytes, comm_s, settled=False):
         self.result, self.out, self.bytes, self.comm_s = result, out, nbytes, comm_s
+        #: the memory was updated already, on the communication thread (:meth:`Bucket.exchange`)
+        self.settled = settled
 
 
 class Bucket:
     """A bucket of the plan at run time: its plan entry, memory, aggregator, wire, density
     (None: the exchange's) and the rounds started on it (``futures``: round index -> the
-    communication job's future)."""
+    communication job's future; ``settlements``: round index -> an event set once the round's
+    memory update is done or its job has ended, and ``settled``: the rounds whose memory update
+    was done early, on the communication thread)."""
 
     def __init__(self, spec, aggregator, wire, density, memory, outputs=None, staging=None):
         self.spec = spec
@@ -111,14 +120,18 @@ class Bucket:
         self.outputs = outputs
         self.rounds = 0
         self.futures: dict = {}
+        self.settlements: dict = {}
+        self.settled: set = set()
         #: the host copy of the gradients, where they live on a device and the memory does not
         self._staging = staging
 
     def check_start(self, previous) -> int:
         """The index of the round about to start; RuntimeError if this bucket's last round is
-        still in flight, or the ``previous`` bucket has not started this round yet (collectives
-        must run in the same order on every rank: bucket order, always)."""
-        if self.futures:
+        still in flight with its memory not yet updated (a round whose memory settled early,
+        :meth:`wait_settled`, may still be on the wire: the communication thread runs the rounds in
+        order), or the ``previous`` bucket has not started this round yet (collectives must run in
+        the same order on every rank: bucket order, always)."""
+        if any(index not in self.settled for index in self.futures):
             raise RuntimeError(f"bucket {self.spec.index} of the exchange was started again before its round "
                                f"{min(self.futures)} finished; wait() for a round before starting the next")
         if previous is not None and previous.rounds != self.rounds + 1:
@@ -192,14 +205,47 @@ class Bucket:
             extras["in_place"] = True  # acc is the memory's scratch: the new residual is built in it
         return aggregator, aggregator.encode(comm, offered, k, wire, **extras), finite
 
-    def exchange(self, comm, space, aggregator, payload) -> "Received":
+    def exchange(self, comm, space, aggregator, payload, index: int | None = None) -> "Received":
         """The communication thread's stage: the collectives (into a result vector of
-        :attr:`outputs` where the aggregator writes its dense result as it receives)."""
+        :attr:`outputs` where the aggregator writes its dense result as it receives).  An
+        aggregator that :attr:`~tfsparse.aggregators.Aggregator.settles_early` says when the
+        residual is whole; the memory is then updated here (:meth:`ResidualMemory.swap
+        <tfsparse.memory.ResidualMemory.swap>`) and round ``index`` marked :attr:`settled`, so that the
+        bucket's next round may start while the rest of this one travels."""
         t0 = time.perf_counter()
         before = comm.bytes_sent
         out = self.outputs.take() if self.outputs is not None else None
-        result = aggregator.exchange(comm, payload, out=out)
-        return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0)
+        early = []
+        if aggregator.settles_early:
+            def settle():
+                self.memory.swap()
+                early.append(True)
+                if index is not None:
+                    self.settled.add(index)
+                    self.settlements[index].set()
+            result = aggregator.exchange(comm, payload, out=out, settled=settle)
+        else:
+            result = aggregator.exchange(comm, payload, out=out)
+        return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0, settled=bool(early))
+
+    def expect_settlement(self, index: int) -> None:
+        """Before round ``index``'s job is queued: its settlement event (:meth:`wait_settled`)."""
+        self.settlements[index] = threading.Event()
+
+    def wait_settled(self, index: int) -> bool:
+        """Waits until round ``index``'s memory is updated or its job has ended; True where the
+        memory settled early (the next round may start now: :meth:`check_start`), False where the
+        round must be finished first."""
+        event = self.settlements.get(index)
+        if event is None:
+            return False
+        event.wait()
+        return index in self.settled
+
+    def forget(self, index: int) -> None:
+        """Round ``index`` is finished: its settlement is dropped."""
+        self.settlements.pop(index, None)
+        self.settled.discard(index)
 
     def complete(self, space, received) -> Outcome:
         """The stages after the wire, on the thread that finishes the round (so that while one
@@ -210,7 +256,8 @@ class Bucket:
         t0 = time.perf_counter()
         result = received.result
         dense = space.decode(result, self.spec.size, received.out, self.outputs)
-        self.memory.update(result)
+        if not received.settled:
+            self.memory.update(result)
         return Outcome(dense, received.bytes, result.sent_elements, received.comm_s, time.perf_counter() - t0)
 
     def communicate(self, comm, space, aggregator, payload, finite: bool, index: int, nonfinite_result: str):
@@ -223,7 +270,7 @@ class Bucket:
         t0 = time.perf_counter()
         bad = nonfinite_ranks(comm, finite)
         if not bad:
-            return self.exchange(comm, space, aggregator, payload)
+            return self.exchange(comm, space, aggregator, payload, index)
         if nonfinite_result == "zeros":
             warnings.warn(f"tfsparse: the gradient of round {index} is not finite (NaN/Inf) on rank(s) {bad}; "
                           f"bucket {self.spec.index} is skipped on every rank (a zero gradient), residuals unchanged",

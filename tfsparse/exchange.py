@@ -372,13 +372,18 @@ class GradientExchange:
             for s in (self.stats, self.total):
                 s.encode_seconds += dt
         b.rounds += 1
+        b.expect_settlement(index)
         b.futures[index] = self._runner.submit(self._communicate, b, aggregator, payload, finite, index)
         return index
 
     @in_space
     def _communicate(self, b: Bucket, aggregator, payload, finite: bool, index: int):
-        """The communication thread's job for one bucket (:meth:`Bucket.communicate`)."""
-        return b.communicate(self._xcomm, self.space, aggregator, payload, finite, index, self.nonfinite_result)
+        """The communication thread's job for one bucket (:meth:`Bucket.communicate`); however it
+        ends, the round's settlement event is set (:meth:`Bucket.wait_settled`)."""
+        try:
+            return b.communicate(self._xcomm, self.space, aggregator, payload, finite, index, self.nonfinite_result)
+        finally:
+            b.settlements[index].set()
 
     def finish(self, b: Bucket, index: int):
         """Bucket ``b``'s result of round ``index``: waits for its communication job, then decodes
@@ -388,6 +393,7 @@ class GradientExchange:
             received = b.futures[index].result()
             waited = time.perf_counter() - t0
             del b.futures[index]
+            b.forget(index)
             with self.space.active():
                 out = b.complete(self.space, received)
         except BaseException as e:

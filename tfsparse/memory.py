@@ -105,6 +105,10 @@ class NoMemory(Stateful):
     def update(self, result) -> None:
         """Nothing is kept."""
 
+    def swap(self) -> None:
+        """Nothing is kept: once the aggregator has settled (read ``acc`` for the last time),
+        ``acc`` is free for the next round."""
+
     def drop_nonfinite(self) -> None:
         """After a skipped round (a non-finite gradient): nothing is kept, nothing to clean."""
 
@@ -239,11 +243,18 @@ class ResidualMemory(Stateful):
         contributed entries removed (``result.contributed``; ``None`` means everything), plus
         what the wire lost (``result.loss``) -- or, where the aggregator built it in ``acc`` already
         (``result.residual_in_place``), that."""
-        acc = self.acc
         if not result.residual_in_place:
-            _clear_contributed(self.space, acc, result)
-            result.loss.apply_to(acc, self.space)
-        self.acc, self.residual = self.residual, acc
+            _clear_contributed(self.space, self.acc, result)
+            result.loss.apply_to(self.acc, self.space)
+        self.swap()
+
+    def swap(self) -> None:
+        """``acc``, which holds the new residual, becomes the residual, and the old residual's
+        buffer the next round's scratch: :meth:`update`'s last step, and all of it for a round
+        whose aggregator built the whole residual in ``acc`` and contributed every element -- done
+        as soon as the aggregator says so (:attr:`~tfsparse.aggregators.Aggregator.settles_early`),
+        while the rest of its messages travel."""
+        self.acc, self.residual = self.residual, self.acc
 
     def get_state(self):
         return {"residual": np.array(self.space.to_host(self.residual), np.float32)}

@@ -73,6 +73,7 @@ class DenseAllreduce(Aggregator):
 
     uses_memory = False
     in_place_residual = True
+    settles_early = True  # the residual is whole once this rank's block of the sum is encoded
     REDUCE_SCATTERS = ("direct", "ring")
 
     def __init__(self, reduce_scatter: str = "direct"):
@@ -119,7 +120,10 @@ class DenseAllreduce(Aggregator):
             blocks.append(self._encode(wire, acc[block], acc, block, loss, in_place))
         return _DensePayload(acc, wire, counts, blocks, loss, in_place)
 
-    def exchange(self, comm, payload, out=None):
+    def exchange(self, comm, payload, out=None, settled=None):
+        """``settled``: called once ``payload.acc`` holds this rank's new residual (a payload
+        encoded ``in_place``): after the reduce-scatter and the encoding of this rank's block of
+        the sum, before the allgather, which reads ``acc`` no more."""
         acc, wire = payload.acc, payload.wire
         if payload.counts is None:
             total = comm.allreduce(acc, op="sum", out=out)
@@ -133,6 +137,8 @@ class DenseAllreduce(Aggregator):
         else:
             mine = self._direct_reduce_scatter(comm, payload, offs)
         buf = self._encode(wire, mine, acc, own, loss, payload.in_place)  # acc[own] went into the sum
+        if settled is not None and payload.in_place:
+            settled()  # the residual is whole: the allgather below reads only the encoded sums
         # allgather around the ring: each hop forwards the encoded block it received last and
         # decodes it while the next one travels; every rank decodes the same bytes
         total = out if out is not None else np.empty(acc.size, np.float32)
