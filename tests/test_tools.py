@@ -173,7 +173,8 @@ def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_pa
         {"label": "compute only (no exchange)", "algorithm": "compute", "step_ms": 190.0, "mb_per_step": 0.0},
         run("D-Sync f32", 1, 2000.0, 20.0, 1800.0, 1780.0, 150.0),
         run("Pipe-SGD f32", 2, 1900.0, 20.0, 1850.0, 1700.0, 150.0),
-        run("Pipe-SGD int8", 2, 600.0, 150.0, 500.0, 300.0, 37.5, "int8")]}
+        run("Pipe-SGD int8", 2, 600.0, 150.0, 500.0, 300.0, 37.5, "int8"),
+        run("Pipe-SGD bf16", 2, 700.0, 300.0, 500.0, 200.0, 75.0, "bfloat16")]}
     path = tmp_path / "fit.json"
     path.write_text(json.dumps(record))
     out = tmp_path / "timing"
@@ -182,12 +183,13 @@ def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_pa
     assert done.returncode == 0, done.stderr
     model = json.loads(out.with_suffix(".json").read_text())
     assert model["l_compute_ms"] == 200.0
-    assert [r["label"] for r in model["runs"]] == ["D-Sync f32", "Pipe-SGD f32", "Pipe-SGD int8"]
-    dsync, pipe32, pipe = model["runs"]
+    assert [r["label"] for r in model["runs"]] == ["D-Sync f32", "Pipe-SGD f32", "Pipe-SGD int8", "Pipe-SGD bf16"]
+    dsync, pipe32, pipe, pipe16 = model["runs"]
     assert dsync["model_measured_comm_ms"] == 200.0 + 20.0 + 1800.0  # Eq. 2
     assert pipe32["model_measured_comm_ms"] == 1850.0 and not pipe32["error_feedback"]  # Eq. 4: max(200 + 20, 1850)
-    # a residual: round t's encoding and communication come before step t+1's encoding
-    assert pipe["model_measured_comm_ms"] == 650.0 and pipe["error_feedback"]  # max(200 + 150, 150 + 500)
+    # a residual: step t+1's encoding waits for round t's reduce-scatter, the allgather overlaps it
+    assert pipe["model_measured_comm_ms"] == 500.0 and pipe["error_feedback"]  # max(200 + 150, 500 + max(0, 150 - 250))
+    assert pipe16["model_measured_comm_ms"] == 550.0  # an encoding longer than the allgather: 500 + (300 - 250)
     assert out.with_suffix(".png").stat().st_size > 0
 
 

@@ -17,8 +17,10 @@ launch) and predicts every run's step time from measured parts:
 D-Sync (``pipeline=1``, Eq. 2): ``l_compute + encode + l_comm``;
 Pipe-SGD (``pipeline=2``, Eq. 4): ``max(l_compute + encode, l_comm)`` -- and, where the run keeps a
 residual (error feedback: a lossy wire, unless ``memory="none"``), ``max(l_compute + encode,
-encode + l_comm)``: step t+1's compression needs round t's residual, so a round's encoding and
-its communication follow one another every step, a dependency the paper's Eq. 4 does not have.
+l_comm + max(0, encode - l_comm / 2))``: step t+1's compression needs round t's residual, a
+dependency the paper's Eq. 4 does not have -- but only up to the end of round t's reduce-scatter
+(the residual is whole then; the allgather, half of the ring's bytes, overlaps the next encoding),
+so it lengthens the step only where the encoding is longer than the allgather.
 
     python tools/pipe_sgd_timing.py results/pipe_1gbit.json --bandwidth 1gbit --latency 0 \\
         --out results/pipe_timing
@@ -65,7 +67,8 @@ def predict(results: dict, ab: AlphaBeta) -> dict:
             busy = l_compute + r["encode_ms"]
             if not pipelined:
                 return busy + l_comm
-            return max(busy, l_comm + (r["encode_ms"] if residual else 0.0))
+            # with a residual, the next encoding waits for the reduce-scatter half of the round
+            return max(busy, l_comm + (max(0.0, r["encode_ms"] - l_comm / 2) if residual else 0.0))
 
         rows.append({"label": r["label"], "pipeline": 2 if pipelined else 1, "error_feedback": residual,
                      "measured_ms": r["step_ms"],
