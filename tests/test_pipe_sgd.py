@@ -104,7 +104,7 @@ def test_the_next_round_starts_once_the_residual_is_whole(monkeypatch, wire, mem
     from tfsparse.aggregators.dense import DenseAllreduce
 
     exchange = DenseAllreduce.exchange
-    ended, started = {}, {}
+    ended = {}
 
     def slow_allgather(self, comm, payload, out=None, settled=None):
         def settle():

@@ -205,7 +205,7 @@ class Bucket:
             extras["in_place"] = True  # acc is the memory's scratch: the new residual is built in it
         return aggregator, aggregator.encode(comm, offered, k, wire, **extras), finite
 
-    def exchange(self, comm, space, aggregator, payload, index: int | None = None) -> "Received":
+    def exchange(self, comm, space, aggregator, payload, index: int) -> "Received":
         """The communication thread's stage: the collectives (into a result vector of
         :attr:`outputs` where the aggregator writes its dense result as it receives).  An
         aggregator that :attr:`~tfsparse.aggregators.Aggregator.settles_early` says when the
@@ -215,18 +215,16 @@ class Bucket:
         t0 = time.perf_counter()
         before = comm.bytes_sent
         out = self.outputs.take() if self.outputs is not None else None
-        early = []
         if aggregator.settles_early:
             def settle():
                 self.memory.swap()
-                early.append(True)
-                if index is not None:
-                    self.settled.add(index)
-                    self.settlements[index].set()
+                self.settled.add(index)
+                self.settlements[index].set()
             result = aggregator.exchange(comm, payload, out=out, settled=settle)
         else:
             result = aggregator.exchange(comm, payload, out=out)
-        return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0, settled=bool(early))
+        return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0,
+                        settled=index in self.settled)
 
     def expect_settlement(self, index: int) -> None:
         """Before round ``index``'s job is queued: its settlement event (:meth:`wait_settled`)."""

@@ -75,7 +75,7 @@ class PhaseTimes(keras.callbacks.Callback):
     after every batch), so that they are medians over the same steps as the step time -- an
     epoch's mean would fold in the first steps' compilation and first touch of fresh memory."""
 
-    PHASES = ("encode", "comm", "decode", "wait")
+    PHASES = tfsparse.keras.callbacks.CommunicationStats.PHASES
 
     def on_train_begin(self, logs=None):
         self.steps = []

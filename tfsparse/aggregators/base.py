@@ -173,7 +173,7 @@ class Aggregator(Stateful):
     #: whether :meth:`exchange` takes ``settled=``: a callable it calls, once, as soon as a payload
     #: encoded ``in_place`` holds this rank's whole new residual -- before the rest of its
     #: messages travel -- so that the next round's error feedback may start meanwhile
-    #: (:meth:`Bucket.settle <tfsparse.bucket.Bucket.exchange>`)
+    #: (:meth:`Bucket.exchange <tfsparse.bucket.Bucket.exchange>`)
     settles_early = False
     #: a :class:`~tfsparse.buffers.Reusable` the aggregator takes its messages from round after
     #: round (None: fresh ones), which a fused encoding (:meth:`fused_spans`) takes them from too
