@@ -216,40 +216,6 @@ def test_one_flat_array_gets_its_bucket_vector_itself():
         del out
 
 
-def test_host_outputs_know_a_vector_zero_but_at_its_indices_only_while_only_a_reader_had_it():
-    """HostOutputs' record of a result vector: what a decode wrote (``wrote``) holds for the next
-    decode into it only when the vector went to a reader since (``lent``); a vector not lent, or
-    one the pool does not keep, is unknown again."""
-    from tfsparse.buffers import HostOutputs
-
-    outputs = HostOutputs(1000, keep=1)
-    v = outputs.take()
-    assert outputs.nonzero(v) is None
-    outputs.wrote(v, np.array([3, 5]))
-    outputs.lent(v)
-    del v
-    v = outputs.take()
-    np.testing.assert_array_equal(outputs.nonzero(v), [3, 5])
-    assert outputs.nonzero(v) is None  # one decode uses it
-    outputs.wrote(v, np.array([7]))  # not lent: e.g. a numpy caller got it
-    del v
-    v = outputs.take()
-    assert outputs.nonzero(v) is None
-    outputs.wrote(v, np.array([1]))
-    outputs.lent(v)
-    other = outputs.take()  # v is still referred to: a vector the pool does not keep
-    outputs.wrote(other, np.array([2]))
-    outputs.lent(other)
-    del other
-    w = outputs.take()
-    assert w.__array_interface__["data"][0] != v.__array_interface__["data"][0]
-    assert outputs.nonzero(w) is None
-    del v, w
-    v = outputs.take()
-    np.testing.assert_array_equal(outputs.nonzero(v), [1])
-
-
-@pytest.mark.parametrize("algorithm,options", [("topk", {}), ("gtopk", {}), ("dense", {"wire_dtype": "int8"})])
 def test_streamed_error_feedback_gives_the_same_bits(algorithm, options, monkeypatch):
     """Error feedback's pass with non-temporal stores (what buckets from ``STREAM_MIN`` elements on
     get) gives every result and state bit for bit what plain stores give (P = 3)."""

@@ -301,35 +301,6 @@ def test_densify_into_is_zeros_plus_scatter_bit_for_bit(itype):
     same_bits(out, np.zeros(n, np.float32))
 
 
-@pytest.mark.parametrize("itype", [np.int32, np.int64])
-def test_densify_into_a_vector_zero_but_at_known_indices_refills_them_bit_for_bit(itype):
-    """``nonzero``: ``out`` is +0.0 except at those indices (an earlier result's); they are
-    zeroed and the pieces scattered -- the bits of np.add.at into zeros again (shared indices,
-    signed zeros, NaN, Inf), one piece stored as it is; refill_pays draws the line at one cache
-    line per scattered element against the lines of the vector."""
-    n = BIG
-    out = np.zeros(n, np.float32)
-    earlier = None
-    for step in range(4):
-        pieces = [ops.topk_abs(mixed(n, 10 * step + seed), 300) for seed in range(3)]
-        pieces.append((pieces[0][0][:40], np.full(40, -0.0, np.float32)))
-        pieces.append((np.array([0, n - 1]), np.array([-0.0, np.nan if step % 2 else 2.5], np.float32)))
-        idx = np.concatenate([p[0] for p in pieces]).astype(itype)
-        val = np.concatenate([p[1] for p in pieces])
-        starts = np.cumsum([0] + [p[0].size for p in pieces])
-        assert cpu.densify_into(out, idx, val, starts, nonzero=earlier)
-        same_bits(out, R.scatter_add(n, idx, val))
-        earlier = idx.copy()
-    one = pieces[0]
-    assert cpu.densify_into(out, one[0].astype(itype), one[1], [0, one[0].size], add=False, nonzero=earlier)
-    want = np.zeros(n, np.float32)
-    want[one[0]] = one[1]
-    same_bits(out, want)
-    with pytest.raises(IndexError, match="nonzero index"):
-        cpu.densify_into(out, one[0], one[1], [0, one[0].size], nonzero=np.array([n]))
-    assert cpu.refill_pays(16 * 100, 99) and not cpu.refill_pays(16 * 100, 100)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("t", [0.0, 0.5, 2.0, np.inf, np.nan])
 def test_add_select_is_add_then_select_threshold(t, stream):

@@ -253,7 +253,7 @@ class Bucket:
             return received
         t0 = time.perf_counter()
         result = received.result
-        dense = space.decode(result, self.spec.size, received.out, self.outputs)
+        dense = space.decode(result, self.spec.size, received.out)
         if not received.settled:
             self.memory.update(result)
         return Outcome(dense, received.bytes, result.sent_elements, received.comm_s, time.perf_counter() - t0)

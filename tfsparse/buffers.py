@@ -32,10 +32,6 @@ def aligned_empty(n: int, dtype=np.float32) -> np.ndarray:
     return raw[skip:skip + nbytes].view(dtype)
 
 
-def _address(v) -> int:
-    return v.__array_interface__["data"][0]
-
-
 def _refs(v) -> tuple[int, int]:
     """The reference counts of a pooled vector and of the array that owns its memory (every view
     of the vector refers to that owner)."""
@@ -94,62 +90,12 @@ class HostOutputs:
         self.n = int(n)
         self.n_padded = -(-self.n // 16) * 16
         self._pool = Reusable(keep)
-        # by the address of a kept vector: the indices the last sparse decode into it wrote ...
-        self._written: dict = {}
-        # ... once it has been lent only to a reader since (+0.0 everywhere else) ...
-        self._zero_but: dict = {}
-        # ... and, once taken again, for the decode into it (:meth:`nonzero`)
-        self._ready: dict = {}
 
     def take(self) -> np.ndarray:
-        """A float32 vector of ``n`` elements that nothing else refers to (contents undefined;
-        :meth:`nonzero` says what is known about them)."""
-        vec = self._pool.take(self.n_padded, np.float32)[:self.n]
-        at = _address(vec)
-        with self._pool._lock:
-            kept = self._kept()
-            for known in (self._written, self._zero_but, self._ready):
-                for a in [a for a in known if a not in kept]:  # a vector the pool let go
-                    del known[a]
-            self._written.pop(at, None)
-            zero_but = self._zero_but.pop(at, None)
-            if zero_but is None:
-                self._ready.pop(at, None)
-            else:
-                self._ready[at] = zero_but
-        return vec
-
-    def _kept(self) -> set:
-        """The addresses of the vectors the pool keeps (the caller holds the pool's lock)."""
-        return {_address(v) for v in self._pool._buffers}
-
-    def nonzero(self, vec) -> np.ndarray | None:
-        """For the decode into ``vec``, just taken (:meth:`take`): the indices outside which ``vec``
-        holds +0.0 -- where the last decode into it was sparse and recorded (:meth:`wrote`) and
-        the vector then went only to a reader (:meth:`lent`) -- else None (contents unknown)."""
-        with self._pool._lock:
-            return self._ready.pop(_address(vec), None)
-
-    def wrote(self, vec, indices: np.ndarray) -> None:
-        """Records that a decode left ``vec`` +0.0 everywhere but at ``indices`` (an array of its
-        own: it is kept)."""
-        at = _address(vec)
-        with self._pool._lock:
-            if at in self._kept():
-                self._written[at] = indices
-
-    def lent(self, vec) -> None:
-        """``vec`` goes to a reader that never writes it -- TensorFlow, to which a
-        ``tf.numpy_function`` returns it: a tensor over memory TensorFlow does not own is never
-        forwarded as an op's output (``Tensor::RefCountIsOne`` is false for it) -- so what
-        :meth:`wrote` recorded stays true until the vector is taken again.  A vector handed to
-        anyone else (a numpy caller, who may write it) is simply not lent: its next decode
-        writes it whole."""
-        at = _address(vec)
-        with self._pool._lock:
-            written = self._written.pop(at, None)
-            if written is not None:
-                self._zero_but[at] = written
+        """A float32 vector of ``n`` elements that nothing else refers to (contents undefined:
+        TensorFlow, which had it last, may have written it -- its element-wise ops reuse an
+        input's memory for their output where nothing else holds that tensor)."""
+        return self._pool.take(self.n_padded, np.float32)[:self.n]
 
     def padded(self, vec) -> np.ndarray | None:
         """The :attr:`n_padded`-element view of ``vec``'s memory, when ``vec`` is a vector

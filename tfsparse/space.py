@@ -145,25 +145,13 @@ class HostSpace:
         """The result vectors of a bucket of ``n`` elements (:class:`HostOutputs`)."""
         return HostOutputs(n)
 
-    def decode(self, result, n: int, out=None, outputs=None):
+    def decode(self, result, n: int, out=None):
         """The dense float32 result of an :class:`~tfsparse.aggregators.AllreduceResult`, written
-        into ``out`` (taken from ``outputs``, an :meth:`outputs`) when given.  A sparse result
-        into a vector that ``outputs`` knows to be +0.0 outside an earlier sparse result's indices
-        (:meth:`HostOutputs.nonzero`) zeroes those and scatters, without a pass over the vector,
-        where that touches fewer cache lines (:func:`tfsparse.ops.cpu.refill_pays`); the indices
-        it writes are recorded for the next time (:meth:`HostOutputs.wrote`)."""
-        scattered = result.scattered
-        if out is None or outputs is None or scattered is None:
-            return result.to_dense(n, out)
-        from .ops import cpu
-
-        nonzero = outputs.nonzero(out)
-        if nonzero is not None and not cpu.refill_pays(n, nonzero.size + scattered):
-            nonzero = None
-        dense = result.to_dense(n, out, nonzero)
-        if cpu.refill_pays(n, 2 * scattered):  # the next result, about as large, would refill
-            outputs.wrote(out, result.nonzero_indices())
-        return dense
+        whole into ``out`` when given (a result vector of the bucket's :meth:`outputs`).  Every
+        element is written, whatever ``out`` held: a vector handed to TensorFlow may come back
+        written (its ops may reuse an input's memory for their output), so nothing is assumed
+        about what it holds."""
+        return result.to_dense(n, out)
 
     def concat(self, parts):
         nbytes = sum(int(np.size(p)) for p in parts) * 4
@@ -277,10 +265,10 @@ class CudaSpace(HostSpace):
     def outputs(self, n: int) -> _FreshOutputs:
         return _FreshOutputs()
 
-    def decode(self, result, n: int, out=None, outputs=None):
+    def decode(self, result, n: int, out=None):
         """The dense result on the device: rank-ordered payloads added one payload per launch
-        (deterministic), a sparse result set at its indices, a dense one copied over (``out``
-        and ``outputs``, host vectors, are not used)."""
+        (deterministic), a sparse result set at its indices, a dense one copied over (``out``,
+        a host vector, is not used)."""
         if result.pieces is not None:
             out = self.zeros(n)
             for idx, val in result.pieces:

@@ -162,8 +162,6 @@ class _Glue:
             n = padded.size
             padded = outputs.padded(padded)
             padded[:n] = vec
-        else:
-            outputs.lent(vec)  # TensorFlow only reads it: its zeros stay known for the next decode
         return padded
 
     @in_space

@@ -69,40 +69,21 @@ class AllreduceResult:
             self._values = sparse_decode(self.n, self.pieces)
         return self._values
 
-    @property
-    def scattered(self) -> int | None:
-        """How many indices a sparse result scatters (an index in several pieces counts each
-        time); None for a dense result."""
-        if self.pieces is not None:
-            return sum(len(p[0]) for p in self.pieces)
-        return None if self.indices is None else len(self.indices)
-
     def _piece_indices(self) -> np.ndarray:
         """The pieces' indices in piece order: a single piece's own array, or the pieces'
-        concatenation (made once, shared by :meth:`to_dense` and :meth:`nonzero_indices`)."""
+        concatenation (made once)."""
         if len(self.pieces) == 1:
             return np.asarray(self.pieces[0][0]).reshape(-1)
         if self._joined is None:
             self._joined = np.concatenate([np.asarray(p[0]).reshape(-1) for p in self.pieces])
         return self._joined
 
-    def nonzero_indices(self) -> np.ndarray | None:
-        """An array of its own (not a piece's) of every index where the dense result may be
-        nonzero (None: a dense result) -- what ``to_dense(n, out, nonzero=...)`` zeroes the next time ``out`` is used."""
-        if self.pieces is not None:
-            if len(self.pieces) == 1:
-                return np.array(self._piece_indices())
-            return self._piece_indices()  # a concatenation: already an array of its own
-        return None if self.indices is None else np.array(self.indices).reshape(-1)
-
-    def to_dense(self, n: int, out: np.ndarray | None = None, nonzero: np.ndarray | None = None) -> np.ndarray:
+    def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The result as a dense float32 vector, written into ``out`` when given (a host vector of
         ``n`` elements: every element is written).  Into ``out``, a sparse result (allgathered
         pieces, or indices) is written in one sequential pass where its indices ascend
         (:func:`densify`), the same bits as zeros plus a scatter; a dense result already in
-        ``out`` (the aggregator wrote it there) is not copied.  ``nonzero``: the indices outside
-        which ``out`` holds +0.0 already (the vector of an earlier sparse result): only those are
-        zeroed before the scatter, no pass over ``out``."""
+        ``out`` (the aggregator wrote it there) is not copied."""
         if self.indices is None and (self.pieces is None or out is None):
             values = self.values.reshape(-1)
             if out is None:
@@ -117,21 +98,19 @@ class AllreduceResult:
             out[self.indices] = self.values
             return out
         if self.pieces is not None:
-            densify(out, self.pieces, add=True, nonzero=nonzero, indices=self._piece_indices())
+            densify(out, self.pieces, add=True, indices=self._piece_indices())
         else:
-            densify(out, [(self.indices, self.values)], add=False, nonzero=nonzero)
+            densify(out, [(self.indices, self.values)], add=False)
         return out
 
 
-def densify(out: np.ndarray, pieces, add: bool = True, nonzero: np.ndarray | None = None,
-            indices: np.ndarray | None = None) -> np.ndarray:
+def densify(out: np.ndarray, pieces, add: bool = True, indices: np.ndarray | None = None) -> np.ndarray:
     """``out[:]`` = the dense sum of sparse ``(indices, values)`` pieces (each with unique
     indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
-    Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`),
-    or, where ``out`` is known to be +0.0 outside ``nonzero``, by zeroing those and scattering;
+    Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
     otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
-    the same bits every way.  ``indices``: the pieces' indices concatenated, where the caller
+    the same bits either way.  ``indices``: the pieces' indices concatenated, where the caller
     has them already."""
     from ..ops import cpu
 
@@ -141,7 +120,7 @@ def densify(out: np.ndarray, pieces, add: bool = True, nonzero: np.ndarray | Non
         idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
     val = np.concatenate([p[1] for p in pieces]) if len(pieces) != 1 else pieces[0][1]
     starts = np.cumsum([0] + [len(p[0]) for p in pieces])
-    if cpu.densify_into(out, idx, val, starts, add=add, nonzero=nonzero):
+    if cpu.densify_into(out, idx, val, starts, add=add):
         return out
     traffic.count("decode", written=out.nbytes)
     out.fill(0.0)

@@ -963,22 +963,6 @@ def _densify(out, idx, val, starts, add, nblocks):
     return out
 
 
-@njit(cache=True, nogil=True)
-def _refill(out, nonzero, idx, val, add):
-    """:func:`_densify`'s result in a vector that is +0.0 everywhere but at ``nonzero``: those
-    elements are zeroed, then the pieces scattered into it in piece order -- work on the
-    indices alone, none on the rest of the vector."""
-    for j in range(nonzero.size):
-        out[nonzero[j]] = np.float32(0.0)
-    if add:
-        for c in range(idx.size):
-            out[idx[c]] += val[c]
-    else:
-        for c in range(idx.size):
-            out[idx[c]] = val[c]
-    return out
-
-
 # ----------------------------------------------------------------------------- quantization
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1614,31 +1598,14 @@ def hash_survivors(idx, val, t, capacity, seed=0):
     return _hash_survivors(*_hash_args(idx, val, t, capacity, seed))
 
 
-_LINE_BYTES = 64  # a cache line
-
-
-def refill_pays(n: int, touched: int) -> bool:
-    """Whether scattering into ``touched`` elements of an ``n``-element float32 vector (a line
-    each, at worst) touches fewer cache lines than one pass over it: :func:`densify_into`'s
-    ``nonzero`` then beats the pass (one core, 17.1M elements: 171K earlier and 171K new indices
-    1.3 against 3.8 ms; 684K and 684K, above the bound, 7.5 against 7.7 ms)."""
-    return touched * _LINE_BYTES < 4 * n
-
-
-def densify_into(out, idx, val, starts, add=True, nonzero=None) -> bool:
+def densify_into(out, idx, val, starts, add=True) -> bool:
     """``out[:]`` = the dense float32 vector of sparse pieces in one sequential pass (no zero fill
     before, no scattered writes): piece ``p`` is ``idx[starts[p]:starts[p + 1]]`` (strictly
     ascending) with its values; an index in several pieces gets their values summed in piece
     order from +0.0 (``add=True``: bit-identical to ``scatter_add`` into zeros) -- or, ``add=False``
     with one piece, the value itself (``out[idx] = val`` over zeros).  Returns False, with ``out``
     untouched, when some piece is not strictly ascending in ``[0, out.size)`` (the caller then
-    scatters).
-
-    ``nonzero``: indices (in ``[0, out.size)``) outside which ``out`` is known to hold +0.0
-    already -- the vector of an earlier result (:class:`tfsparse.buffers.HostOutputs`).  Then
-    only those elements are zeroed and the pieces scattered, the same bits without a pass over
-    ``out``; the caller passes it where that touches fewer cache lines than the pass would
-    (:func:`refill_pays`)."""
+    scatters)."""
     idx = _as_index(idx)
     val = as_f32(val)
     starts = np.ascontiguousarray(starts, np.int64)
@@ -1647,14 +1614,6 @@ def densify_into(out, idx, val, starts, add=True, nonzero=None) -> bool:
         raise ValueError(f"densify_into: {idx.size} indices, {val.size} values, pieces ending at {starts[-1]}")
     if not _ascending_pieces(idx, starts, n):
         return False
-    if nonzero is not None:
-        nonzero = _as_index(nonzero)
-        if nonzero.size and _index_range(nonzero) >= n:
-            raise IndexError(f"densify_into: a nonzero index is >= n={n}")
-        # the cache lines the scatter touches (each read and written back), at most the vector
-        traffic.count("decode", written=min(out.nbytes, _LINE_BYTES * (nonzero.size + idx.size)))
-        _refill(out, nonzero, idx, val, bool(add))
-        return True
     traffic.count("decode", written=out.nbytes)
     with _threads_for(n):
         nblocks = max(1, min(numba.get_num_threads(), n // _CH))
@@ -1845,8 +1804,6 @@ def warmup() -> None:
     scatter_add(x.size, i.astype(np.int32), v)
     densify_into(np.empty(x.size, np.float32), np.concatenate([i, i]), np.concatenate([v, v]), [0, i.size, 2 * i.size])
     densify_into(np.empty(x.size, np.float32), i.astype(np.int32), v, [0, i.size], add=False)
-    densify_into(np.zeros(x.size, np.float32), i, v, [0, i.size], nonzero=i)
-    densify_into(np.zeros(x.size, np.float32), i.astype(np.int32), v, [0, i.size], nonzero=i.astype(np.int32))
     dequantize_int8(*quantize_int8(x))
     codes, _, _ = half_encode(x)
     decode16_into(codes, HALF_TABLE, np.empty(x.size, np.float32))
