@@ -129,13 +129,24 @@ def keras_running(max_depth: int = 16):
     """``"fit"``, ``"evaluate"`` or ``"predict"``: the Keras model method on the call stack
     right now (e.g. the one whose epoch iterator distributes a dataset), or None.  Read-only
     stack inspection: Keras does not tell a strategy what a dataset is for."""
+    return _keras_method(max_depth)[0]
+
+
+def keras_model_running(max_depth: int = 16):
+    """The Keras model whose ``fit``, ``evaluate`` or ``predict`` is on the call stack right now,
+    or None (read-only, as :func:`keras_running`): Keras tells an optimizer's
+    ``finalize_variable_values`` the trainable variables, not the model they belong to."""
+    return _keras_method(max_depth)[1]
+
+
+def _keras_method(max_depth: int):
     import keras
 
-    for frame in _caller_frames(max_depth):
-        if frame.f_code.co_name in ("fit", "evaluate", "predict") and \
-                isinstance(frame.f_locals.get("self"), keras.Model):
-            return frame.f_code.co_name
-    return None
+    for frame in _caller_frames(max_depth + 1):
+        model = frame.f_locals.get("self")
+        if frame.f_code.co_name in ("fit", "evaluate", "predict") and isinstance(model, keras.Model):
+            return frame.f_code.co_name, model
+    return None, None
 
 
 def set_initial_epoch(model, epoch: int | None) -> None:

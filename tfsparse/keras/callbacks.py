@@ -5,6 +5,8 @@
 * :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
+* :class:`ReplicaCheck` — every rank's weights and optimizer variables compared bit for bit at
+  each epoch's end (:mod:`tfsparse.keras.replicas`).
 * :class:`ModelCheckpoint` — rank 0 writes; the file holds every rank's exchange state.
 * :class:`DSyncWarmUp` — Pipe-SGD's warm-up: the first epochs synchronous and float32.
 * :class:`BackupAndRestore` — fault tolerance: one backup of every rank's state, restored when a
@@ -27,6 +29,7 @@ from .. import _checks, files, runtime
 from .._tf_private import set_initial_epoch
 from ..collectives.agreement import ConfigurationMismatch, check_agreement
 from .ownership import checkpointer_of, exchange_of, require_exchange
+from .replicas import check_replicas
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
@@ -245,6 +248,23 @@ class StepCountCheck(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         steps = self.params.get("steps")
         runtime.check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
+
+
+class ReplicaCheck(keras.callbacks.Callback):
+    """At the end of every ``every``-th epoch, compares a digest of every weight and optimizer
+    variable across the ranks and raises :class:`~tfsparse.keras.replicas.ReplicasDiverged` on
+    every rank, naming the first variable whose bits differ (:func:`~tfsparse.keras.replicas.check_replicas`).
+    ``SparseStrategy`` does this by itself for epochs of known length; this callback covers the
+    ``DistributedOptimizer`` route between its end-of-``fit`` checks, and epochs of unknown length.
+    List it after ``MetricAverage``, which averages BatchNormalization's moving statistics first."""
+
+    def __init__(self, every: int = 1):
+        super().__init__()
+        self.every = _checks.integer("every", every, 1, hint=" (epochs between checks)")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every == 0:
+            check_replicas(self.model, what=f"at the end of epoch {epoch + 1}")
 
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",

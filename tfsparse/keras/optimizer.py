@@ -31,13 +31,15 @@ import keras
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
+from .._tf_private import keras_model_running
 from ..checkpoint import Checkpointer, is_entry
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import ALIASES, NAMES, Settings
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
-from .callbacks import broadcast_variables
+from .callbacks import average_moving_statistics, broadcast_variables
 from .ownership import check_optimizer
+from .replicas import check_replicas
 
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
@@ -222,10 +224,20 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list):
-        # Keras calls this at the end of fit: a pipelined round still in flight is finished
-        # (its result is held for the next step, and saved with checkpoints)
+        """Keras calls this at the end of ``fit``: a pipelined round still in flight is finished
+        (its result is held for the next step, and saved with checkpoints).  On this route (no
+        ``SparseStrategy``) the model's BatchNormalization moving statistics, which each rank
+        computed from its own batches, are then replaced by their mean over the ranks (as
+        ``MetricAverage`` does at each epoch's end), and the replicas are compared
+        (:func:`~tfsparse.keras.replicas.check_replicas`): every rank raises ``ReplicasDiverged``,
+        naming the first variable whose bits differ, rather than ending apart in silence."""
         self.exchange.flush()
         self.inner_optimizer.finalize_variable_values(var_list)
+        model = keras_model_running()
+        if model is not None and _sparse_strategy() is None and getattr(model, "optimizer", None) is self \
+                and self.exchange.comm.size > 1:
+            average_moving_statistics(model, self.exchange.comm)
+            check_replicas(model, communicator=self.exchange.comm, what="at the end of fit")
 
     # -- checkpoints: every rank's exchange state ---------------------------
     def save_own_variables(self, store):

@@ -43,6 +43,7 @@ from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import Settings
 from ..keras.ownership import check_optimizer
+from ..keras.replicas import compare, digests, name_of, variables_of
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (StepCountMismatch: public here too)
 
@@ -60,6 +61,11 @@ class SparseExtended(OneDeviceExtended):
         self._metric_vars: list = []
         self._pending_steps = None
         self._reduced = None  # a LossScaleOptimizer step's exchanged gradients (see _agreed_finite)
+        # the replica check at each epoch's end in fit: the epoch's length (0: unknown) and the
+        # train steps run since the epoch began (tf.Variables, made at the first fit), and the
+        # names of the variables the traced step compares
+        self._epoch = None
+        self._check_names: list = []
 
     # -- world ------------------------------------------------------------
     @property
@@ -88,12 +94,25 @@ class SparseExtended(OneDeviceExtended):
         running = keras_running()
         if running == "fit":
             self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
+            self._start_epochs(steps)
         self._pending_steps = None
         if self.exchange.comm.size > 1 and running in ("fit", "evaluate") and tf.executing_eagerly():
             dataset = self._agree_on_steps(dataset, steps, running)
         else:
             self._pending_steps = steps  # compared at the first step, fused with its metric averaging
         return without_autotune(dataset)
+
+    def _start_epochs(self, steps) -> None:
+        """A ``fit`` begins with epochs of ``steps`` train steps (None: unknown): the traced
+        step compares the replicas after every ``steps``-th step (:meth:`_epoch_end_digests`)."""
+        if not tf.executing_eagerly():
+            return
+        if self._epoch is None:
+            with tf.init_scope():
+                self._epoch = (tf.Variable(0, dtype=tf.int64, trainable=False, name="tfsparse_epoch_steps"),
+                               tf.Variable(0, dtype=tf.int64, trainable=False, name="tfsparse_epoch_step"))
+        self._epoch[0].assign(int(steps or 0))
+        self._epoch[1].assign(0)
 
     def _agree_on_steps(self, dataset, steps, running: str):
         """Before ``fit``/``evaluate`` iterates: the ranks compare the exchange's settings and
@@ -193,13 +212,14 @@ class SparseExtended(OneDeviceExtended):
         outputs = call_for_each_replica(self, fn, args, kwargs)
         if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
-            outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [])
+            outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [], model)
         return outputs
 
-    def _sync_step(self, outputs, moving=()):
+    def _sync_step(self, outputs, moving=(), model=None):
         """Averages, after the step, the metric states, the step's scalar outputs and
         ``moving`` -- the model's non-trainable float weights that training updates (BatchNorm's
-        moving mean and variance) -- across ranks, in one allreduce."""
+        moving mean and variance) -- across ranks, in one allreduce; after an epoch's last step
+        of ``model``'s training, also compares its replicas (:meth:`_epoch_end_digests`)."""
         reject_xla("the per-step metric averaging")
         flat = tf.nest.flatten(outputs)
         out_pos = [i for i, o in enumerate(flat)
@@ -207,14 +227,18 @@ class SparseExtended(OneDeviceExtended):
         mvars = list(self._metric_vars) + [v for v in moving if all(v is not m for m in self._metric_vars)]
         pieces = [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in mvars]
         pieces += [tf.reshape(tf.cast(flat[i], tf.float64), [-1]) for i in out_pos]
-        if not pieces:
+        end, digest = self._epoch_end_digests(model, mvars)
+        if not pieces and end is None:
             return outputs
         sizes = [int(p.shape.num_elements()) for p in pieces]
         with tf.control_dependencies([flat[i] for i in out_pos]):
-            packed = tf.concat(pieces, axis=0)
-        synced = tf.numpy_function(runtime.held_weakly(self._sync_np), [packed], tf.float64, stateful=True,
+            packed = tf.concat(pieces, axis=0) if pieces else tf.zeros([0], tf.float64)
+        extra = [] if end is None else [end, digest]
+        synced = tf.numpy_function(runtime.held_weakly(self._sync_np), [packed, *extra], tf.float64, stateful=True,
                                    name="tfsparse_metric_sync")
         synced.set_shape(packed.shape)
+        if not pieces:
+            return outputs
         parts = tf.split(synced, sizes)
         assigns = [v.assign(tf.reshape(tf.cast(p, v.dtype), v.shape)) for v, p in zip(mvars, parts)]
         with tf.control_dependencies(assigns):
@@ -222,19 +246,48 @@ class SparseExtended(OneDeviceExtended):
                 flat[i] = tf.identity(tf.cast(tf.reshape(parts[len(mvars) + j], []), flat[i].dtype))
         return tf.nest.pack_sequence_as(outputs, flat)
 
-    def _sync_np(self, packed):
+    def _epoch_end_digests(self, model, averaged=()):
+        """At the trace of ``model``'s train step (None: no train step): ``(end, digest)``, a
+        boolean tensor that is true after the last step of an epoch of known length and, then,
+        the :func:`~tfsparse.keras.replicas.digests` of every weight and optimizer variable
+        (read after the step's updates: TensorFlow orders a variable's reads after its writes)
+        but ``averaged`` (what the step's allreduce replaces by its mean: BatchNormalization's
+        moving statistics), zeros otherwise; ``(None, None)`` without a model or outside ``fit``."""
+        if model is None or self._epoch is None:
+            return None, None
+        variables = [v for v in variables_of(model) if all(v is not a for a in averaged)]
+        self._check_names = [name_of(v) for v in variables]
+        steps, step = self._epoch
+        n = step.assign_add(1)
+        end = tf.logical_and(steps > 0, tf.equal(n % tf.maximum(steps, 1), 0))
+
+        def digest():
+            out = tf.numpy_function(lambda *values: digests(values).view(np.int64),
+                                    [tf.convert_to_tensor(v) for v in variables], tf.int64, stateful=True,
+                                    name="tfsparse_replica_digest")
+            out.set_shape([len(variables), 2])
+            return out
+
+        return end, tf.cond(end, digest, lambda: tf.zeros([len(variables), 2], tf.int64))
+
+    def _sync_np(self, packed, end=False, digest=None):
         steps, self._pending_steps = self._pending_steps, None
+        names = self._check_names
 
         def average(comm):
+            gathered = comm.allgather(digest) if end else None
             if steps is None:
-                return comm.allreduce(packed) / comm.size
+                return comm.allreduce(packed) / comm.size, gathered
             # the step-count agreement rides along: equal counts <=> P * sum(s^2) == (sum s)^2
             total = comm.allreduce(np.concatenate([packed, [steps, float(steps) ** 2]]))
             if comm.size * total[-1] != total[-2] ** 2:
                 check_step_counts(comm, steps)
-            return total[:-2] / comm.size
+            return total[:-2] / comm.size, gathered
 
-        return self.exchange.run_collective(average)
+        averaged, gathered = self.exchange.run_collective(average)
+        if gathered is not None:
+            compare(names, gathered, "at the end of an epoch")
+        return averaged
 
 
 def _bound_to(fn):

@@ -1,0 +1,245 @@
+"""Worker: models and workflows users write, trained on every rank; each case saves this rank's
+weights and optimizer variables (as raw bits) for the test to compare across ranks.
+
+argv[1:]: the cases, run one after another in this one launch (a launch costs more than a case):
+
+* ``text-<algorithm>-<adam|sgd>``: Embedding(5000, 32) -> pooling -> Dense, 4 classes, under
+  SparseStrategy at density 0.01 (the model of the regression: Adam wrote into the result
+  vectors that the exchange refilled);
+* ``transformer-<float32|mixed_bfloat16>``: Embedding + MultiHeadAttention + LayerNormalization,
+  AdamW with a cosine-decay schedule and clipnorm, top-k (over a bfloat16 wire under
+  mixed_bfloat16);
+* ``finetune-<strategy|optimizer>``: the Keras guide's transfer learning on MobileNetV2 (no
+  weights): frozen base, compile, fit; base unfrozen, compile again with a small learning rate,
+  fit -- under SparseStrategy, or through a new DistributedOptimizer per compile;
+* ``refit-<strategy|optimizer>``: a model whose trainable set changes between fits (a layer frozen,
+  then unfrozen) and a second fit with another optimizer;
+* ``gan``: a generator and a discriminator, each with its own optimizer, in one custom
+  ``train_step`` under SparseStrategy;
+* ``diverge-<strategy|optimizer>``: rank 1 alone nudges a weight during the first epoch; the
+  replica check must raise on every rank (saved: the message, and the epoch that had begun).
+"""
+import sys
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+import tfsparse
+from mpi_harness import save_result
+
+tfsparse.init(backend="mpi")
+rank = tfsparse.rank()
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def bits(model, *optimizers) -> np.ndarray:
+    """Every weight of ``model`` and every variable of ``optimizers``, as uint32 bits (float32
+    values; float16/bfloat16 widened exactly)."""
+    parts = [v.numpy() for v in model.weights]
+    for opt in optimizers:
+        parts += [v.numpy() for v in opt.variables]
+    return np.concatenate([np.asarray(p, np.float32).reshape(-1).view(np.uint32) for p in parts])
+
+
+def text_data(n=512, seq=20):
+    rng = np.random.default_rng(100 + rank)
+    return rng.integers(0, 5000, (n, seq)).astype(np.int32), rng.integers(0, 4, n)
+
+
+def text_case(algorithm, opt_name):
+    x, y = text_data()
+    keras.utils.set_random_seed(rank)  # different initial weights: the strategy starts them from rank 0
+    with tfsparse.SparseStrategy(algorithm, 1.0 if algorithm == "dense" else 0.01):
+        model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 32),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+        opt = keras.optimizers.Adam(1e-3) if opt_name == "adam" else keras.optimizers.SGD(0.1)
+        model.compile(opt, LOSS)
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    return bits(model, model.optimizer)
+
+
+def transformer(seq=16, vocab=2000, dim=32):
+    tokens = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim)(tokens)
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16)(h, h)
+    h = keras.layers.LayerNormalization()(h + a)
+    f = keras.layers.Dense(dim)(keras.layers.Dense(64, activation="relu")(h))
+    h = keras.layers.LayerNormalization()(h + f)
+    out = keras.layers.Dense(4, dtype="float32")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(tokens, out)
+
+
+def transformer_case(precision):
+    rng = np.random.default_rng(200 + rank)
+    x, y = rng.integers(0, 2000, (192, 16)).astype(np.int32), rng.integers(0, 4, 192)
+    keras.mixed_precision.set_global_policy(precision)
+    try:
+        wire = "bfloat16" if precision == "mixed_bfloat16" else "float32"
+        with tfsparse.SparseStrategy("topk", 0.01, wire_dtype=wire):
+            model = transformer()
+            lr = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=40)
+            model.compile(keras.optimizers.AdamW(lr, clipnorm=1.0), LOSS)
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return bits(model, model.optimizer)
+
+
+def image_data(n=48):
+    rng = np.random.default_rng(300 + rank)
+    return rng.random((n, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, n)
+
+
+def finetune_case(route):
+    """keras.io's transfer-learning guide, with a base of random weights (nothing downloads)."""
+    x, y = image_data()
+    keras.utils.set_random_seed(7)
+
+    def compile_with(model, optimizer):
+        if route == "optimizer":
+            optimizer = tfsparse.keras.DistributedOptimizer(optimizer, "topk", 0.01)
+        model.compile(optimizer, LOSS)
+
+    strategy = tfsparse.SparseStrategy("topk", 0.01) if route == "strategy" else None
+    with strategy.scope() if strategy else _nothing():
+        base = keras.applications.MobileNetV2(input_shape=(32, 32, 3), include_top=False, weights=None, alpha=0.35)
+        base.trainable = False
+        inputs = keras.Input((32, 32, 3))
+        h = base(inputs, training=False)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        model = keras.Model(inputs, keras.layers.Dense(10)(h))
+        compile_with(model, keras.optimizers.Adam(1e-3))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    base.trainable = True
+    with strategy.scope() if strategy else _nothing():
+        compile_with(model, keras.optimizers.Adam(1e-5))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    return bits(model, model.optimizer)
+
+
+def refit_case(route):
+    """Freeze a layer, fit; unfreeze it, fit with another optimizer (SGD, then Adam)."""
+    rng = np.random.default_rng(400 + rank)
+    x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 3, 96)
+    keras.utils.set_random_seed(8)
+
+    def opt(inner):
+        return tfsparse.keras.DistributedOptimizer(inner, "gtopk", 0.05) if route == "optimizer" else inner
+
+    strategy = tfsparse.SparseStrategy("gtopk", 0.05) if route == "strategy" else None
+    with strategy.scope() if strategy else _nothing():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+        model.compile(opt(keras.optimizers.SGD(0.05)), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.layers[0].trainable = False
+    with strategy.scope() if strategy else _nothing():
+        model.compile(opt(keras.optimizers.SGD(0.05, momentum=0.9)), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.layers[0].trainable = True
+    with strategy.scope() if strategy else _nothing():
+        model.compile(opt(keras.optimizers.Adam(1e-3)), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    return bits(model, model.optimizer)
+
+
+class GAN(keras.Model):
+    def __init__(self, generator, discriminator):
+        super().__init__()
+        self.generator, self.discriminator = generator, discriminator
+
+    def call(self, x):
+        return self.discriminator(x)
+
+    def compile(self, g_opt, d_opt):
+        super().compile()
+        self.g_opt, self.d_opt = g_opt, d_opt
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction="sum")
+
+    def train_step(self, real):
+        batch = tf.shape(real)[0]
+        scale = 1.0 / (tf.cast(batch, tf.float32) * tf.distribute.get_strategy().num_replicas_in_sync)
+        noise = tf.random.stateless_normal((batch, 8), seed=[1, 2])
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise)
+            logits = tf.concat([self.discriminator(real), self.discriminator(fake)], 0)
+            labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], 0)
+            d_loss = self.bce(labels, logits) * scale
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_opt.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = self.bce(tf.ones((batch, 1)), self.discriminator(self.generator(noise))) * scale
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_opt.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def gan_case():
+    rng = np.random.default_rng(500 + rank)
+    real = rng.standard_normal((64, 6)).astype(np.float32)
+    keras.utils.set_random_seed(9)
+    with tfsparse.SparseStrategy("topk", 0.1):
+        generator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(6)])
+        discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                          keras.layers.Dense(1)])
+        gan = GAN(generator, discriminator)
+        gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3))
+    gan.fit(real, batch_size=16, epochs=2, verbose=0)
+    return np.concatenate([bits(generator, gan.g_opt), bits(discriminator, gan.d_opt)])
+
+
+class Nudge(keras.callbacks.Callback):
+    """Rank 1 adds 1e-3 to the last layer's bias after the third batch of the first epoch (a
+    divergence no exchange made); records the epochs begun."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs = epoch + 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        if rank == 1 and self.epochs == 1 and batch == 2:
+            bias = self.model.layers[-1].bias
+            bias.assign(bias + 1e-3)
+
+
+def diverge_case(route):
+    x, y = text_data()
+    nudge = Nudge()
+    if route == "strategy":
+        with tfsparse.SparseStrategy("topk", 0.01):
+            model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 8),
+                                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+            model.compile(keras.optimizers.SGD(0.1), LOSS)
+    else:
+        model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 8),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+        model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.01), LOSS)
+    try:
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[nudge])
+    except Exception as e:  # noqa: BLE001  (what reaches the caller: its type and text are the result)
+        return {"caught": f"{type(e).__name__}: {e}", "epochs": nudge.epochs}
+    return {"caught": None, "epochs": nudge.epochs}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(case: str) -> np.ndarray:
+    kind, *args = case.split("-")
+    return {"text": text_case, "transformer": transformer_case, "finetune": finetune_case,
+            "refit": refit_case, "gan": gan_case, "diverge": diverge_case}[kind](*args)
+
+
+results = {}
+for case in sys.argv[1:]:
+    results[case.replace("-", "_")] = run(case)
+save_result(rank, **results)

@@ -1,0 +1,98 @@
+"""Identical replicas, checked: a digest of every weight and optimizer variable, compared across
+the ranks, so that ranks that drift apart are never silent.
+
+A variable's digest is two 64-bit sums of its raw bits taken as 32-bit words -- the plain sum
+and the sum weighted by each word's position (mod 65521, plus one) -- modulo 2**64: the same
+bits give the same digest whatever the order of summation, a single flipped bit always changes
+it, and two words swapped change the weighted sum.  Comparing the digests costs one small
+allgather; reading the variables is one pass over them.
+
+* :func:`check_replicas` -- on demand, on every rank (a collective), e.g. before saving;
+* :class:`tfsparse.keras.callbacks.ReplicaCheck` -- at each epoch's end, on any route;
+* under ``SparseStrategy``, ``fit`` checks by itself at the end of every epoch whose length is
+  known (folded into the step's metric averaging); a ``DistributedOptimizer`` checks at the end
+  of every ``fit``.
+
+Either way every rank raises the same :class:`ReplicasDiverged`, naming the first variable whose
+bits differ and the ranks that differ from rank 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import runtime
+
+_WEIGHT_MOD = 65521  # the largest prime below 2**16: position weights 1..65521
+
+
+class ReplicasDiverged(RuntimeError):
+    """Some variable holds different bits on different ranks (the replicas trained apart)."""
+
+
+def digest(value) -> np.ndarray:
+    """``[sum, weighted sum]`` (uint64, mod 2**64) of the raw bits of ``value`` as 32-bit words
+    (its bytes padded with zeros to a multiple of 4)."""
+    raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    if raw.size % 4:
+        raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, np.uint8)])
+    words = raw.view(np.uint32).astype(np.uint64)
+    weights = np.arange(words.size, dtype=np.uint64) % np.uint64(_WEIGHT_MOD) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return np.array([words.sum(dtype=np.uint64), (words * weights).sum(dtype=np.uint64)], np.uint64)
+
+
+def digests(values) -> np.ndarray:
+    """The :func:`digest` of each of ``values``, one row each (``[len(values), 2]`` uint64)."""
+    return np.array([digest(v) for v in values], np.uint64).reshape(len(values), 2)
+
+
+def compare(names, gathered, what: str = "") -> None:
+    """Raises :class:`ReplicasDiverged` when the ranks' digests ``gathered`` (rank order, one
+    :func:`digests` array each) differ: the first variable (of ``names``) that differs, and the
+    ranks whose bits differ from rank 0's.  ``what``: when the check ran (for the message)."""
+    rows = [np.asarray(d).reshape(len(names), -1) for d in gathered]  # an allgather sends them flat
+    for i, name in enumerate(names):
+        ranks = [r for r, d in enumerate(rows) if not np.array_equal(d[i], rows[0][i])]
+        if ranks:
+            others = sum(1 for j in range(len(names)) if any(not np.array_equal(d[j], rows[0][j]) for d in rows))
+            raise ReplicasDiverged(
+                f"the replicas differ{' ' + what if what else ''}: variable {name!r} holds other bits on "
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} than on rank 0 "
+                f"({others} of {len(names)} variables differ). Every rank must apply the same update: "
+                f"please report it with the model, optimizer and settings")
+
+
+def variables_of(model, optimizers=()) -> list:
+    """Every weight of ``model`` (trainable or not) and every variable of its optimizer and of
+    ``optimizers``, each once."""
+    found, seen = [], set()
+    opts = [getattr(model, "optimizer", None), *optimizers]
+    for v in list(model.weights) + [v for o in opts if o is not None for v in o.variables]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+    return found
+
+
+def name_of(variable) -> str:
+    return str(getattr(variable, "path", None) or getattr(variable, "name", "?"))
+
+
+def check_replicas(model, optimizers=(), communicator=None, what: str = "") -> int:
+    """Collective (every rank calls it at the same point): compares a digest of every weight of
+    ``model`` and every variable of its optimizer (and of ``optimizers``) across the ranks, and
+    raises :class:`ReplicasDiverged` on every rank when some variable's bits differ anywhere;
+    returns how many variables it compared.  Runs over the model's exchange (after its rounds in
+    flight) when it has one, else over ``communicator`` (default: the world)."""
+    import keras
+
+    from .callbacks import _collective
+
+    variables = variables_of(model, optimizers)
+    comm = communicator or runtime.communicator()
+    if comm.size == 1:
+        return len(variables)
+    mine = digests([keras.ops.convert_to_numpy(v) for v in variables])
+    gathered = _collective(model, lambda c: c.allgather(mine), comm)
+    compare([name_of(v) for v in variables], gathered, what)
+    return len(variables)
