@@ -225,3 +225,28 @@ def test_streamed_error_feedback_gives_the_same_bits(algorithm, options, monkeyp
     monkeypatch.setattr(cpu, "STREAM_MIN", 1)
     streamed = _rounds(3, algorithm, options)
     _same_rounds(streamed, plain)
+
+
+@pytest.mark.parametrize("memory", ["residual", "momentum"])
+def test_carry_memory_takes_the_shared_tensors_memory_and_keeps_its_own(memory):
+    """A model whose trainable set changed gets a new exchange: carry_memory gives it the old
+    exchange's residual (and velocity) of every tensor both layouts hold -- same name and shape
+    -- and leaves the rest as it was; a tensor of the same name but another shape is not carried."""
+    from tfsparse.plan import Layout, TensorSpec
+
+    comm = InProcessWorld(1).comms[0]
+    kwargs = {"memory": memory, "momentum": 0.9} if memory == "momentum" else {}
+    old = GradientExchange("topk", 0.05, communicator=comm, **kwargs)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in [(30, 10), (40,), (8,)])
+    old.build(Layout([TensorSpec("a", (30, 10)), TensorSpec("b", (40,)), TensorSpec("c", (8,))]))
+    old.exchange_numpy([a, b, c])
+    new = GradientExchange("topk", 0.05, communicator=InProcessWorld(1).comms[0], **kwargs)
+    new.build(Layout([TensorSpec("b", (40,)), TensorSpec("z", (5,)), TensorSpec("c", (4, 2))]))
+    before = new.get_state()
+    assert new.carry_memory(old) == ["b"]
+    got, theirs = new.get_state(), old.get_state()
+    for key in [k for k in ("residual", "velocity") if k in theirs]:
+        np.testing.assert_array_equal(got[key][:40], theirs[key][300:340])
+        np.testing.assert_array_equal(got[key][40:], before[key][40:])
+        assert np.any(got[key][:40] != 0)

@@ -479,3 +479,38 @@ def test_held_weakly_calls_through_a_weak_reference():
     gc.collect()
     with pytest.raises(RuntimeError, match="Owner.twice runs for an object that has been freed"):
         call(4)
+
+
+def test_a_changed_trainable_set_gets_an_exchange_of_its_own_that_takes_the_shared_memory():
+    """Freeze a layer and compile again: the next fit's gradients are another set, with an
+    exchange of its own (the strategy's settings) that starts from the residual the first set
+    left for the tensors both hold; unfreezing gives a third; the first fit's exchange stays."""
+    strategy = tfsparse.SparseStrategy("topk", 0.05, communicator=solo())
+    x, y = data()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first = strategy.exchange
+    left = first.engine.get_state()["residual"]
+    model.layers[0].trainable = False
+    with strategy.scope():
+        model.compile(keras.optimizers.Adam(1e-3), LOSS)
+    carried = []
+    from tfsparse.exchange import GradientExchange
+    real = GradientExchange.carry_memory
+    GradientExchange.carry_memory = lambda self, other: carried.append(real(self, other)) or carried[-1]
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
+    finally:
+        GradientExchange.carry_memory = real
+    second = strategy.exchange
+    assert second is not first and second.config() == first.config()
+    assert [s.name for s in second.layout.specs] == [v.path for v in model.trainable_variables]
+    assert carried == [[v.path for v in model.trainable_variables]]
+    assert np.any(left[8 * 16 + 16:] != 0)  # the second layer's residual was there to carry
+    model.layers[0].trainable = True
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.01), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert strategy.exchange not in (first, second) and len(strategy.extended._sets) == 3

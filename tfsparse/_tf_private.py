@@ -139,6 +139,28 @@ def keras_model_running(max_depth: int = 16):
     return _keras_method(max_depth)[1]
 
 
+def keras_optimizer_applying(max_depth: int = 48):
+    """The Keras optimizer whose update is being traced right now -- the innermost one on the call
+    stack (read-only), unwrapped to the optimizer a ``LossScaleOptimizer`` (or tfsparse's
+    ``DistributedOptimizer``) wraps -- or None.  Keras reduces an optimizer's gradients through
+    the replica context's ``all_reduce`` with the gradients alone; which optimizer, and so which
+    set of variables, they belong to is known only from its caller."""
+    import keras
+
+    for frame in _caller_frames(max_depth):
+        optimizer = frame.f_locals.get("self")
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            while isinstance(getattr(optimizer, "inner_optimizer", None), keras.optimizers.Optimizer):
+                optimizer = optimizer.inner_optimizer
+            return optimizer
+    return None
+
+
+def optimizer_variables(optimizer) -> list:
+    """The variables ``optimizer`` was built for (Keras keeps them privately), or []."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
 def _keras_method(max_depth: int):
     import keras
 

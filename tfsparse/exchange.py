@@ -502,6 +502,32 @@ class GradientExchange:
         for b in self.bucket_states:
             b.set_state(state)
 
+    def carry_memory(self, other: "GradientExchange") -> list[str]:
+        """Takes ``other``'s memory (residual; velocity for ``memory="momentum"``) of every tensor
+        this exchange's layout shares with ``other``'s -- the same name and shape -- and keeps
+        its own elsewhere; returns the names carried.  For a model whose trainable set changed
+        (layers frozen or unfrozen: a new exchange for the new set, built already) so that what
+        the old set had not sent yet is still sent.  The aggregators' own state (thresholds,
+        Ok-Topk's reused boundaries) and the round counter start afresh.  Neither exchange may
+        have a round in flight."""
+        if not self.bucket_states or not other.bucket_states:
+            return []
+        theirs, mine = other.get_state(), self.get_state()
+        keys = [k for k in ("residual", "velocity") if k in theirs and k in mine]
+        where = {s.name: (s.shape, int(lo), int(hi))
+                 for s, lo, hi in zip(other.layout.specs, other.layout.offsets[:-1], other.layout.offsets[1:])}
+        carried = []
+        for spec, lo, hi in zip(self.layout.specs, self.layout.offsets[:-1], self.layout.offsets[1:]):
+            found = where.get(spec.name)
+            if found is None or tuple(found[0]) != tuple(spec.shape):
+                continue
+            for k in keys:
+                mine[k][int(lo):int(hi)] = theirs[k][found[1]:found[2]]
+            carried.append(spec.name)
+        if carried and keys:
+            self.set_state({k: mine[k] for k in ("sizes", "buckets", *keys)})
+        return carried
+
     def __repr__(self):
         return (f"GradientExchange(algorithm={self.algorithm!r}, density={self.density}, "
                 f"wire_dtype={self.wire.name!r}, plan={self.plan!r}, pipeline={self.pipeline})")

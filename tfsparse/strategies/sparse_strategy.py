@@ -35,7 +35,8 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
-                           keras_epoch_steps, keras_running, reject_xla)
+                           keras_epoch_steps, keras_optimizer_applying, keras_running, optimizer_variables,
+                           reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
@@ -66,6 +67,8 @@ class SparseExtended(OneDeviceExtended):
         # names of the variables the traced step compares
         self._epoch = None
         self._check_names: list = []
+        # every set of gradients reduced so far -> its exchange (see _exchange_for)
+        self._sets: dict = {}
 
     # -- world ------------------------------------------------------------
     @property
@@ -153,9 +156,50 @@ class SparseExtended(OneDeviceExtended):
             self.exchange.request_side_channel()
         self._names = [str(v.path) for v in model.trainable_variables]
 
-    def _names_for(self, values):
-        names = self._names
-        return names if names is not None and len(names) == len(values) else None
+    def _names_for(self, values, optimizer=None):
+        """The gradients' names: the paths of the variables ``optimizer`` was built for, else of
+        the traced model's trainable variables, where there are as many; else None."""
+        for variables in (optimizer_variables(optimizer), self._names or []):
+            if len(variables) == len(values):
+                return [v if isinstance(v, str) else str(getattr(v, "path", None) or v.name) for v in variables]
+        return None
+
+    def _exchange_for(self, values):
+        """At the trace of a reduction of the gradients ``values``: ``(exchange, names)``.
+
+        Each set of gradients has an exchange of its own, kept for the strategy's life: a set is
+        the optimizer that applies them (the innermost on the call stack: a GAN's two optimizers
+        are two sets) with their names and shapes (a model whose trainable set changed -- layers
+        frozen or unfrozen, compiled again -- is another set).  The first set takes the
+        strategy's exchange (or the one a ``DistributedOptimizer`` gave it); a later set gets a
+        new exchange with the same settings, which takes over the memory of every tensor it
+        shares with the set trained before it (:meth:`GradientExchange.carry_memory`), and
+        becomes the strategy's :attr:`exchange` (what callbacks, checkpoints and the metric
+        averaging use) whenever its set is traced."""
+        optimizer = keras_optimizer_applying()
+        names = self._names_for(values, optimizer)
+        key = (id(optimizer) if optimizer is not None else None, tuple(names or ()),
+               tuple(tuple(v.shape.as_list()) for v in values))
+        current = self.exchange
+        exchange = self._sets.get(key)
+        carry_from = None
+        if exchange is None:
+            if current.layout is None and all(e is not current for e in self._sets.values()):
+                exchange = current
+            else:
+                exchange = Pipelined(GradientExchange(settings=current.settings, communicator=current.comm))
+                exchange.density, exchange.schedule = current.density, current.schedule
+                if current.engine.side_channel and exchange.depth == 1:
+                    exchange.engine.request_side_channel()
+                carry_from = current if names is not None and current.layout is not None else None
+            self._sets[key] = exchange
+        if exchange is not current:
+            first, steps = current.sync_points or (None, None)
+            exchange.sync_points = (exchange.rounds_started, steps) if steps else None
+            self.exchange = exchange
+            if not self.saved_by_optimizer:
+                self.checkpointer = Checkpointer(exchange)
+        return exchange, names, carry_from
 
     def _agreed_finite(self, loss_scaler, grads):
         """Keras' ``LossScaleOptimizer.check_finite`` under this strategy: it would test each
@@ -168,8 +212,10 @@ class SparseExtended(OneDeviceExtended):
         gradients are kept for the all-reduce that the finite branch then asks for."""
         values = [g for g in grads if g is not None]
         check_float_variables(values)
-        check_optimizer(self.exchange, loss_scaler)
-        self._reduced = loss_scaled(self.exchange, values, loss_scaler.dynamic_scale, self._names_for(values))
+        exchange, names, carry_from = self._exchange_for(values)
+        check_optimizer(exchange, loss_scaler)
+        self._reduced = loss_scaled(exchange, values, loss_scaler.dynamic_scale, names)
+        _carry(exchange, carry_from)
         return loss_scaler.check_finite(self._reduced)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -179,7 +225,9 @@ class SparseExtended(OneDeviceExtended):
             reduced, self._reduced = self._reduced, None
         else:
             check_float_variables(values)
-            reduced = exchange_tensors(self.exchange, values, names=self._names_for(values))
+            exchange, names, carry_from = self._exchange_for(values)
+            reduced = exchange_tensors(exchange, values, names=names)
+            _carry(exchange, carry_from)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             p = float(self.exchange.comm.size)
             reduced = [r / tf.cast(p, r.dtype) for r in reduced]
@@ -288,6 +336,15 @@ class SparseExtended(OneDeviceExtended):
         if gathered is not None:
             compare(names, gathered, "at the end of an epoch")
         return averaged
+
+
+def _carry(exchange, previous) -> None:
+    """A new exchange (built by the trace of its first reduction) takes over ``previous``'s memory
+    of the tensors they share (nothing when ``previous`` is None)."""
+    if previous is not None:
+        with tf.init_scope():
+            previous.flush()
+            exchange.engine.carry_memory(previous.engine)
 
 
 def _bound_to(fn):
