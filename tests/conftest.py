@@ -26,6 +26,7 @@ FAST_MPI = (
     "tests/test_reliability_mpi.py::test_one_traceback_when_a_rank_raises[3]",             # reliability
     "tests/test_pipe_sgd.py::test_keras_updates_follow_the_pipelined_sequence[2-strategy]",  # Pipe-SGD
     "tests/test_examples.py::test_custom_loop",                                            # examples
+    "tests/test_replicas_mpi.py::test_every_rank_ends_with_the_same_bits[2-text-topk-adam]",  # replicas
 )
 NOT_FAST = (  # not marked `mpi`, but too slow for the development loop (CUDA simulator, mpirun jobs)
     "tests/test_tools.py::test_bench_kernels_cuda_path_runs_in_the_simulator",
