@@ -216,6 +216,7 @@ def test_one_flat_array_gets_its_bucket_vector_itself():
         del out
 
 
+@pytest.mark.parametrize("algorithm,options", [("topk", {}), ("gtopk", {}), ("dense", {"wire_dtype": "int8"})])
 def test_streamed_error_feedback_gives_the_same_bits(algorithm, options, monkeypatch):
     """Error feedback's pass with non-temporal stores (what buckets from ``STREAM_MIN`` elements on
     get) gives every result and state bit for bit what plain stores give (P = 3)."""

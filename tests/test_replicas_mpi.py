@@ -12,11 +12,12 @@ from mpi_harness import mpirun
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk", "dragonn", "dgc", "gaussiank", "csc")
 CASES = {
     2: [f"text-{a}-adam" for a in ALGORITHMS] + ["text-topk-sgd", "text-gtopk-sgd", "transformer-mixed_bfloat16",
-                                                 "refit-strategy", "refit-optimizer", "gan",
+                                                 "refit-strategy", "refit-optimizer", "gan-strategy", "gan-optimizer",
                                                  "diverge-strategy", "diverge-optimizer"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
         "transformer-float32", "transformer-mixed_bfloat16", "finetune-strategy", "finetune-optimizer",
-        "refit-strategy", "refit-optimizer", "gan", "diverge-strategy", "diverge-optimizer"],
+        "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "gan-strategy",
+        "gan-optimizer", "diverge-strategy", "diverge-optimizer"],
 }
 _launched: dict = {}
 
@@ -48,7 +49,8 @@ def test_every_rank_ends_with_the_same_bits(nproc, case):
     in float32 and mixed_bfloat16 over a bfloat16 wire, the transfer-learning recipe (freeze,
     fit, unfreeze, compile, fit) under SparseStrategy and through a new DistributedOptimizer per
     compile (BatchNorm's moving statistics averaged at fit's end), refits with another trainable
-    set and optimizer, and a GAN whose two optimizers each get an exchange of their own."""
+    set and optimizer (synchronous and Pipe-SGD's pipeline=2), and a GAN whose two optimizers each
+    get an exchange of their own (under SparseStrategy, or each a DistributedOptimizer)."""
     same_bits(launched(nproc), case.replace("-", "_"))
 
 

@@ -12,10 +12,10 @@ argv[1:]: the cases, run one after another in this one launch (a launch costs mo
 * ``finetune-<strategy|optimizer>``: the Keras guide's transfer learning on MobileNetV2 (no
   weights): frozen base, compile, fit; base unfrozen, compile again with a small learning rate,
   fit -- under SparseStrategy, or through a new DistributedOptimizer per compile;
-* ``refit-<strategy|optimizer>``: a model whose trainable set changes between fits (a layer frozen,
-  then unfrozen) and a second fit with another optimizer;
-* ``gan``: a generator and a discriminator, each with its own optimizer, in one custom
-  ``train_step`` under SparseStrategy;
+* ``refit-<strategy|optimizer>[-2]``: a model whose trainable set changes between fits (a layer
+  frozen, then unfrozen) and a second fit with another optimizer (``-2``: Pipe-SGD's pipeline=2);
+* ``gan-<strategy|optimizer>``: a generator and a discriminator, each with its own optimizer, in
+  one custom ``train_step`` under SparseStrategy (or each a DistributedOptimizer);
 * ``diverge-<strategy|optimizer>``: rank 1 alone nudges a weight during the first epoch; the
   replica check must raise on every rank (saved: the message, and the epoch that had begun).
 """
@@ -118,16 +118,17 @@ def finetune_case(route):
     return bits(model, model.optimizer)
 
 
-def refit_case(route):
+def refit_case(route, pipeline="1"):
     """Freeze a layer, fit; unfreeze it, fit with another optimizer (SGD, then Adam)."""
     rng = np.random.default_rng(400 + rank)
     x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 3, 96)
     keras.utils.set_random_seed(8)
 
     def opt(inner):
-        return tfsparse.keras.DistributedOptimizer(inner, "gtopk", 0.05) if route == "optimizer" else inner
+        return tfsparse.keras.DistributedOptimizer(inner, "gtopk", 0.05, pipeline=int(pipeline)) \
+            if route == "optimizer" else inner
 
-    strategy = tfsparse.SparseStrategy("gtopk", 0.05) if route == "strategy" else None
+    strategy = tfsparse.SparseStrategy("gtopk", 0.05, pipeline=int(pipeline)) if route == "strategy" else None
     with strategy.scope() if strategy else _nothing():
         model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"),
                                   keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
@@ -175,16 +176,22 @@ class GAN(keras.Model):
         return {"d_loss": d_loss, "g_loss": g_loss}
 
 
-def gan_case():
+def gan_case(route):
     rng = np.random.default_rng(500 + rank)
     real = rng.standard_normal((64, 6)).astype(np.float32)
     keras.utils.set_random_seed(9)
-    with tfsparse.SparseStrategy("topk", 0.1):
+
+    def opt():
+        inner = keras.optimizers.Adam(1e-3)
+        return tfsparse.keras.DistributedOptimizer(inner, "topk", 0.1) if route == "optimizer" else inner
+
+    strategy = tfsparse.SparseStrategy("topk", 0.1) if route == "strategy" else None
+    with strategy.scope() if strategy else _nothing():
         generator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(6)])
         discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                                           keras.layers.Dense(1)])
         gan = GAN(generator, discriminator)
-        gan.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3))
+        gan.compile(opt(), opt())
     gan.fit(real, batch_size=16, epochs=2, verbose=0)
     return np.concatenate([bits(generator, gan.g_opt), bits(discriminator, gan.d_opt)])
 
