@@ -230,12 +230,16 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         computed from its own batches, are then replaced by their mean over the ranks (as
         ``MetricAverage`` does at each epoch's end), and the replicas are compared
         (:func:`~tfsparse.keras.replicas.check_replicas`): every rank raises ``ReplicasDiverged``,
-        naming the first variable whose bits differ, rather than ending apart in silence."""
+        naming the first variable whose bits differ, rather than ending apart in silence.  Not
+        after a ``fit`` that a callback stopped (``model.stop_training``): its ranks may have
+        stopped at different steps, and a rank that left early must not wait in a collective
+        that the others, still training, never join (``ReplicaCheck`` after ``MetricAverage``,
+        which agrees on stopping, checks such runs)."""
         self.exchange.flush()
         self.inner_optimizer.finalize_variable_values(var_list)
         model = keras_model_running()
         if model is not None and _sparse_strategy() is None and getattr(model, "optimizer", None) is self \
-                and self.exchange.comm.size > 1:
+                and self.exchange.comm.size > 1 and not getattr(model, "stop_training", False):
             average_moving_statistics(model, self.exchange.comm)
             check_replicas(model, communicator=self.exchange.comm, what="at the end of fit")
 

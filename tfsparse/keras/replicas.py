@@ -92,7 +92,8 @@ def check_replicas(model, optimizers=(), communicator=None, what: str = "") -> i
     comm = communicator or runtime.communicator()
     if comm.size == 1:
         return len(variables)
-    mine = digests([keras.ops.convert_to_numpy(v) for v in variables])
+    # as int64 (the same bits): not every transport sends uint64 (Horovod's allgather does not)
+    mine = digests([keras.ops.convert_to_numpy(v) for v in variables]).view(np.int64)
     gathered = _collective(model, lambda c: c.allgather(mine), comm)
     compare([name_of(v) for v in variables], gathered, what)
     return len(variables)
