@@ -165,7 +165,9 @@ class SparseExtended(OneDeviceExtended):
         return None
 
     def _exchange_for(self, values):
-        """At the trace of a reduction of the gradients ``values``: ``(exchange, names)``.
+        """At the trace of a reduction of the gradients ``values``: ``(exchange, names,
+        carry_from)`` -- the set's exchange, the gradients' names (None: unknown) and, for a set
+        new to a built exchange, the exchange whose memory it takes over once built (:func:`_carry`).
 
         Each set of gradients has an exchange of its own, kept for the strategy's life: a set is
         the optimizer that applies them (the innermost on the call stack: a GAN's two optimizers
@@ -194,7 +196,7 @@ class SparseExtended(OneDeviceExtended):
                 carry_from = current if names is not None and current.layout is not None else None
             self._sets[key] = exchange
         if exchange is not current:
-            first, steps = current.sync_points or (None, None)
+            steps = (current.sync_points or (None, None))[1]
             exchange.sync_points = (exchange.rounds_started, steps) if steps else None
             self.exchange = exchange
             if not self.saved_by_optimizer:
