@@ -59,7 +59,6 @@ class AllreduceResult:
         self.sent_elements = int(sent_elements)
         self.loss = loss if loss is not None else WireLoss()
         self.pieces = pieces
-        self._joined = None  # the pieces' indices concatenated, once made
         self.n = n
         self.residual_in_place = bool(residual_in_place)
 
@@ -68,15 +67,6 @@ class AllreduceResult:
         if self._values is None:
             self._values = sparse_decode(self.n, self.pieces)
         return self._values
-
-    def _piece_indices(self) -> np.ndarray:
-        """The pieces' indices in piece order: a single piece's own array, or the pieces'
-        concatenation (made once)."""
-        if len(self.pieces) == 1:
-            return np.asarray(self.pieces[0][0]).reshape(-1)
-        if self._joined is None:
-            self._joined = np.concatenate([np.asarray(p[0]).reshape(-1) for p in self.pieces])
-        return self._joined
 
     def to_dense(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The result as a dense float32 vector, written into ``out`` when given (a host vector of
@@ -98,26 +88,22 @@ class AllreduceResult:
             out[self.indices] = self.values
             return out
         if self.pieces is not None:
-            densify(out, self.pieces, add=True, indices=self._piece_indices())
+            densify(out, self.pieces, add=True)
         else:
             densify(out, [(self.indices, self.values)], add=False)
         return out
 
 
-def densify(out: np.ndarray, pieces, add: bool = True, indices: np.ndarray | None = None) -> np.ndarray:
+def densify(out: np.ndarray, pieces, add: bool = True) -> np.ndarray:
     """``out[:]`` = the dense sum of sparse ``(indices, values)`` pieces (each with unique
     indices), summed in piece order from zeros (``add``; ``add=False``: one piece, its values
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
     Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
     otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
-    the same bits either way.  ``indices``: the pieces' indices concatenated, where the caller
-    has them already."""
+    the same bits either way."""
     from ..ops import cpu
 
-    if indices is not None:
-        idx = indices
-    else:
-        idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
+    idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
     val = np.concatenate([p[1] for p in pieces]) if len(pieces) != 1 else pieces[0][1]
     starts = np.cumsum([0] + [len(p[0]) for p in pieces])
     if cpu.densify_into(out, idx, val, starts, add=add):

@@ -42,8 +42,9 @@ def digest(value) -> np.ndarray:
 
 
 def digests(values) -> np.ndarray:
-    """The :func:`digest` of each of ``values``, one row each (``[len(values), 2]`` uint64)."""
-    return np.array([digest(v) for v in values], np.uint64).reshape(len(values), 2)
+    """The :func:`digest` of each of ``values``, one row each (``[len(values), 2]``), as int64 --
+    the same bits, as every transport sends them (Horovod's allgather takes no uint64)."""
+    return np.array([digest(v) for v in values], np.uint64).reshape(len(values), 2).view(np.int64)
 
 
 def compare(names, gathered, what: str = "") -> None:
@@ -92,8 +93,7 @@ def check_replicas(model, optimizers=(), communicator=None, what: str = "") -> i
     comm = communicator or runtime.communicator()
     if comm.size == 1:
         return len(variables)
-    # as int64 (the same bits): not every transport sends uint64 (Horovod's allgather does not)
-    mine = digests([keras.ops.convert_to_numpy(v) for v in variables]).view(np.int64)
+    mine = digests([keras.ops.convert_to_numpy(v) for v in variables])
     gathered = _collective(model, lambda c: c.allgather(mine), comm)
     compare([name_of(v) for v in variables], gathered, what)
     return len(variables)

@@ -161,7 +161,7 @@ class SparseExtended(OneDeviceExtended):
         the traced model's trainable variables, where there are as many; else None."""
         for variables in (optimizer_variables(optimizer), self._names or []):
             if len(variables) == len(values):
-                return [v if isinstance(v, str) else str(getattr(v, "path", None) or v.name) for v in variables]
+                return [v if isinstance(v, str) else name_of(v) for v in variables]
         return None
 
     def _exchange_for(self, values):
@@ -312,7 +312,7 @@ class SparseExtended(OneDeviceExtended):
         end = tf.logical_and(steps > 0, tf.equal(n % tf.maximum(steps, 1), 0))
 
         def digest():
-            out = tf.numpy_function(lambda *values: digests(values).view(np.int64),
+            out = tf.numpy_function(lambda *values: digests(values),
                                     [tf.convert_to_tensor(v) for v in variables], tf.int64, stateful=True,
                                     name="tfsparse_replica_digest")
             out.set_shape([len(variables), 2])
