@@ -11,8 +11,9 @@ algorithm, final test accuracy, bytes each rank sent per step, and the mean step
 ``--json`` also holds, per run, rank 0's ``epoch_end_s`` (wall seconds from the start of ``fit``
 to each epoch's end, validation included) and ``train_s`` (the training batches alone, cumulative).
 
-``--memory momentum`` is momentum correction (DGC / GradientFlow): the exchange applies the
-momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
+``--memory`` is the library's ``memory=`` (default ``auto``: a sparse algorithm takes the SGD's
+momentum over, momentum correction); ``--memory momentum`` is momentum correction pinned (DGC /
+GradientFlow): the exchange applies the momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
 warm-up (``DensitySchedule(WarmUp(epochs=E))``); ``--chunk-size`` is CSC's (``algorithm="csc"``).
 ``--pipeline 2`` is Pipe-SGD (each step applies the previous step's aggregated gradient while its
 own is on the wire); ``--dsync-epochs E`` trains the first E epochs synchronously over float32
@@ -105,7 +106,8 @@ def main():
     parser.add_argument("--wire", default="float32", help="wire_dtype: float32, float16, bfloat16 or int8")
     parser.add_argument("--bucket-bytes", type=int, default=None,
                         help="lazy-allreduce threshold in bytes (default: one fused bucket)")
-    parser.add_argument("--memory", default="residual", help="residual (error feedback) or momentum (correction)")
+    parser.add_argument("--memory", default="auto", help="auto (default: momentum correction under the SGD's momentum "
+                        "for a sparse algorithm), residual (error feedback) or momentum (correction, the SGD without)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--warmup-epochs", type=float, default=0.0, help="dense warm-up length (0: none)")
     parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")

@@ -221,6 +221,98 @@ def test_momentum_correction_refuses_an_optimizer_with_momentum():
     assert strategy.exchange.rounds_started == 0
 
 
+def _fit_default_memory(route, optimizer, model_seed=0, **settings):
+    """Two epochs of the two-layer model through ``route`` with ``optimizer`` (a factory, called
+    inside the scope); returns (weights, optimizer, exchange)."""
+    x, y = data()
+    keras.utils.set_random_seed(model_seed)
+    if route == "strategy":
+        strategy = tfsparse.SparseStrategy(communicator=solo(), **settings)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+            opt = optimizer()
+            model.compile(opt, LOSS)
+    else:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+        opt = optimizer()
+        model.compile(DistributedOptimizer(opt, communicator=solo(), **settings), LOSS)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    return [w.copy() for w in model.get_weights()], opt, tfsparse.keras.ownership.exchange_of(model)
+
+
+@pytest.mark.parametrize("route", ["strategy", "optimizer"])
+@pytest.mark.parametrize("algorithm", ["topk", "gtopk", "oktopk", "dgc"])
+def test_the_default_memory_takes_over_the_momentum_of_sgd(route, algorithm):
+    """``memory="auto"`` (the default) with ``SGD(lr, momentum=m)`` and a sparse algorithm is
+    momentum correction with factor m, the optimizer applying its update without momentum: bit
+    for bit what ``memory="momentum", momentum=m`` with ``SGD(lr)`` gives.  The user's optimizer
+    keeps its settings (``momentum``, its config); its momentum variables stay zero."""
+    auto, sgd, ex = _fit_default_memory(route, lambda: keras.optimizers.SGD(0.1, momentum=0.8),
+                                        algorithm=algorithm, density=0.2)
+    pinned, _, pinned_ex = _fit_default_memory(route, lambda: keras.optimizers.SGD(0.1), algorithm=algorithm,
+                                               density=0.2, memory="momentum", momentum=0.8)
+    for a, b in zip(auto, pinned):
+        np.testing.assert_array_equal(a, b)
+    assert ex.settings.memory == "momentum" and ex.settings.momentum == pytest.approx(0.8) and ex.takes_momentum
+    assert ex.config()["memory"] == "auto" and ex.config()["momentum"] is None  # what was given: saved as such
+    assert ex.get_state()["velocity"].any()
+    np.testing.assert_array_equal(ex.get_state()["velocity"], pinned_ex.get_state()["velocity"])
+    assert sgd.momentum == 0.8 and sgd.get_config()["momentum"] == 0.8
+    assert sgd.momentums and not any(np.any(m.numpy()) for m in sgd.momentums)
+
+
+@pytest.mark.parametrize("route", ["strategy", "optimizer"])
+@pytest.mark.parametrize("optimizer, algorithm", [
+    (lambda: keras.optimizers.Adam(0.01), "topk"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.8, nesterov=True), "gtopk"),
+    (lambda: keras.optimizers.RMSprop(0.01, momentum=0.5), "topk"),
+    (lambda: keras.optimizers.SGD(0.1), "topk"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.8), "dense")])
+def test_the_default_memory_is_error_feedback_otherwise(route, optimizer, algorithm):
+    """Any other optimizer (Adam, Nesterov, RMSprop's momentum, no momentum), or a dense
+    exchange, keeps its own momentum: ``memory="auto"`` is ``"residual"``, bit for bit."""
+    auto, opt, ex = _fit_default_memory(route, optimizer, algorithm=algorithm, density=0.2)
+    pinned, _, _ = _fit_default_memory(route, optimizer, algorithm=algorithm, density=0.2, memory="residual")
+    for a, b in zip(auto, pinned):
+        np.testing.assert_array_equal(a, b)
+    assert ex.settings.memory == "residual" and not ex.takes_momentum
+    assert not getattr(opt, "_tfsparse_momentum_in_exchange", False)
+
+
+def test_an_exchange_used_without_an_optimizer_keeps_error_feedback():
+    """``memory="auto"`` on an exchange that never meets an optimizer (the numpy API) is error
+    feedback."""
+    ex = tfsparse.exchange.GradientExchange("topk", 0.25, communicator=solo())
+    ex.exchange_numpy([np.arange(8, dtype=np.float32)])
+    assert ex.settings.memory == "residual" and ex.requested.memory == "auto" and ex.residual.any()
+
+
+def test_auto_measures_then_runs_its_choice_and_a_refit_inherits_it(capsys):
+    """``algorithm="auto"`` in one process: seven measured rounds (dense over float16), then the
+    choice -- dense float32 for one rank, which has no link -- printed once; SGD's momentum is the
+    exchange's (velocity kept).  A second fit with another trainable set runs the same choice
+    without measuring again."""
+    from tfsparse import auto
+
+    x, y = data(256)
+    strategy = tfsparse.SparseStrategy("auto", communicator=solo())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ex = strategy.exchange
+    assert ex.auto_choice == auto.CANDIDATES[0] and ex.auto_decision.link is None
+    assert ex.settings.algorithm == "dense" and ex.settings.memory == "momentum" and ex.config()["algorithm"] == "auto"
+    assert ex.get_state()["auto"].tolist() == [0] and ex.get_state()["velocity"].any()
+    assert capsys.readouterr().out.count("algorithm='auto' chose dense over float32 for 1 ranks") == 1
+    model.layers[0].trainable = False
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert strategy.exchange is not ex and strategy.exchange.auto_choice == auto.CANDIDATES[0]
+    assert strategy.exchange.auto_decision is None and "chose" not in capsys.readouterr().out
+
+
 def test_momentum_correction_and_warmup_in_fit():
     strategy = tfsparse.SparseStrategy("csc", 0.3, chunk_size=4, memory="momentum", momentum=0.8,
                                        communicator=solo())
@@ -246,7 +338,7 @@ def test_optimizer_config_carries_every_option():
     assert {k: cfg[k] for k in ("algorithm", "density", "wire_dtype", "plan")} == \
         {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "plan": 4096}
     assert cfg["algorithm_options"] == {"tau": 16}
-    assert cfg["memory"] == "residual" and cfg["momentum"] is None
+    assert cfg["memory"] == "auto" and cfg["momentum"] is None  # as given; decided when the optimizer is known
     mc = DistributedOptimizer(keras.optimizers.SGD(0.25), "csc", 0.1, memory="momentum", momentum=0.8, chunk_size=64,
                               communicator=solo())
     again = keras.optimizers.deserialize(keras.optimizers.serialize(mc))

@@ -15,7 +15,7 @@ LAYERS = [
     {"collectives"},
     {"compressors", "memory", "runtime", "data"},
     {"aggregators"},
-    {"plan", "selection", "timing"},
+    {"plan", "selection", "timing", "auto"},
     {"settings", "bucket"},
     {"exchange"},
     {"pipelined", "checkpoint"},

@@ -13,11 +13,13 @@ ALGORITHMS = ("dense", "topk", "gtopk", "oktopk", "dragonn", "dgc", "gaussiank",
 CASES = {
     2: [f"text-{a}-adam" for a in ALGORITHMS] + ["text-topk-sgd", "text-gtopk-sgd", "transformer-mixed_bfloat16",
                                                  "refit-strategy", "refit-optimizer", "gan-strategy", "gan-optimizer",
-                                                 "diverge-strategy", "diverge-optimizer"],
+                                                 "diverge-strategy", "diverge-optimizer", "auto-strategy-measured",
+                                                 "auto-optimizer-gtopk"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
         "transformer-float32", "transformer-mixed_bfloat16", "finetune-strategy", "finetune-optimizer",
         "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "gan-strategy",
-        "gan-optimizer", "diverge-strategy", "diverge-optimizer"],
+        "gan-optimizer", "diverge-strategy", "diverge-optimizer", "auto-strategy-measured",
+        "auto-optimizer-measured", "auto-strategy-oktopk"],
 }
 _launched: dict = {}
 
@@ -67,3 +69,31 @@ def test_a_rank_that_drifts_apart_is_named_on_every_rank(nproc, route):
         assert caught is not None, f"rank {r} trained on in silence"
         assert "ReplicasDiverged" in caught and "dense" in caught and "/bias' holds other bits on rank 1 " in caught, caught
         assert epochs == (1 if route == "strategy" else 3), (r, epochs)
+
+
+AUTO = [(n, c) for n, cases in CASES.items() for c in cases if c.startswith("auto")]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("nproc,case", AUTO, ids=[f"{n}-{c}" for n, c in AUTO])
+def test_auto_makes_one_choice_on_every_rank(nproc, case):
+    """``algorithm="auto"``: the first rounds run dense over float16 and are measured; at round 7
+    every rank makes the same choice (measured, or a sparse one forced, so that the switch
+    mid-epoch is exercised), rank 0 alone prints it once, and the ranks end bit-identical.  With
+    SGD's momentum the exchange applies it (momentum correction) and the optimizer's own momentum
+    variables stay zero."""
+    results = launched(nproc)
+    key = case.replace("-", "_")
+    infos = [r[key + "_info"] for r in results]
+    forced = case.split("-")[2]
+    for info in infos:
+        assert info["choice"] == infos[0]["choice"] and info["settings"] == infos[0]["settings"]
+        assert info["choice"] == (infos[0]["choice"] if forced == "measured" else forced)
+        assert info["settings"]["memory"] == "momentum" and info["settings"]["momentum"] == pytest.approx(0.9)
+        assert info["velocity"] and info["sgd_momentum"] == [pytest.approx(0.9), False]
+    assert len(infos[0]["printed"]) == 1 and all(not i["printed"] for i in infos[1:])
+    assert f"chose " in infos[0]["printed"][0] and "Pin it with algorithm=" in infos[0]["printed"][0]
+    if forced != "measured":  # the epochs after the switch send a hundredth of the first's (dense) bytes
+        assert infos[0]["comm_bytes"][-1] < 0.1 * infos[0]["comm_bytes"][0]
+    same_bits(results, key)

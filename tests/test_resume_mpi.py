@@ -26,7 +26,9 @@ CASES = [{"algo": a, "route": route, "options": OPTIONS.get(a, {}), **({"wire": 
 CASES += [{"algo": "topk", "route": "optimizer", "wire": "int8", "bucket_bytes": 256},
           {"algo": "oktopk", "route": "strategy", "wire": "bfloat16", "bucket_bytes": 0, "options": OKTOPK},
           {"algo": "oktopk", "route": "strategy", "options": OKTOPK, "drop_state": True},
-          {"algo": "dgc", "route": "optimizer", "options": DGC, "drop_state": True}]
+          {"algo": "dgc", "route": "optimizer", "options": DGC, "drop_state": True},
+          # algorithm="auto": measured for 7 rounds, decided before the checkpoint (after 12)
+          {"algo": "auto", "route": "strategy"}, {"algo": "auto", "route": "optimizer"}]
 
 
 def key(case):
@@ -47,9 +49,12 @@ def test_resume_is_bit_identical(resumed, case):
         assert res["files"] == sorted(f"case{i}.keras" for i in range(len(CASES)))  # rank 0 wrote them
         meta = res["cases"][f"{k}/json"]
         assert meta["same_state"], f"{k}: rank {r} restored another exchange state"
-        assert meta["algorithm"] == case["algo"] and meta["wire"] == case.get("wire", "float32")
+        if case["algo"] == "auto":  # the decision is restored, not measured again
+            assert "auto" in meta["state_keys"] and meta["algorithm"] != "auto" and meta["measured_again"] is False
+        else:
+            assert meta["algorithm"] == case["algo"] and meta["wire"] == case.get("wire", "float32")
         assert meta["owner"] == ("optimizer" if case["route"] == "optimizer" else None)
-        assert "residual" in meta["state_keys"] or (case["algo"] == "dense" and case.get("wire") is None)
+        assert "residual" in meta["state_keys"] or (case["algo"] in ("dense", "auto") and case.get("wire") is None)
         np.testing.assert_array_equal(res[f"{k}/resumed"], res[f"{k}/live"], err_msg=f"{k} on rank {r}")
         np.testing.assert_array_equal(res[f"{k}/live"], resumed[0][f"{k}/live"])
     if case["algo"] == "oktopk":

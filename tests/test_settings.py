@@ -58,6 +58,8 @@ def test_plan_buckets_with_bucket_bytes_is_one_plan():
     (dict(pipeline=3), ["pipeline=3 is not supported", "1 (synchronous) or 2"]),
     (dict(clip_norm=0), ["clip_norm=0"]),
     (dict(memory="residual", momentum=0.5), ["momentum=0.5 needs memory='momentum'"]),
+    (dict(momentum=0.5), ["momentum=0.5 needs memory='momentum'", "with memory='auto'"]),
+    (dict(memory="ef"), ["memory='ef' is not supported", "'auto', 'momentum', 'none', 'residual'"]),
     (dict(algorithm="oktopk", tau_prime=0), ["tau_prime=0"]),
     # a misspelt keyword: named with the nearest valid one, the settings and the algorithm's options
     (dict(algorithm="topk", desnity=0.1), ["desnity=0.1 is neither a setting nor an option of 'topk'",
@@ -82,10 +84,25 @@ def test_one_settings_object_for_the_engine_and_its_keywords():
     b = GradientExchange("oktopk", 0.05, wire_dtype="int8", plan=4096, tau=16)
     assert a.settings is s and b.settings == s and a.config() == b.config()
     assert s.config() == {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "plan": 4096,
-                          "memory": "residual", "momentum": None, "pipeline": 1, "clip_norm": None,
+                          "memory": "auto", "momentum": None, "pipeline": 1, "clip_norm": None,
                           "algorithm_options": {"tau": 16}}
     assert s.replace(density=0.1).density == 0.1 and s.density == 0.05
     assert Settings.of(s, density=0.2).options == {"tau": 16}
+
+
+def test_auto_memory_is_decided_by_the_optimizers_momentum():
+    """``memory="auto"`` (the default): momentum correction with the optimizer's factor for a
+    sparse algorithm when there is momentum to take over, else error feedback; a pinned memory
+    stays."""
+    auto = Settings.of(algorithm="gtopk")
+    assert auto.memory == "auto" and auto.momentum is None and auto.keeps_residual
+    assert auto.resolved(0.8).memory == "momentum" and auto.resolved(0.8).momentum == 0.8
+    assert auto.resolved(None).memory == "residual" and auto.resolved(0.0).memory == "residual"
+    assert auto.resolved(0.8).replace(algorithm="dense").memory == "momentum"  # replace keeps what was decided
+    assert Settings.of(algorithm="dense").resolved(0.8).memory == "residual"  # lossless: the optimizer's momentum
+    assert not Settings.of(algorithm="dense").keeps_residual and Settings.of(algorithm="dense", wire_dtype="int8").keeps_residual
+    pinned = Settings.of(memory="residual")
+    assert pinned.resolved(0.8) is pinned
 
 
 def test_momentum_defaults_with_momentum_correction_only():

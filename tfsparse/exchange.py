@@ -49,13 +49,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from . import auto
 from .bucket import Bucket, ExchangeStats, agreement, assemble, check_saved_layout, make_bucket
 from .collectives.agreement import check_agreement
 from .collectives.thread import CommThread
 from .collectives.watchdog import note_round
 from .plan import Layout
 from .schedules import check_density
-from .settings import Settings
+from .settings import AUTO, Settings
 from .space import HOST, space_for
 from .wire import get_wire
 
@@ -108,6 +109,22 @@ def in_space(method):
     return run
 
 
+class _Auto:
+    """``algorithm="auto"``: the settings before the choice (memory decided), this rank's step
+    periods and exchange rounds so far, and the choice (``index`` into
+    :data:`tfsparse.auto.CANDIDATES`; -1 while measuring)."""
+
+    def __init__(self):
+        self.base: Settings | None = None
+        self.periods: list[float] = []
+        self.rounds: list[float] = []
+        self.last_start: float | None = None
+        self.last_round_s: float | None = None
+        self.index = -1
+        self.inherited = -1  # a choice taken from another exchange (inherit_choice)
+        self.decision = None
+
+
 class Round:
     """One round of an exchange, started by :meth:`GradientExchange.start`."""
 
@@ -150,7 +167,9 @@ class GradientExchange:
     def __init__(self, algorithm: str | None = None, density: float | None = None, *, settings: Settings | None = None,
                  communicator=None, **kwargs):
         positional = {k: v for k, v in (("algorithm", algorithm), ("density", density)) if v is not None}
-        self.settings = Settings.of(settings, **positional, **kwargs)
+        #: the settings as given (``memory="auto"`` undecided); :attr:`settings` as they run
+        self.requested = Settings.of(settings, **positional, **kwargs)
+        self.settings = self.requested
         self._density = self.settings.density
         self.plan = self.settings.plan
         self.wire = get_wire(self.settings.wire_dtype)
@@ -175,6 +194,8 @@ class GradientExchange:
         self.nonfinite_result = "zeros"
         self.stats = ExchangeStats()
         self.total = ExchangeStats()  # never reset: whole-run totals
+        #: ``algorithm="auto"``: the measurements so far and the decision (:class:`_Auto`), else None
+        self._auto = _Auto() if self.requested.algorithm == AUTO else None
         self.space = HOST  # where the buckets' vectors live: set by the first gradient (tfsparse.space)
 
     # -- configuration ----------------------------------------------------
@@ -233,8 +254,22 @@ class GradientExchange:
         return [b.aggregator for b in self.bucket_states]
 
     def config(self) -> dict:
-        """Every setting, as plain values (:meth:`Settings.config`, with the current density)."""
-        return {**self.settings.config(), "density": self.density}
+        """Every setting as given, as plain values (:meth:`Settings.config` of :attr:`requested`,
+        with the current density): what makes this exchange again."""
+        return {**self.requested.config(), "density": self.density}
+
+    def decide_memory(self, momentum: float | None) -> None:
+        """Decides ``memory="auto"`` (:meth:`Settings.resolved`) for an optimizer whose momentum
+        factor ``momentum`` the exchange may take over (None: none to take).  Once built, the
+        memory is decided: nothing changes."""
+        if self.layout is None:
+            self.settings = self.requested.resolved(momentum)
+
+    @property
+    def takes_momentum(self) -> bool:
+        """Whether the exchange applies the optimizer's momentum: ``memory="auto"`` decided for
+        momentum correction (the optimizer then applies its update without momentum)."""
+        return self.requested.memory == AUTO and self.settings.memory == "momentum"
 
     @property
     def local_clip_norm(self) -> float | None:
@@ -263,6 +298,10 @@ class GradientExchange:
 
     def _build(self, layout: Layout) -> None:
         comm = self.comm
+        self.settings = self.settings.resolved()  # "auto" undecided (no optimizer known): error feedback
+        if self._auto is not None:  # measured rounds first (a restored decision replaces them)
+            self._auto.base = self.settings
+            self._use(self.settings.replace(**dict(zip(("algorithm", "density", "wire_dtype"), auto.MEASURING))))
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
             self._agree(layout, [])
@@ -286,14 +325,79 @@ class GradientExchange:
         weakref.finalize(self, self._runner.close)
         self.layout = layout
         self.bucket_states = buckets
+        if self._auto is not None and self._auto.inherited >= 0:
+            self._replan(self._auto.inherited)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
 
+    def inherit_choice(self, other: "GradientExchange") -> None:
+        """``algorithm="auto"``: this exchange (not yet built) runs the choice ``other`` made,
+        without measuring -- a new set of gradients of the same model (layers frozen or
+        unfrozen, compiled again) on the same ranks and link."""
+        if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
+            self._auto.inherited = other._auto.index
+
+    def _use(self, settings: Settings) -> None:
+        """Runs ``settings`` from now on (before the buckets are made)."""
+        self.settings = settings
+        self.wire = get_wire(settings.wire_dtype)
+        self._density = settings.density
+
+    @property
+    def auto_decision(self):
+        """``algorithm="auto"``: the :class:`tfsparse.auto.Decision` (None while measuring, and
+        after a restored decision); None for a pinned algorithm."""
+        return None if self._auto is None else self._auto.decision
+
+    @property
+    def auto_choice(self):
+        """``algorithm="auto"``: the chosen :class:`tfsparse.auto.Candidate`, None while measuring
+        (and for a pinned algorithm)."""
+        return None if self._auto is None or self._auto.index < 0 else auto.CANDIDATES[self._auto.index]
+
+    def _replan(self, index: int) -> None:
+        """Runs candidate ``index`` of :data:`tfsparse.auto.CANDIDATES` from the next round: new
+        buckets with its stages over the same plan (the traced graph, one op per bucket, stays
+        valid), taking over the memory (residual, velocity) of the ones they replace.  Every rank
+        at the same round, with no round in flight."""
+        self.check_idle("the switch to the setting auto chose")
+        c = auto.CANDIDATES[index]
+        self._auto.index = index
+        state = self.get_state()
+        self._use(self._auto.base.replace(algorithm=c.algorithm, density=c.density, wire_dtype=c.wire_dtype))
+        old = self.bucket_states
+        self.bucket_states = [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(self.layout)]
+        for new, before in zip(self.bucket_states, old):
+            new.rounds = before.rounds
+        for b in self.bucket_states:
+            b.set_state({k: v for k, v in state.items() if k in ("residual", "velocity")})
+
+    def _auto_round(self, t0: float) -> None:
+        """``algorithm="auto"``, at the start of a round: records the step that ended, and after
+        :data:`tfsparse.auto.MEASURE_ROUNDS` rounds decides (collective, every rank at this round)."""
+        a = self._auto
+        if a.index >= 0:
+            return
+        if a.last_start is not None and a.last_round_s is not None:
+            a.periods.append(t0 - a.last_start)
+            a.rounds.append(a.last_round_s)
+        a.last_start = t0
+        if len(a.periods) < auto.MEASURE_ROUNDS - 1:
+            return
+        n = int(self.layout.n)
+        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds), self._xcomm)
+        a.decision = decision
+        if self.comm.rank == 0:
+            print(decision.describe(self.comm.size), flush=True)
+        self._replan(decision.index)
+        a.last_start = time.perf_counter()  # the measurement's own time is not a step
+
     def _agree(self, layout: Layout, buckets) -> None:
         """Every rank has the same settings, transport, layout and buckets (:func:`agreement`),
         or every rank raises the same ``ConfigurationMismatch``."""
-        what = agreement(self.config(), self.plan, self.comm, layout, buckets)
+        decided = {"memory in use": self.settings.memory, "momentum in use": self.settings.momentum}
+        what = agreement({**self.config(), **decided}, self.plan, self.comm, layout, buckets)
         check_agreement(self.comm, "the gradient exchange", what, _AGREE_HINT)
 
     def agree_on_settings(self) -> None:
@@ -357,8 +461,12 @@ class GradientExchange:
         if self._failed is not None:
             raise RuntimeError(f"this exchange failed in an earlier round ({type(self._failed).__name__}: "
                                f"{self._failed}); the ranks are out of step, restart training") from self._failed
-        index = b.check_start(self.bucket_states[b.spec.index - 1] if b.spec.index else None)
         t0 = time.perf_counter()
+        if b.spec.index == 0 and self._auto is not None and self._auto.index < 0:
+            self._auto_round(t0)
+            b = self.bucket_states[0]
+            t0 = time.perf_counter()
+        index = b.check_start(self.bucket_states[b.spec.index - 1] if b.spec.index else None)
         if b.spec.index == 0:
             note_round(self._next_round)  # what a stall report names
             self._round_t0[index] = t0
@@ -402,6 +510,8 @@ class GradientExchange:
         last = b.spec.index == len(self.bucket_states) - 1
         with self._stats_lock:
             t0 = self._round_t0.pop(index, None) if last else None
+            if last and t0 is not None and self._auto is not None:
+                self._auto.last_round_s = time.perf_counter() - t0
             for s in (self.stats, self.total):
                 s.add(out, b.spec.size, waited)
                 if last:
@@ -480,6 +590,7 @@ class GradientExchange:
             return dict(self._pending_state or {})
         self.check_idle("get_state()")
         state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
+                 **({} if self._auto is None else {"auto": np.array([self._auto.index], np.int64)}),
                  "buckets": np.array([[b.spec.start, b.spec.stop] for b in self.bucket_states], np.int64)}
         for b in self.bucket_states:
             for key, value in b.memory.get_state().items():
@@ -499,6 +610,10 @@ class GradientExchange:
         check_saved_layout(state, self.layout, self.bucket_states, self.plan)
         if "round" in state:
             self._round = self._next_round = int(state["round"].reshape(-1)[0])
+        if self._auto is not None and "auto" in state:
+            chosen = int(state["auto"].reshape(-1)[0])
+            if 0 <= chosen < len(auto.CANDIDATES) and chosen != self._auto.index:
+                self._replan(chosen)  # the decision the saved run made, without measuring again
         for b in self.bucket_states:
             b.set_state(state)
 

@@ -7,7 +7,10 @@ same keyword arguments (``algorithm=``, ``density=``, ...), which become a :clas
 through :meth:`Settings.of`; ``settings=`` passes one directly.
 
 =================  ===============================================================================
-``algorithm``      registered aggregator name (``tfsparse.aggregators.available_aggregators()``)
+``algorithm``      ``"auto"`` (default: chosen from measurements of the job, :mod:`tfsparse.auto`)
+                   or a registered aggregator name (``tfsparse.aggregators.available_aggregators()``);
+                   settings that give a ``density`` or a ``wire_dtype`` without an algorithm
+                   pin ``"topk"``
 ``density``        fraction of elements each rank sends, in (0, 1]
 ``wire_dtype``     ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`)
 ``plan``           how gradients are grouped into buckets and priced: ``None``/``"fused"`` (one
@@ -15,8 +18,9 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
                    per tensor), ``"per_tensor"``, ``"cost_model"`` or a
                    :class:`~tfsparse.selection.CostModel` (DRAGONN's per-tensor choice, Eq. 1), or
                    a :class:`tfsparse.plan.Plan`
-``memory``         ``"residual"`` (error feedback), ``"momentum"`` (momentum correction) or
-                   ``"none"`` (:mod:`tfsparse.memory`); ``momentum``: its factor
+``memory``         ``"auto"`` (default; see below), ``"residual"`` (error feedback), ``"momentum"``
+                   (momentum correction) or ``"none"`` (:mod:`tfsparse.memory`); ``momentum``: its
+                   factor
 ``pipeline``       Pipe-SGD's iteration dependency K: 1 (synchronous) or 2 (each step applies the
                    previous step's aggregate, :class:`tfsparse.pipelined.Pipelined`; see below)
 ``clip_norm``      DGC's local gradient clipping (None: off)
@@ -31,6 +35,15 @@ warm-up.  A gradient one step late narrows the stable learning rates: heavy-ball
 stable for ``lr·h < 1 − β`` on a curvature h instead of ``lr·h < 2(1 + β)`` (plain SGD, the
 paper's update: ``lr·h < 1`` instead of 2), so a learning rate tuned for synchronous momentum
 SGD may need lowering (README, Pipe-SGD).
+
+``memory="auto"`` (the default) is decided when the optimizer that applies the exchanged
+gradients is known (:meth:`Settings.resolved`): a sparse algorithm under an optimizer whose
+momentum the exchange can take over (``keras.optimizers.SGD`` with ``momentum`` > 0, without
+Nesterov) gets momentum correction with the optimizer's own factor -- the exchange applies the
+momentum (DGC §3.2) and the optimizer its update without it, so ``SGD(0.05, momentum=0.9)``
+keeps its meaning; every other case gets ``"residual"`` (error feedback; nothing is kept for a
+lossless exchange).  Plain error feedback under an optimizer's momentum plateaus below dense
+(``docs/choosing.md``).
 
 The old spellings of the grouping, ``bucket_bytes=θ`` and ``selection=...``, are deprecated
 aliases of ``plan=θ`` and ``plan=...``: they still work and warn (``DeprecationWarning``).
@@ -51,12 +64,17 @@ from dataclasses import dataclass, field, fields
 
 from . import _checks
 from .aggregators import aggregator_options, available_aggregators, get_aggregator
-from .memory import check_memory
+from .memory import available_memories, check_memory
 from .plan import BucketPlan, Plan, available_plans, make_plan
 from .schedules import check_density
 from .selection import CostModel, CostModelPlan, make_selection
 from .wire import get_wire
 
+#: ``algorithm="auto"`` (the default: :mod:`tfsparse.auto`) and ``memory="auto"``
+#: (:meth:`Settings.resolved`, once the optimizer is known)
+AUTO = "auto"
+#: the algorithm of settings that give a ``density`` or a ``wire_dtype`` but no algorithm
+PINNED_DEFAULT = "topk"
 PIPELINES = (1, 2)  # pipe-sgd-li2018 §3.1: K = 2 is optimal under limited resources, K > 2 only adds staleness
 #: the deprecated spellings of ``plan=``
 ALIASES = ("bucket_bytes", "selection")
@@ -98,11 +116,27 @@ def check_option_names(algorithm: str, options: Mapping) -> None:
 
 
 def check_algorithm(algorithm) -> str:
-    names = available_aggregators()
+    names = (AUTO, *available_aggregators())
     if not isinstance(algorithm, str) or algorithm not in names:
         raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
                          f"{', '.join(repr(a) for a in names)}")
     return algorithm
+
+
+def _check_auto(settings) -> None:
+    """``algorithm="auto"`` chooses algorithm, density and wire among synchronous settings, each
+    with its own default options, and the fused or bucketed plans (ValueError otherwise)."""
+    if settings.options:
+        raise ValueError(f"algorithm='auto' takes no algorithm options (got {settings.options!r}): auto chooses the "
+                         f"algorithm; give algorithm= to use one with options")
+    if settings.pipeline != 1:
+        raise ValueError(f"pipeline={settings.pipeline!r} with algorithm='auto': auto chooses among synchronous "
+                         f"settings; pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', "
+                         f"pipeline=2)")
+    if settings.plan.prepares:
+        raise ValueError(f"plan={plan_config(settings.plan)!r} with algorithm='auto': DRAGONN's cost model decides "
+                         f"per tensor for one algorithm; pin the algorithm (e.g. algorithm='dragonn') or use "
+                         f"plan=None or a byte threshold")
 
 
 _ACCEPTED = ("None or 'fused' (one bucket), a number of bytes (GradientFlow's lazy allreduce threshold; 0: one "
@@ -159,11 +193,11 @@ class Settings:
     """The validated settings of one exchange (see the module docstring).  Make them with
     :meth:`of`; :meth:`config` is their serialisation."""
 
-    algorithm: str = "topk"
+    algorithm: str = AUTO
     density: float = 0.01
     wire_dtype: str = "float32"
     plan: Plan | None = None
-    memory: str = "residual"
+    memory: str = "auto"
     momentum: float | None = None
     pipeline: int = 1
     clip_norm: float | None = None
@@ -174,12 +208,23 @@ class Settings:
         self.density = check_density(self.density)
         self.wire_dtype = get_wire(self.wire_dtype).name
         self.options = dict(self.options)
-        check_option_names(self.algorithm, self.options)
-        get_aggregator(self.algorithm, **self.options)  # validates the options
+        if self.algorithm != AUTO:
+            check_option_names(self.algorithm, self.options)
+            get_aggregator(self.algorithm, **self.options)  # validates the options
         self.plan = make_grouping(self.plan, self.algorithm)
-        self.momentum = check_memory(self.memory, self.momentum).get("momentum")
+        if not isinstance(self.memory, str) or self.memory not in (AUTO, *available_memories()):
+            raise ValueError(f"memory={self.memory!r} is not supported; accepted: "
+                             f"{', '.join(repr(m) for m in (AUTO, *available_memories()))}")
+        if self.memory == AUTO:
+            if self.momentum is not None:
+                raise ValueError(f"momentum={self.momentum!r} needs memory='momentum' (momentum correction); with "
+                                 f"memory='auto' the momentum is the optimizer's")
+        else:
+            self.momentum = check_memory(self.memory, self.momentum).get("momentum")
         self.pipeline = check_pipeline(self.pipeline)
         self.clip_norm = check_clip_norm(self.clip_norm)
+        if self.algorithm == AUTO:
+            _check_auto(self)
 
     @classmethod
     def of(cls, settings: "Settings | None" = None, *, bucket_bytes=None, selection=None,
@@ -189,6 +234,9 @@ class Settings:
         ``selection=`` are deprecated aliases of ``plan=``."""
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in NAMES}
         options = {**(algorithm_options or {}), **kwargs}
+        if given.get("algorithm") is None and settings is None and \
+                any(given.get(k) is not None for k in ("density", "wire_dtype")):
+            given["algorithm"] = PINNED_DEFAULT  # a density or a wire of one's own: not auto's choice
         if settings is not None:
             if not isinstance(settings, Settings):
                 raise ValueError(f"settings={settings!r} is not valid; accepted: a tfsparse.settings.Settings")
@@ -209,6 +257,23 @@ class Settings:
                                              changes.get("algorithm", self.algorithm))
         return Settings(**{**current, **changes})
 
+    def resolved(self, momentum: float | None = None) -> "Settings":
+        """These settings with ``memory="auto"`` decided (itself when the memory was given):
+        momentum correction with factor ``momentum`` -- the momentum of the optimizer that
+        applies the exchanged gradients, when the exchange can take it over (None: it cannot,
+        or there is none) -- for a sparse algorithm, else ``"residual"``."""
+        if self.memory != AUTO:
+            return self
+        if momentum and self.sparse_capable:
+            return self.replace(memory="momentum", momentum=float(momentum))
+        return self.replace(memory="residual")
+
+    @property
+    def sparse_capable(self) -> bool:
+        """Whether the exchange may drop what it does not send: a sparse algorithm, or ``"auto"``
+        (which may choose one)."""
+        return self.algorithm == AUTO or get_aggregator(self.algorithm, **self.options).uses_memory
+
     @property
     def memory_options(self) -> dict:
         return {} if self.momentum is None else {"momentum": self.momentum}
@@ -219,8 +284,7 @@ class Settings:
         wire, or momentum correction (whose velocity is kept even for a lossless exchange)."""
         if self.memory == "none":
             return False
-        return get_aggregator(self.algorithm, **self.options).uses_memory or get_wire(self.wire_dtype).lossy or \
-            self.memory != "residual"
+        return self.sparse_capable or get_wire(self.wire_dtype).lossy or self.memory == "momentum"
 
     def config(self) -> dict:
         """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings."""

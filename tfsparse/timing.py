@@ -67,7 +67,8 @@ def period(algorithm: str, **options) -> tuple:
 
 
 def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta, gamma: float = 0.0, *,
-             step: int | None = None, cores: int | None = None, **options) -> SimResult:
+             step: int | None = None, cores: int | None = None, value_bytes: int = VALUE_BYTES,
+             **options) -> SimResult:
     """Predicted time and bytes of one exchange step under the α-β-γ model.
 
     Args:
@@ -81,6 +82,7 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
         rank has cores of its own.  Local work that more ranks than cores do at once is slowed
         by ``busy / cores``.
       step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
+      value_bytes: bytes per value on the wire (default 4, float32; 2 for the 16-bit wires).
       options: the aggregator's options (see :func:`schedule`).
 
     Returns a :class:`~tfsparse.collectives.simulate.SimResult` (``seconds``, ``bytes`` -- max
@@ -90,4 +92,6 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
     ab, gamma, cores = check_model(ab, gamma, cores)
     aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
     steps = ((_checks.integer("step", step, 1), 1.0),) if step is not None else aggregator.period()
-    return price([(declared(aggregator, workers, n, density, t), weight) for t, weight in steps], ab, gamma, cores)
+    value_bytes = _checks.integer("value_bytes", value_bytes, 1)
+    return price([(declared(aggregator, workers, n, density, t, value_bytes), weight) for t, weight in steps],
+                 ab, gamma, cores)

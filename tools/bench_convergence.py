@@ -41,10 +41,11 @@ sys.path.insert(0, str(ROOT))
 from tfsparse import files  # noqa: E402
 
 RECIPE = ["--memory", "momentum", "--warmup-epochs", "2"]
+PLAIN = ["--memory", "residual"]  # plain error feedback under the SGD's momentum (memory="auto" would correct it)
 GRADIENTFLOW = [  # (setting, label suffix, demo arguments)
     ("", "", ["--algorithms", "dense"]),
-    ("", "", ["--algorithms", "topk,gtopk,oktopk", "--density", "0.01"]),
-    ("", "", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64"]),
+    ("", "", ["--algorithms", "topk,gtopk,oktopk", "--density", "0.01", *PLAIN]),
+    ("", "", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64", *PLAIN]),
     ("", "+mc+warmup", ["--algorithms", "topk,gtopk,oktopk", "--density", "0.01", *RECIPE]),
     ("", "+mc+warmup", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64", *RECIPE]),
     ("", "+mc+warmup (previous)", ["--algorithms", "csc", "--density", "0.15", "--chunk-size", "64",
@@ -66,7 +67,7 @@ PIPESGD = [
 ]
 DRAGONN = [  # dragonn-wang2022 §5: DRAGONN vs DGC at density 0.01, with momentum correction as the paper runs them
     ("", "", ["--algorithms", "dense"]),
-    ("", "", ["--algorithms", "dgc,dragonn", "--density", "0.01"]),
+    ("", "", ["--algorithms", "dgc,dragonn", "--density", "0.01", *PLAIN]),
     ("", "+mc+warmup", ["--algorithms", "dgc,dragonn", "--density", "0.01", *RECIPE]),
     ("", "+mc+warmup+cost_model", ["--algorithms", "dragonn", "--density", "0.01", "--selection", "cost_model", *RECIPE]),
 ]

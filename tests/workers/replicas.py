@@ -17,8 +17,15 @@ argv[1:]: the cases, run one after another in this one launch (a launch costs mo
 * ``gan-<strategy|optimizer>``: a generator and a discriminator, each with its own optimizer, in
   one custom ``train_step`` under SparseStrategy (or each a DistributedOptimizer);
 * ``diverge-<strategy|optimizer>``: rank 1 alone nudges a weight during the first epoch; the
-  replica check must raise on every rank (saved: the message, and the epoch that had begun).
+  replica check must raise on every rank (saved: the message, and the epoch that had begun);
+* ``auto-<strategy|optimizer>-<measured|candidate>``: the text classifier with SGD and momentum
+  under ``algorithm="auto"``: the choice measured, or the named candidate forced in place of the
+  measured one (the measurement's collectives still run), so that the switch from the measured
+  rounds to a sparse algorithm mid-epoch is exercised (saved as well: ``<case>_info``, the choice,
+  the settings run and the lines printed).
 """
+import contextlib
+import io
 import sys
 
 import numpy as np
@@ -232,6 +239,46 @@ def diverge_case(route):
     return {"caught": None, "epochs": nudge.epochs}
 
 
+def auto_case(route, choice):
+    from tfsparse import auto
+
+    x, y = text_data()
+    real = auto.decide
+    if choice != "measured":
+        forced = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == choice)
+
+        def decide(comm, n, periods, rounds):
+            d = real(comm, n, periods, rounds)
+            return auto.Decision(forced, d.compute_s, d.link, d.predictions)
+        auto.decide = decide
+    keras.utils.set_random_seed(rank)
+    layers = lambda: [keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 16),  # noqa: E731
+                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)]
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            if route == "strategy":
+                with tfsparse.SparseStrategy("auto"):
+                    model = keras.Sequential(layers())
+                    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+                    model.compile(sgd, LOSS)
+            else:
+                model = keras.Sequential(layers())
+                model.compile(tfsparse.keras.DistributedOptimizer(sgd, "auto"), LOSS)
+            hist = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                             callbacks=[tfsparse.keras.callbacks.CommunicationStats()])
+    finally:
+        auto.decide = real
+    ex = tfsparse.keras.ownership.exchange_of(model)
+    info = {"choice": None if ex.auto_choice is None else ex.auto_choice.algorithm, "settings": ex.settings.config(),
+            "printed": [line for line in printed.getvalue().splitlines() if "algorithm='auto'" in line],
+            "density": hist.history["density"], "comm_bytes": hist.history["comm_bytes"],
+            "velocity": bool(ex.get_state()["velocity"].any()),
+            "sgd_momentum": [float(sgd.momentum), bool(any(np.any(m.numpy()) for m in sgd.momentums))]}
+    return bits(model, model.optimizer), info
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -243,10 +290,14 @@ class _nothing:
 def run(case: str) -> np.ndarray:
     kind, *args = case.split("-")
     return {"text": text_case, "transformer": transformer_case, "finetune": finetune_case,
-            "refit": refit_case, "gan": gan_case, "diverge": diverge_case}[kind](*args)
+            "refit": refit_case, "gan": gan_case, "diverge": diverge_case, "auto": auto_case}[kind](*args)
 
 
 results = {}
 for case in sys.argv[1:]:
-    results[case.replace("-", "_")] = run(case)
+    out = run(case)
+    if isinstance(out, tuple):
+        results[case.replace("-", "_")], results[case.replace("-", "_") + "_info"] = out
+    else:
+        results[case.replace("-", "_")] = out
 save_result(rank, **results)

@@ -62,6 +62,7 @@ for i, case in enumerate(cases):
     out[f"{key}/json"] = {"same_state": sorted(saved) == sorted(state) and
                           all(np.array_equal(saved[k], state[k]) for k in saved),
                           "state_keys": sorted(saved), "algorithm": ex.algorithm, "wire": ex.wire_dtype,
+                          "measured_again": None if ex.engine._auto is None else ex.auto_decision is not None,
                           "owner": "optimizer" if owner_of(restored) is not restored.distribute_strategy else None}
 save_result(rank, **{k: v for k, v in out.items() if isinstance(v, np.ndarray)},
             cases={k: v for k, v in out.items() if k.endswith("/json")}, files=sorted(os.listdir(ckdir)))

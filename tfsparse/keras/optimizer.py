@@ -38,7 +38,7 @@ from ..pipelined import Pipelined
 from ..settings import ALIASES, NAMES, Settings
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from .callbacks import average_moving_statistics, broadcast_variables
-from .ownership import check_optimizer
+from .ownership import fit_optimizer
 from .replicas import check_replicas
 
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
@@ -59,8 +59,8 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
       inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the update.
-      algorithm: the aggregator (default ``"topk"``, or the strategy's inside a SparseStrategy
-        scope).
+      algorithm: the aggregator or ``"auto"`` (default ``"auto"``, :mod:`tfsparse.auto`; or the
+        strategy's inside a SparseStrategy scope).
       density: the fraction of elements each rank sends (default 0.01, or the strategy's).
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``;
@@ -111,7 +111,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             engine = GradientExchange(algorithm, density, settings=settings, communicator=communicator, **given)
             exchange = Pipelined(engine)
             checkpointer = Checkpointer(exchange)
-        check_optimizer(exchange, inner_optimizer)
+        fit_optimizer(exchange, inner_optimizer)
         if strategy is not None:
             strategy.adopt_exchange(exchange, checkpointer)  # this wrapper owns it and saves its state
         if loss_scale is None:

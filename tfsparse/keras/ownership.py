@@ -54,12 +54,71 @@ def require_exchange(model, who: str):
     return exchange
 
 
+def _chain(optimizer):
+    """``optimizer`` and every optimizer it wraps (``inner_optimizer``), outermost first."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def _momentum_to_take(optimizer) -> float | None:
+    """The momentum factor the exchange can take over from ``optimizer``: that of the innermost
+    ``keras.optimizers.SGD`` with ``momentum`` > 0 and without Nesterov (heavy-ball momentum is
+    what momentum correction applies, DGC §3.2); None for any other optimizer."""
+    import keras
+
+    inner = list(_chain(optimizer))[-1] if optimizer is not None else None
+    if type(inner) is keras.optimizers.SGD and not inner.nesterov:
+        momentum = inner.momentum
+        if isinstance(momentum, numbers.Real) and not isinstance(momentum, bool) and momentum > 0:
+            return float(momentum)
+    return None
+
+
+def _apply_without_momentum(sgd) -> None:
+    """From now on ``sgd`` (a ``keras.optimizers.SGD``) applies its updates without momentum: the
+    exchange applies it (momentum correction).  Its ``momentum`` -- what ``get_config`` saves and
+    the user reads -- and its momentum variables (kept at zero, so that checkpoints keep their
+    shape) stay as they are; ``update_step`` sees a momentum of 0 while it is traced."""
+    if getattr(sgd, "_tfsparse_momentum_in_exchange", False):
+        return
+    update_step = sgd.update_step
+
+    def update_step_without_momentum(gradient, variable, learning_rate):
+        momentum = sgd.momentum
+        sgd.momentum = 0.0
+        try:
+            return update_step(gradient, variable, learning_rate)
+        finally:
+            sgd.momentum = momentum
+
+    sgd.update_step = update_step_without_momentum
+    sgd._tfsparse_momentum_in_exchange = True
+
+
+def fit_optimizer(exchange, optimizer) -> None:
+    """Fits ``exchange`` (not yet built) to ``optimizer``, the optimizer that applies its
+    gradients: ``memory="auto"`` is decided (:meth:`~tfsparse.exchange.GradientExchange.decide_memory`)
+    and, where the exchange takes over the optimizer's momentum, the optimizer applies its
+    updates without it from then on; then :func:`check_optimizer`.  On a built exchange only the
+    check runs (and the hand-over, where the exchange took the momentum of an equal optimizer)."""
+    if optimizer is None:
+        return
+    momentum = _momentum_to_take(optimizer)
+    exchange.decide_memory(momentum)
+    if exchange.takes_momentum and momentum is not None:
+        _apply_without_momentum(list(_chain(optimizer))[-1])
+    check_optimizer(exchange, optimizer)
+
+
 def check_optimizer(exchange, optimizer) -> None:
     """``memory="momentum"`` applies the momentum in the exchange (momentum correction): an
     optimizer (or a wrapped ``inner_optimizer``) with ``momentum`` or ``beta_1`` > 0 would apply
-    it twice -- ValueError, raised before any step."""
-    opt = optimizer if exchange.memory == "momentum" else None
-    while opt is not None:
+    it twice -- ValueError, raised before any step.  (``memory="auto"`` takes an SGD's momentum
+    over instead, :func:`fit_optimizer`.)"""
+    for opt in _chain(optimizer if exchange.requested.memory == "momentum" else None):
+        if getattr(opt, "_tfsparse_momentum_in_exchange", False):
+            continue
         for attr in ("momentum", "beta_1"):
             value = getattr(opt, attr, None)
             if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
@@ -67,6 +126,6 @@ def check_optimizer(exchange, optimizer) -> None:
                 raise ValueError(
                     f"memory='momentum' applies momentum {exchange.momentum} in the gradient exchange (momentum "
                     f"correction), and the optimizer {name} has {attr}={value}: momentum would be applied "
-                    f"twice; use {name}({attr}=0.0) (e.g. keras.optimizers.SGD(learning_rate)), or "
-                    f"memory='residual' to keep the optimizer's momentum")
-        opt = getattr(opt, "inner_optimizer", None)
+                    f"twice; use {name}({attr}=0.0) (e.g. keras.optimizers.SGD(learning_rate)), memory='auto' "
+                    f"(the default: the exchange takes an SGD's momentum over) or memory='residual' to keep the "
+                    f"optimizer's momentum")

@@ -43,7 +43,7 @@ from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_au
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import Settings
-from ..keras.ownership import check_optimizer
+from ..keras.ownership import check_optimizer, fit_optimizer
 from ..keras.replicas import compare, digests, name_of, variables_of
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (StepCountMismatch: public here too)
@@ -189,12 +189,14 @@ class SparseExtended(OneDeviceExtended):
             if current.layout is None and all(e is not current for e in self._sets.values()):
                 exchange = current
             else:
-                exchange = Pipelined(GradientExchange(settings=current.settings, communicator=current.comm))
+                exchange = Pipelined(GradientExchange(settings=current.requested, communicator=current.comm))
                 exchange.density, exchange.schedule = current.density, current.schedule
+                exchange.engine.inherit_choice(current.engine)
                 if current.engine.side_channel and exchange.depth == 1:
                     exchange.engine.request_side_channel()
                 carry_from = current if names is not None and current.layout is not None else None
             self._sets[key] = exchange
+        fit_optimizer(exchange, optimizer)
         if exchange is not current:
             steps = (current.sync_points or (None, None))[1]
             exchange.sync_points = (exchange.rounds_started, steps) if steps else None
@@ -403,14 +405,18 @@ def _broadcast_initial_value(comm, kwargs):
 class SparseStrategy(OneDeviceStrategy, KerasSaveable):
     """Data-parallel strategy with sparse gradient exchange, one process per replica.
 
+    >>> strategy = tfsparse.SparseStrategy()       # algorithm="auto": measured, then chosen
     >>> strategy = tfsparse.SparseStrategy(algorithm="topk", density=0.01)
     >>> with strategy.scope():
     ...     model = build_model(); model.compile(optimizer="sgd", loss=...)
     >>> model.fit(x_shard, y_shard, epochs=5)
 
     Args:
-      algorithm: the aggregator (default ``"topk"``).
-      density: the fraction of elements each rank sends (default 0.01).
+      algorithm: the aggregator, or ``"auto"`` (the default): measured at the start and chosen
+        among dense over float32/bfloat16/float16 and the sparse algorithms at density 0.01
+        (:mod:`tfsparse.auto`; rank 0 prints the choice and how to pin it).
+      density: the fraction of elements each rank sends (default 0.01; given without an
+        algorithm, it pins ``"topk"``).
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``, and
         the algorithm's options) -- each is described once, in :mod:`tfsparse.settings`.  With

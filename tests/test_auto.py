@@ -1,0 +1,101 @@
+"""``algorithm="auto"``: the decision on synthetic inputs with known answers (link, compute,
+layout -> choice), the settings it accepts, and a fit in one process."""
+import numpy as np
+import pytest
+
+from tfsparse import auto
+from tfsparse.collectives import AlphaBeta
+from tfsparse.settings import Settings
+
+N = 17_000_000  # the digits MLP's gradient
+NO_LOCAL = np.zeros(len(auto.CANDIDATES))
+
+
+def local(f16=0.03, sparse=0.06):
+    """Local work: the 16-bit wires' coding and the sparse selection (dense float32: none)."""
+    return np.array([0.0 if c.algorithm == "dense" and c.wire_dtype == "float32" else
+                     f16 if c.algorithm == "dense" else sparse for c in auto.CANDIDATES])
+
+
+def chosen(link, compute=0.17, n=N, workers=4, costs=None):
+    return auto.choose(n, workers, link, compute, local() if costs is None else costs).candidate
+
+
+def test_a_slow_link_chooses_a_sparse_algorithm():
+    for rate in ("100mbit", "1gbit"):
+        c = chosen(AlphaBeta.from_strings(rate, "50us"))
+        assert c.algorithm != "dense" and c.density == 0.01, rate
+
+
+def test_a_fast_link_chooses_dense():
+    assert chosen(AlphaBeta.from_strings("100gbit", "1us")) == auto.CANDIDATES[0]  # float32: no coding
+    # 10 Gbit/s: float32's 68 MB cost more than the 16-bit wires' coding
+    c = chosen(AlphaBeta.from_strings("10gbit", "20us"), costs=local(f16=0.01))
+    assert c.algorithm == "dense" and c.wire_dtype in ("float16", "bfloat16")
+
+
+def test_one_rank_or_a_small_model_chooses_dense_float32():
+    assert chosen(None, workers=1) == auto.CANDIDATES[0]
+    assert chosen(AlphaBeta.from_strings("1gbit", "50us"), n=5_000) == auto.CANDIDATES[0]
+
+
+def test_long_compute_steps_make_the_epochs_count():
+    """The same link: with a compute step far longer than the exchange, the sparse candidates'
+    extra epochs cost more than dense's longer exchange saves."""
+    link = AlphaBeta.from_strings("1gbit", "50us")
+    assert chosen(link, compute=0.1).algorithm != "dense"
+    assert chosen(link, compute=20.0).algorithm == "dense"
+
+
+def test_the_choice_is_the_smallest_predicted_time_to_accuracy():
+    link = AlphaBeta.from_strings("1gbit", "50us")
+    d = auto.choose(N, 4, link, 0.2, local())
+    scores = [p.score for p in d.predictions]
+    assert scores[d.index] <= min(scores) * (1 + auto.TOLERANCE) and d.predictions[d.index].candidate == d.candidate
+    assert all(s > min(scores) * (1 + auto.TOLERANCE) for s in scores[:d.index])
+    for p in d.predictions:
+        assert p.step_s == pytest.approx(0.2 + p.comm_s + p.local_s)
+        assert p.score == pytest.approx(p.step_s * p.candidate.epochs)
+    f16 = next(p for p in d.predictions if p.candidate.wire_dtype == "float16")
+    f32 = d.predictions[0]
+    assert f16.comm_s < 0.6 * f32.comm_s  # half the bytes on the wire
+    text = d.describe(4)
+    assert text.startswith("tfsparse: algorithm='auto' chose ") and "Pin it with algorithm=" in text
+    assert "1gbit" in text and "dense over float16:" in text
+
+
+def test_ties_go_to_the_earlier_candidate():
+    assert auto.choose(1000, 1, None, 0.01, NO_LOCAL).index == 0
+    # float16 predicted 2 % sooner than float32 (within the tolerance): float32
+    costs = np.zeros(len(auto.CANDIDATES))
+    link = AlphaBeta.from_strings("10gbit", "20us")
+    f32, f16 = (auto.predict(auto.CANDIDATES[i], 1_000_000, 4, link, 0.1, 0.0) for i in (0, 2))
+    costs[1] = costs[2] = f32.step_s / 1.02 - f16.step_s
+    assert auto.choose(1_000_000, 4, link, 0.1, costs).index == 0
+    costs[1] = costs[2] = f32.step_s / 1.10 - f16.step_s  # 10 % sooner: bfloat16 (the first of the two)
+    assert auto.choose(1_000_000, 4, link, 0.1, costs).index == 1
+
+
+def test_local_costs_are_measured_for_the_lossy_wires_and_the_selection():
+    costs = auto.local_costs(200_000, 3)
+    for c, t in zip(auto.CANDIDATES, costs):
+        assert (t == 0.0) == (c.algorithm == "dense" and c.wire_dtype == "float32"), (c, t)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(algorithm="auto", pipeline=2), ["pipeline=2 with algorithm='auto'", "pin the algorithm"]),
+    (dict(algorithm="auto", tau=3), ["algorithm='auto' takes no algorithm options", "tau"]),
+    (dict(algorithm="autop"), ["algorithm='autop' is not supported", "'auto', "]),
+])
+def test_auto_refuses_what_it_cannot_choose(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        Settings.of(**kwargs)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_auto_settings_keep_a_residual_and_take_momentum():
+    s = Settings.of(algorithm="auto")
+    assert s.keeps_residual and s.sparse_capable
+    assert s.resolved(0.9).memory == "momentum" and s.resolved(None).memory == "residual"
+    assert Settings.of(**s.config()) == s

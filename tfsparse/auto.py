@@ -1,0 +1,206 @@
+"""``algorithm="auto"``: the exchange measures its job and chooses algorithm, density and wire.
+
+The first :data:`MEASURE_ROUNDS` rounds of an ``"auto"`` exchange run dense over float16 -- a
+dense warm-up, which sparse training wants anyway (gradientflow-sun2019 §3.2, DGC §3.3) -- while
+every rank records how long its steps take and how long each round of the exchange takes.  At
+round :data:`MEASURE_ROUNDS`, on every rank at once (:func:`decide`, collective):
+
+1. **the compute step** -- each rank's median of (time between two rounds' starts) less (the
+   earlier round's exchange), the slowest rank's;
+2. **the link** -- α and β of the link between ranks 0 and 1 by ping-pong
+   (:func:`~tfsparse.collectives.measure_alpha_beta`);
+3. **the local work** of each candidate on this layout -- rank 0 times the selection of the
+   sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding;
+
+then rank 0 prices every candidate of :data:`CANDIDATES` with the library's timing model
+(:func:`tfsparse.timing.simulate`, the aggregators' own schedules under α-β): predicted step =
+compute + communication + local work, and predicted **time to accuracy** = predicted step ×
+the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what dense float32
+reaches, relative to dense; :data:`CANDIDATES` documents the measurements behind each).  The
+smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first -- and every
+rank computes it from the same numbers (the slowest rank's compute, rank 0's link and local
+timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a candidate, so on a fast link
+auto picks dense.
+
+The decision is part of the exchange's state (``auto`` in :meth:`GradientExchange.get_state`),
+saved in checkpoints: a run resumed after the decision runs the same choice without measuring
+again.  Rank 0 prints one line at the decision: the choice, the prediction it rests on, and the
+arguments that pin it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .collectives.alphabeta import AlphaBeta, measure_alpha_beta
+from .schedules import k_from_density
+from .timing import simulate
+from .wire import get_wire
+
+#: rounds run dense over float16 (and measured) before the choice
+MEASURE_ROUNDS = 8
+#: what those rounds run
+MEASURING = ("dense", 1.0, "float16")
+#: a candidate is preferred to an earlier one only when predicted this much sooner (the
+#: measurements' noise: two settings closer than that are a tie, and the earlier one wins)
+TOLERANCE = 0.03
+#: the ping-pong's message sizes: past the emulated links' token bucket, a quarter of a second at 1 Gbit/s
+PING_SIZES = (8, 1 << 20, 4 << 20)
+#: the local work is timed on at most this many elements and scaled
+PROFILE_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting auto may choose: ``algorithm`` at ``density`` over ``wire_dtype``.
+
+    ``epochs``: the epochs it needs to reach dense float32's accuracy, relative to dense float32
+    (1.0: as many).  The values are measured (docs/choosing.md, "What auto assumes"): the 16-bit
+    wires keep dense float32's curve; the sparse candidates -- with momentum correction, which
+    ``memory="auto"`` gives them under an SGD with momentum -- need more epochs on the digits
+    models."""
+
+    algorithm: str
+    density: float
+    wire_dtype: str
+    epochs: float
+
+    @property
+    def label(self) -> str:
+        if self.algorithm == "dense":
+            return f"dense over {self.wire_dtype}"
+        return f"{self.algorithm} at density {self.density}" + (
+            f" over {self.wire_dtype}" if self.wire_dtype != "float32" else "")
+
+    def pin(self) -> str:
+        """The arguments that pin this choice."""
+        parts = [f"algorithm={self.algorithm!r}"]
+        if self.algorithm != "dense":
+            parts.append(f"density={self.density}")
+        if self.wire_dtype != "float32":
+            parts.append(f"wire_dtype={self.wire_dtype!r}")
+        return ", ".join(parts)
+
+
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("dense", 1.0, "float32", 1.0),
+    Candidate("dense", 1.0, "bfloat16", 1.0),
+    Candidate("dense", 1.0, "float16", 1.0),
+    Candidate("gtopk", 0.01, "float32", 1.5),
+    Candidate("topk", 0.01, "float32", 1.5),
+    Candidate("oktopk", 0.01, "float32", 1.5),
+)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    comm_s: float  # the exchange's communication, timing model
+    local_s: float  # its local work (selection, encoding, decoding), measured
+    step_s: float  # compute + comm + local
+    score: float  # step_s * candidate.epochs: proportional to the time to accuracy
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` chose and why."""
+
+    index: int  # into CANDIDATES
+    compute_s: float
+    link: AlphaBeta | None
+    predictions: tuple[Prediction, ...]
+
+    @property
+    def candidate(self) -> Candidate:
+        return CANDIDATES[self.index]
+
+    def describe(self, workers: int) -> str:
+        chosen = self.predictions[self.index]
+        f16 = next(p for p in self.predictions if p.candidate.algorithm == "dense" and
+                   p.candidate.wire_dtype == "float16")
+        link = "one rank, no link" if self.link is None else f"link {self.link}"
+        why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
+               f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
+        if chosen is not f16:
+            why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
+        return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} ranks -- {why}; "
+                f"{link}. Pin it with {chosen.candidate.pin()}")
+
+
+def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
+            local_s: float) -> Prediction:
+    """The predicted step and score of ``candidate`` for a gradient of ``n`` elements."""
+    comm_s = 0.0
+    if link is not None and workers > 1:
+        value_bytes = get_wire(candidate.wire_dtype).value_bytes
+        comm_s = simulate(candidate.algorithm, workers, n, candidate.density, link, value_bytes=value_bytes).seconds
+    step = compute_s + comm_s + local_s
+    return Prediction(candidate, comm_s, local_s, step, step * candidate.epochs)
+
+
+def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s) -> Decision:
+    """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
+    smallest (dense float32 first: where the predictions differ by less than their noise, the
+    simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
+    in :data:`CANDIDATES` order."""
+    predictions = tuple(predict(c, n, workers, link, compute_s, float(t)) for c, t in zip(CANDIDATES, local_s))
+    best = min(p.score for p in predictions)
+    index = next(i for i, p in enumerate(predictions) if p.score <= best * (1.0 + TOLERANCE))
+    return Decision(index, compute_s, link, predictions)
+
+
+def _best_seconds(fn, repeats: int = 2) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def local_costs(n: int, workers: int) -> np.ndarray:
+    """Each candidate's local work on a gradient of ``n`` elements, seconds: the selection of
+    ``k`` of ``n`` (the sparse candidates; decoding P payloads adds a scatter of ``P·k`` values,
+    counted as 5 % per rank) and a dense wire's encoding and decoding -- timed here on at most
+    :data:`PROFILE_ELEMENTS` elements and scaled to ``n`` (both are one pass over the vector)."""
+    from . import ops
+
+    m = int(min(n, PROFILE_ELEMENTS))
+    x = np.random.default_rng(0).random(m, dtype=np.float32) - np.float32(0.5)
+    out = np.zeros(len(CANDIDATES))
+    selection: dict = {}
+    for i, c in enumerate(CANDIDATES):
+        if c.algorithm == "dense":
+            wire = get_wire(c.wire_dtype)
+            if not wire.lossy:
+                continue
+
+            def code(wire=wire):
+                wire.decode(wire.encode(x), m)
+            out[i] = _best_seconds(code) * n / m
+        else:
+            k = k_from_density(m, c.density)
+            if k not in selection:
+                selection[k] = _best_seconds(lambda: ops.topk_abs(x, k)) * (1.0 + 0.05 * workers) * n / m
+            out[i] = selection[k]
+    return out
+
+
+def decide(comm, n: int, periods, rounds) -> Decision:
+    """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
+    elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
+    ``rounds`` (the earlier round's exchange, seconds).  Every rank returns the same decision."""
+    own = [p - r for p, r in zip(periods, rounds)]
+    compute = np.array([max(0.0, float(np.median(own))) if own else 0.0])
+    if comm.size > 1:
+        compute = np.array([max(float(v[0]) for v in comm.allgather(compute))])
+        link = measure_alpha_beta(comm, sizes=PING_SIZES, repeats=2, warmup=1)
+    else:
+        link = None
+    local = local_costs(n, comm.size) if comm.rank == 0 else np.zeros(len(CANDIDATES))
+    if comm.size > 1:
+        local = comm.bcast(local if comm.rank == 0 else None, root=0, shape=local.shape, dtype=np.float64)
+    return choose(n, comm.size, link, float(compute[0]), local)
