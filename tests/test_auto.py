@@ -1,5 +1,6 @@
 """``algorithm="auto"``: the decision on synthetic inputs with known answers (link, compute,
-layout -> choice), the settings it accepts, and a fit in one process."""
+layout -> choice), the settings it accepts, and the switch on the numpy API (the Keras routes:
+tests/test_keras_single.py, tests/test_replicas_mpi.py, tests/test_resume_mpi.py)."""
 import numpy as np
 import pytest
 
@@ -99,3 +100,75 @@ def test_auto_settings_keep_a_residual_and_take_momentum():
     assert s.keeps_residual and s.sparse_capable
     assert s.resolved(0.9).memory == "momentum" and s.resolved(None).memory == "residual"
     assert Settings.of(**s.config()) == s
+
+
+def _forced(monkeypatch, algorithm):
+    """``auto.decide`` measuring as usual (its collectives run) but choosing ``algorithm``."""
+    real = auto.decide
+    index = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == algorithm)
+
+    def decide(comm, n, periods, rounds, sparse=True):
+        d = real(comm, n, periods, rounds, sparse)
+        return auto.Decision(index, d.compute_s, d.link, d.predictions)
+    monkeypatch.setattr(auto, "decide", decide)
+
+
+@pytest.mark.parametrize("api", ["step", "start"])
+@pytest.mark.parametrize("choice", ["measured", "gtopk"])
+def test_the_numpy_api_switches_at_the_decision(monkeypatch, api, choice):
+    """``Pipelined.step`` and ``GradientExchange.start`` over two buckets: seven rounds dense over
+    float16, then (at round 7, every rank) the choice, whose buckets replace the measured ones
+    mid-run; every rank gets the same sums throughout and ends with the same settings."""
+    from tfsparse.collectives import InProcessWorld
+    from tfsparse.exchange import GradientExchange
+    from tfsparse.pipelined import Pipelined
+
+    if choice != "measured":
+        _forced(monkeypatch, choice)
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        engine = GradientExchange("auto", plan=0, communicator=comm)  # a bucket per tensor
+        ex = Pipelined(engine)
+        out, densities = [], []
+        for step in range(10):
+            grads = [rng.standard_normal(300).astype(np.float32), rng.standard_normal(200).astype(np.float32)]
+            summed = ex.step(grads) if api == "step" else engine.start(grads).wait()
+            out.append(np.concatenate(summed))
+            densities.append(engine.density)
+        state = engine.get_state()
+        engine.close()
+        return out, densities, engine.settings.config(), len(engine.bucket_states), state["auto"].tolist()
+
+    results = InProcessWorld(3).run(fn)
+    out0, densities, settings, buckets, chosen = results[0]
+    assert densities[:7] == [1.0] * 7 and settings["algorithm"] != "auto" and buckets == 2
+    if choice != "measured":
+        assert settings["algorithm"] == "gtopk" and densities[7:] == [0.01] * 3
+    for out, d, s, b, c in results:
+        assert s == settings and c == chosen and b == buckets and d == densities
+        for a, ref in zip(out, out0):
+            np.testing.assert_array_equal(a, ref)
+
+
+def test_a_pinned_density_or_wire_is_not_auto():
+    """A density or a wire given without an algorithm pins top-k (as before auto); given with
+    ``algorithm="auto"`` it is refused: auto chooses them.  Auto's config round-trips."""
+    assert Settings.of().algorithm == "auto"
+    assert Settings.of(density=0.05).algorithm == "topk" and Settings.of(wire_dtype="float16").algorithm == "topk"
+    for kwargs in (dict(density=0.05), dict(wire_dtype="int8")):
+        with pytest.raises(ValueError, match="with algorithm='auto': auto chooses the algorithm, the density"):
+            Settings.of(algorithm="auto", **kwargs)
+        with pytest.raises(ValueError, match="with algorithm='auto'"):
+            Settings.of(Settings.of(), **kwargs)
+    from tfsparse.exchange import GradientExchange
+    assert Settings.of(**GradientExchange("auto").config()) == Settings.of()
+
+
+def test_without_momentum_correction_auto_stays_dense():
+    """Under an optimizer whose momentum the exchange cannot take (Adam: error feedback), the
+    sparse candidates' epochs are not known: auto chooses among the dense ones."""
+    link = AlphaBeta.from_strings("100mbit", "50us")
+    assert auto.choose(N, 4, link, 0.17, local()).candidate.algorithm != "dense"
+    c = auto.choose(N, 4, link, 0.17, local(), sparse=False).candidate
+    assert c.algorithm == "dense" and c.wire_dtype in ("float16", "bfloat16")

@@ -204,3 +204,46 @@ def test_probe_cuda_runs_in_the_simulator():
     for line in ("cuda.to_device(2 int64)", "topk_abs", "count kernel alone", "hash_survivors (capacity 4k)",
                  "scatter kernel alone"):
         assert line in done.stdout, line
+
+
+def test_time_to_accuracy_summary_takes_the_median_over_seeds(tmp_path):
+    """tools/time_to_accuracy_summary.py: per setting, the median over the launches (seeds) of the
+    time to dense float32's own target, of the per-seed ratios against dense float32 and the fastest
+    16-bit dense setting, and of the final accuracy against dense float32's; a setting that missed
+    the target in most seeds is "not reached"; a launch with other settings is refused."""
+    def run(label, config, t, final, best=None):
+        return {"label": label, "config": config, "time_to_target_s": t, "final_accuracy": final,
+                "best_accuracy": best or final, "step_ms_median": 10.0, "epochs_to_target": 3 if t else None,
+                "epoch_end_s": [50.0, 100.0, 150.0]}
+
+    def launch(seed, f32, f16, sparse, sparse_final, never):
+        return {"model": "mlp17m", "processes": 4, "epochs": 3, "network": "1 Gbit/s", "machine": "vm, 2 cores",
+                "date": "2026-11-28", "target": 0.98, "target_rule": "dense f32 best - 0.005", "seed": seed,
+                "runs": [run("compute only", None, None, 0.9),
+                         run("dense f32", {"algorithm": "dense"}, f32, 0.99),
+                         run("dense f16", {"algorithm": "dense", "wire_dtype": "float16"}, f16, 0.99),
+                         run("gtopk", {"algorithm": "gtopk", "density": 0.01}, sparse, sparse_final),
+                         run("topk", {"algorithm": "topk", "density": 0.01}, never, 0.95)]}
+    paths = []
+    for i, args in enumerate([(0, 100.0, 60.0, 20.0, 0.985, None), (1, 120.0, 80.0, 40.0, 0.99, None),
+                              (2, 90.0, 50.0, None, 0.97, 30.0)]):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(launch(*args)))
+    out = tmp_path / "summary"
+    done = subprocess.run([sys.executable, "tools/time_to_accuracy_summary.py", str(out), *map(str, paths)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {r["label"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["dense f32"]["time_to_target_s"] == 100.0 and rows["dense f32"]["vs_f32"] == 1.0
+    assert rows["gtopk"]["time_to_target_s"] == 40.0 and rows["gtopk"]["reached"] == 2  # 20, 40, never
+    assert rows["gtopk"]["vs_f32"] == pytest.approx(3.0) and rows["gtopk"]["vs_f16"] == pytest.approx(2.0)
+    assert rows["gtopk"]["final_vs_f32"] == pytest.approx(-0.005)
+    assert rows["topk"]["time_to_target_s"] is None and rows["topk"]["vs_f32"] is None and rows["topk"]["reached"] == 1
+    assert "| gtopk | 40.0 | 3.00× | 2.00× | 2 | 0.9850, -0.50 |" in done.stdout
+    assert "| topk | not reached | — | — | 1 |" in done.stdout and out.with_suffix(".png").stat().st_size > 10_000
+    bad = launch(3, 1.0, 1.0, 1.0, 0.9, None)
+    bad["runs"].pop()
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    refused = subprocess.run([sys.executable, "tools/time_to_accuracy_summary.py", str(out), str(paths[0]),
+                              str(tmp_path / "bad.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "every launch must run the same settings" in refused.stderr

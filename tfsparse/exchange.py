@@ -122,6 +122,7 @@ class _Auto:
         self.last_round_s: float | None = None
         self.index = -1
         self.inherited = -1  # a choice taken from another exchange (inherit_choice)
+        self.prepared = -1  # the last round prepare_round saw
         self.decision = None
 
 
@@ -255,8 +256,8 @@ class GradientExchange:
 
     def config(self) -> dict:
         """Every setting as given, as plain values (:meth:`Settings.config` of :attr:`requested`,
-        with the current density): what makes this exchange again."""
-        return {**self.requested.config(), "density": self.density}
+        with the current density -- auto's own choice excepted): what makes this exchange again."""
+        return {**self.requested.config(), **({} if self._auto is not None else {"density": self.density})}
 
     def decide_memory(self, momentum: float | None) -> None:
         """Decides ``memory="auto"`` (:meth:`Settings.resolved`) for an optimizer whose momentum
@@ -373,25 +374,29 @@ class GradientExchange:
         for b in self.bucket_states:
             b.set_state({k: v for k, v in state.items() if k in ("residual", "velocity")})
 
-    def _auto_round(self, t0: float) -> None:
-        """``algorithm="auto"``, at the start of a round: records the step that ended, and after
-        :data:`tfsparse.auto.MEASURE_ROUNDS` rounds decides (collective, every rank at this round)."""
+    def prepare_round(self) -> None:
+        """Before a round's buckets are taken (:meth:`start`, ``Pipelined.step``, or the start of
+        bucket 0): for ``algorithm="auto"``, records the step that ended and, after
+        :data:`tfsparse.auto.MEASURE_ROUNDS` measured rounds, decides -- collective, every rank at
+        the same round -- and switches the buckets (:meth:`_replan`).  Once per round; nothing
+        for a pinned algorithm."""
         a = self._auto
-        if a.index >= 0:
+        if a is None or a.index >= 0 or self.layout is None or a.prepared == self._next_round:
             return
+        a.prepared = self._next_round
+        t0 = time.perf_counter()
         if a.last_start is not None and a.last_round_s is not None:
             a.periods.append(t0 - a.last_start)
             a.rounds.append(a.last_round_s)
         a.last_start = t0
-        if len(a.periods) < auto.MEASURE_ROUNDS - 1:
+        if len(a.periods) < auto.MEASURE_ROUNDS:
             return
-        n = int(self.layout.n)
-        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds), self._xcomm)
+        n, sparse = int(self.layout.n), self.settings.memory == "momentum"
+        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse), self._xcomm)
         a.decision = decision
         if self.comm.rank == 0:
             print(decision.describe(self.comm.size), flush=True)
         self._replan(decision.index)
-        a.last_start = time.perf_counter()  # the measurement's own time is not a step
 
     def _agree(self, layout: Layout, buckets) -> None:
         """Every rank has the same settings, transport, layout and buckets (:func:`agreement`),
@@ -425,6 +430,7 @@ class GradientExchange:
         thread; :meth:`Round.wait` returns the result."""
         with self.space_of(grads).active():
             flat, arrays = self.arrays(grads)
+            self.prepare_round()
             index = None
             for b in self.bucket_states:
                 index = self.begin(b, arrays[b.spec.first:b.spec.last])
@@ -461,11 +467,10 @@ class GradientExchange:
         if self._failed is not None:
             raise RuntimeError(f"this exchange failed in an earlier round ({type(self._failed).__name__}: "
                                f"{self._failed}); the ranks are out of step, restart training") from self._failed
-        t0 = time.perf_counter()
         if b.spec.index == 0 and self._auto is not None and self._auto.index < 0:
-            self._auto_round(t0)
+            self.prepare_round()  # the glue's path: it looks its buckets up by index
             b = self.bucket_states[0]
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
         index = b.check_start(self.bucket_states[b.spec.index - 1] if b.spec.index else None)
         if b.spec.index == 0:
             note_round(self._next_round)  # what a stall report names
@@ -590,6 +595,7 @@ class GradientExchange:
             return dict(self._pending_state or {})
         self.check_idle("get_state()")
         state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
+                 # the index into tfsparse.auto.CANDIDATES (-1: undecided): their order is part of the format
                  **({} if self._auto is None else {"auto": np.array([self._auto.index], np.int64)}),
                  "buckets": np.array([[b.spec.start, b.spec.stop] for b in self.bucket_states], np.int64)}
         for b in self.bucket_states:
@@ -612,7 +618,10 @@ class GradientExchange:
             self._round = self._next_round = int(state["round"].reshape(-1)[0])
         if self._auto is not None and "auto" in state:
             chosen = int(state["auto"].reshape(-1)[0])
-            if 0 <= chosen < len(auto.CANDIDATES) and chosen != self._auto.index:
+            if not -1 <= chosen < len(auto.CANDIDATES):
+                raise ValueError(f"the saved state's auto choice {chosen} is not one of tfsparse.auto.CANDIDATES "
+                                 f"(0 to {len(auto.CANDIDATES) - 1}, or -1: undecided): saved by another version?")
+            if chosen >= 0 and chosen != self._auto.index:
                 self._replan(chosen)  # the decision the saved run made, without measuring again
         for b in self.bucket_states:
             b.set_state(state)

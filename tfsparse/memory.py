@@ -6,7 +6,8 @@ owns its vectors -- the offered buffer ``acc``, the ``residual`` (one float32 ve
 bucket) and, for momentum correction, the ``velocity`` -- and its explicit state
 (:class:`~tfsparse.state.Stateful`: ``residual`` and ``velocity``, saved in checkpoints).
 
-* :class:`ResidualMemory` (``memory="residual"``, the default) -- gtopk-ssgd-shi2019 Alg. 1
+* :class:`ResidualMemory` (``memory="residual"``; what ``memory="auto"``, the default, runs unless
+  the optimizer's momentum can be taken over, :mod:`tfsparse.settings`) -- gtopk-ssgd-shi2019 Alg. 1
   line 4 and line 8: ``acc = residual + grad``; after the exchange, every entry of ``acc``
   that was *not* contributed to the global result stays in the residual, and so does what
   the wire lost on the values that were (``acc - decode(encode(acc))``,

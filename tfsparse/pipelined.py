@@ -49,6 +49,9 @@ class Pipelined:
         self.depth = engine.pipeline if depth is None else depth
         if self.depth not in (1, 2):
             raise ValueError(f"depth={depth!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD)")
+        if self.depth > 1 and engine.requested.algorithm == "auto":
+            raise ValueError(f"depth={self.depth} with algorithm='auto': auto chooses among synchronous settings; "
+                             f"pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', pipeline=2)")
         engine.side_channel = self.depth > 1
         engine.comm_ahead = self.depth > 1  # its rounds move while the next step computes
         self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
@@ -91,6 +94,7 @@ class Pipelined:
         engine = self.engine
         with engine.space_of(grads).active():
             flat, arrays = engine.arrays(grads)
+            engine.prepare_round()  # algorithm="auto" may switch the buckets now
             buckets = engine.bucket_states
             tokens = [self.begin(b, arrays[b.spec.first:b.spec.last]) for b in buckets]
             return engine.assemble({b.spec.index: self.finish(b, t) for b, t in zip(buckets, tokens)}, flat)

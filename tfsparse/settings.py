@@ -126,6 +126,11 @@ def check_algorithm(algorithm) -> str:
 def _check_auto(settings) -> None:
     """``algorithm="auto"`` chooses algorithm, density and wire among synchronous settings, each
     with its own default options, and the fused or bucketed plans (ValueError otherwise)."""
+    pinned = [f"{name}={getattr(settings, name)!r}" for name in ("density", "wire_dtype")
+              if getattr(settings, name) != _DEFAULTS[name]]
+    if pinned:
+        raise ValueError(f"{', '.join(pinned)} with algorithm='auto': auto chooses the algorithm, the density and "
+                         f"the wire; give algorithm= too to pin them (e.g. algorithm='topk', {pinned[0]})")
     if settings.options:
         raise ValueError(f"algorithm='auto' takes no algorithm options (got {settings.options!r}): auto chooses the "
                          f"algorithm; give algorithm= to use one with options")
@@ -304,5 +309,7 @@ class Settings:
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.config().items()) + ")"
 
 
+#: the defaults of the settings auto chooses
+_DEFAULTS = {f.name: f.default for f in fields(Settings) if f.name in ("density", "wire_dtype")}
 #: the keyword arguments that are settings (the others given with them are algorithm options)
 NAMES = frozenset(f.name for f in fields(Settings)) - {"options"}

@@ -56,12 +56,10 @@ DRAGONN='[{"label":"dense","algorithm":"dense"},{"label":"topk","algorithm":"top
  {"label":"dragonn, plan=cost_model","algorithm":"dragonn","density":0.001,"plan":"cost_model"},
  {"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001}]'
 
-TTA='[{"label":"dense f32","algorithm":"dense"},
- {"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
- {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
- {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2},
- {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
- {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
+TTA='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"gtopk 0.01, memory=residual","algorithm":"gtopk","density":0.01,"memory":"residual"},
+ {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"topk 0.01","algorithm":"topk","density":0.01},
+ {"label":"auto","algorithm":"auto"}]'
 TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
  {"label":"dense f16, 4 MB buckets","algorithm":"dense","wire_dtype":"float16","plan":4194304},
  {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
@@ -75,7 +73,7 @@ STEP[gf_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$GF' --model 
 STEP[pipe_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$PIPE' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/pipe_1gbit && $PYTHON tools/pipe_sgd_timing.py $OUT/pipe_1gbit.json --bandwidth 1gbit --latency 0 --out $OUT/pipe_timing"
 STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/dragonn_1gbit"
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
-STEP[tta_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 7 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit"
+STEP[tta_1gbit]="for seed in 0 1 2; do $RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 10 --seed \$seed --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_1gbit $OUT/time_to_accuracy_1gbit_s0.json $OUT/time_to_accuracy_1gbit_s1.json $OUT/time_to_accuracy_1gbit_s2.json"
 STEP[demo]="flock $LOCK make demo"  # writes results/demo.{json,png}
 STEP[encode]="$PYTHON tools/bench_encode.py --out $OUT/bench_encode"
 STEP[exchange]="$PYTHON tools/bench_exchange.py --wires float32,float16,bfloat16,int8 --label 'shared memory' --out $OUT/bench_exchange.json"

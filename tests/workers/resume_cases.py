@@ -26,6 +26,8 @@ def build():
 
 def settings(case):
     extra = {name: case[name] for name in ("memory", "momentum", "pipeline") if name in case}
+    if case["algo"] == "auto":  # it chooses density and wire
+        return dict(algorithm="auto", plan=case.get("bucket_bytes"), **extra)
     return dict(algorithm=case["algo"], density=0.1, wire_dtype=case.get("wire", "float32"),
                 plan=case.get("bucket_bytes"), **extra, **case.get("options", {}))
 

@@ -184,12 +184,13 @@ def fit_alpha_beta(sizes, seconds) -> AlphaBeta:
     return AlphaBeta(alpha=a, beta=float(1.0 / c))
 
 
-def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 10, warmup: int = 2) -> AlphaBeta:
-    """Measures the α-β model of the link between ranks 0 and 1 by ping-pong (gtopk-ssgd-shi2019
+def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 10, warmup: int = 2,
+                       peer: int = 1) -> AlphaBeta:
+    """Measures the α-β model of the link between ranks 0 and ``peer`` (default 1) by ping-pong (gtopk-ssgd-shi2019
     §V-C, Fig. 8's point-to-point test).  Collective: every rank of ``comm`` calls it, with the
     same arguments; every rank returns the same :class:`AlphaBeta`.
 
-    For each size ``n`` in ``sizes`` (bytes), rank 0 sends ``n`` bytes to rank 1 and rank 1 sends
+    For each size ``n`` in ``sizes`` (bytes), rank 0 sends ``n`` bytes to ``peer`` and ``peer`` sends
     them back, ``warmup`` untimed then ``repeats`` timed round trips; the median round trip over
     2 is the one-way time ``t(n)``, and :func:`fit_alpha_beta` fits ``t(n) = alpha + n / beta``.
     The other ranks stay idle (waiting in the final broadcast), and rank 0 broadcasts the
@@ -208,6 +209,8 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
         16 MiB (:data:`DEFAULT_SIZES`).
       repeats: timed round trips per size (>= 1; default 10).
       warmup: untimed round trips per size before them (>= 0; default 2).
+      peer: the rank at the link's other end (1 to ``comm.size - 1``; default 1) -- e.g. the first
+        rank on another host, to measure the network rather than shared memory.
 
     Raises:
       ValueError: on a bad argument (before any communication), and on a world of one rank:
@@ -221,6 +224,8 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
     sizes = _check_sizes(sizes)
     repeats = _check_count("repeats", repeats, 1, 10)
     warmup = _check_count("warmup", warmup, 0, 2)
+    if comm.size >= 2:
+        peer = _checks.integer("peer", peer, 1, comm.size - 1)
     if comm.size < 2:
         raise ValueError(f"measure_alpha_beta needs a world of at least 2 ranks (comm.size={comm.size}): the "
                          f"ping-pong has no peer; for one process there is no link to measure -- state one with "
@@ -228,8 +233,8 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
     link = comm.duplicate()
     result = np.full(2, np.nan)
     error = ""
-    if link.rank in (0, 1):
-        one_way = _ping_pong(link, sizes, repeats, warmup)
+    if link.rank in (0, peer):
+        one_way = _ping_pong(link, sizes, repeats, warmup, peer)
         if link.rank == 0:
             try:
                 ab = fit_alpha_beta(sizes, one_way)
@@ -243,8 +248,8 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
     return AlphaBeta(alpha=float(result[0]), beta=float(result[1]))
 
 
-def _ping_pong(link: Communicator, sizes, repeats: int, warmup: int) -> np.ndarray:
-    """Ranks 0 and 1: the median one-way time of each size (rank 0's clock; NaN on rank 1)."""
+def _ping_pong(link: Communicator, sizes, repeats: int, warmup: int, peer: int = 1) -> np.ndarray:
+    """Ranks 0 and ``peer``: the median one-way time of each size (rank 0's clock; NaN on ``peer``)."""
     buf = np.full(max(sizes), 0xA5, dtype=np.uint8)
     out = np.full(len(sizes), np.nan)
     for i, nbytes in enumerate(sizes):
@@ -252,9 +257,9 @@ def _ping_pong(link: Communicator, sizes, repeats: int, warmup: int) -> np.ndarr
         times = []
         for rep in range(warmup + repeats):
             if link.rank == 0:
-                req = link.irecv(1, nbytes, tag=_TAG, dtype=np.uint8)
+                req = link.irecv(peer, nbytes, tag=_TAG, dtype=np.uint8)
                 t0 = time.perf_counter()
-                link.send(msg, 1, tag=_TAG)
+                link.send(msg, peer, tag=_TAG)
                 req.wait()
                 dt = time.perf_counter() - t0
                 if rep >= warmup:

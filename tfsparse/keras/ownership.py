@@ -75,39 +75,43 @@ def _momentum_to_take(optimizer) -> float | None:
     return None
 
 
-def _apply_without_momentum(sgd) -> None:
-    """From now on ``sgd`` (a ``keras.optimizers.SGD``) applies its updates without momentum: the
-    exchange applies it (momentum correction).  Its ``momentum`` -- what ``get_config`` saves and
-    the user reads -- and its momentum variables (kept at zero, so that checkpoints keep their
-    shape) stay as they are; ``update_step`` sees a momentum of 0 while it is traced."""
-    if getattr(sgd, "_tfsparse_momentum_in_exchange", False):
-        return
-    update_step = sgd.update_step
+def _apply_without_momentum(sgd, taken: bool) -> None:
+    """Whether ``sgd`` (a ``keras.optimizers.SGD``) applies its updates without momentum from now
+    on (``taken``: the exchange applies it, momentum correction) or with it again.  Its
+    ``momentum`` -- what ``get_config`` saves and the user reads -- and its momentum variables
+    (kept at zero meanwhile, so that checkpoints keep their shape) stay as they are;
+    ``update_step`` sees a momentum of 0 while it is traced for an exchange that took it."""
+    if getattr(sgd, "_tfsparse_momentum_in_exchange", None) is None:
+        if not taken:
+            return
+        update_step = sgd.update_step
 
-    def update_step_without_momentum(gradient, variable, learning_rate):
-        momentum = sgd.momentum
-        sgd.momentum = 0.0
-        try:
-            return update_step(gradient, variable, learning_rate)
-        finally:
-            sgd.momentum = momentum
+        def update_step_without_momentum(gradient, variable, learning_rate):
+            if not sgd._tfsparse_momentum_in_exchange:
+                return update_step(gradient, variable, learning_rate)
+            momentum = sgd.momentum
+            sgd.momentum = 0.0
+            try:
+                return update_step(gradient, variable, learning_rate)
+            finally:
+                sgd.momentum = momentum
 
-    sgd.update_step = update_step_without_momentum
-    sgd._tfsparse_momentum_in_exchange = True
+        sgd.update_step = update_step_without_momentum
+    sgd._tfsparse_momentum_in_exchange = bool(taken)
 
 
 def fit_optimizer(exchange, optimizer) -> None:
     """Fits ``exchange`` (not yet built) to ``optimizer``, the optimizer that applies its
     gradients: ``memory="auto"`` is decided (:meth:`~tfsparse.exchange.GradientExchange.decide_memory`)
-    and, where the exchange takes over the optimizer's momentum, the optimizer applies its
-    updates without it from then on; then :func:`check_optimizer`.  On a built exchange only the
-    check runs (and the hand-over, where the exchange took the momentum of an equal optimizer)."""
+    and the optimizer applies its updates without its momentum exactly while it trains through an
+    exchange that took it over; then :func:`check_optimizer`.  On a built exchange the memory stays
+    as decided."""
     if optimizer is None:
         return
     momentum = _momentum_to_take(optimizer)
     exchange.decide_memory(momentum)
-    if exchange.takes_momentum and momentum is not None:
-        _apply_without_momentum(list(_chain(optimizer))[-1])
+    if momentum is not None:
+        _apply_without_momentum(list(_chain(optimizer))[-1], exchange.takes_momentum)
     check_optimizer(exchange, optimizer)
 
 
