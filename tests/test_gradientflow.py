@@ -217,7 +217,7 @@ def test_dense_with_momentum_memory_is_momentum_sgd():
 def test_momentum_options_are_validated():
     with pytest.raises(ValueError, match=r"momentum=0\.9 needs memory='momentum'"):
         GradientExchange("topk", 0.01, momentum=0.9)
-    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'momentum', 'none', 'residual'"):
+    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'auto', 'momentum', 'none', 'residual'"):
         GradientExchange("topk", 0.01, memory="velocity")
     for bad in (1.0, -0.1, "0.9", True):
         with pytest.raises(ValueError, match=r"momentum=.* is not valid; accepted: a number in \[0, 1\)"):
