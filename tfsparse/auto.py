@@ -44,8 +44,6 @@ from .wire import get_wire
 
 #: rounds run dense over float16 (and measured) before the choice
 MEASURE_ROUNDS = 7
-#: what those rounds run
-MEASURING = ("dense", 1.0, "float16")
 #: a candidate is preferred to an earlier one only when predicted this much sooner (the
 #: measurements' noise: two settings closer than that are a tie, and the earlier one wins)
 TOLERANCE = 0.03
@@ -96,6 +94,8 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("topk", 0.01, "float32", 1.5),
     Candidate("oktopk", 0.01, "float32", 1.5),
 )
+#: what the measured rounds run (the index into :data:`CANDIDATES`): dense over float16
+MEASURING = next(i for i, c in enumerate(CANDIDATES) if c.algorithm == "dense" and c.wire_dtype == "float16")
 
 
 @dataclass(frozen=True)
@@ -223,8 +223,7 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True) -> Decision:
         except ValueError as e:  # raised on every rank alike (rank 0's fit, broadcast)
             warnings.warn(f"tfsparse: algorithm='auto' could not measure the link ({e}); it keeps dense over "
                           f"float16", RuntimeWarning, stacklevel=2)
-            index = CANDIDATES.index(next(c for c in CANDIDATES if (c.algorithm, c.density, c.wire_dtype) == MEASURING))
-            return Decision(index, float(compute[0]), None, ())
+            return Decision(MEASURING, float(compute[0]), None, ())
     local = local_costs(n, comm.size) if comm.rank == 0 else np.zeros(len(CANDIDATES))
     if comm.size > 1:
         local = comm.bcast(local if comm.rank == 0 else None, root=0, shape=local.shape, dtype=np.float64)

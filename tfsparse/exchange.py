@@ -302,12 +302,12 @@ class GradientExchange:
         self.settings = self.settings.resolved()  # "auto" undecided (no optimizer known): error feedback
         if self._auto is not None:  # measured rounds first (a restored decision replaces them)
             self._auto.base = self.settings
-            self._use(self.settings.replace(**dict(zip(("algorithm", "density", "wire_dtype"), auto.MEASURING))))
+            self._use(self._candidate_settings(auto.MEASURING))
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
             self._agree(layout, [])
             self.plan.prepare(comm, self)
-        buckets = [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(layout)]
+        buckets = self._make_buckets(layout)
         _warm_kernels()
         self._agree(layout, buckets)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
@@ -339,6 +339,16 @@ class GradientExchange:
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
 
+    def _make_buckets(self, layout: Layout) -> list:
+        """The plan's buckets for ``layout`` with the stages of :attr:`settings`."""
+        return [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(layout)]
+
+    def _candidate_settings(self, index: int) -> Settings:
+        """The settings before auto's choice with candidate ``index`` of
+        :data:`tfsparse.auto.CANDIDATES` in place of ``"auto"``."""
+        c = auto.CANDIDATES[index]
+        return self._auto.base.replace(algorithm=c.algorithm, density=c.density, wire_dtype=c.wire_dtype)
+
     def _use(self, settings: Settings) -> None:
         """Runs ``settings`` from now on (before the buckets are made)."""
         self.settings = settings
@@ -363,12 +373,11 @@ class GradientExchange:
         valid), taking over the memory (residual, velocity) of the ones they replace.  Every rank
         at the same round, with no round in flight."""
         self.check_idle("the switch to the setting auto chose")
-        c = auto.CANDIDATES[index]
         self._auto.index = index
         state = self.get_state()
-        self._use(self._auto.base.replace(algorithm=c.algorithm, density=c.density, wire_dtype=c.wire_dtype))
+        self._use(self._candidate_settings(index))
         old = self.bucket_states
-        self.bucket_states = [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(self.layout)]
+        self.bucket_states = self._make_buckets(self.layout)
         for new, before in zip(self.bucket_states, old):
             new.rounds = before.rounds
         for b in self.bucket_states:
@@ -467,7 +476,7 @@ class GradientExchange:
         if self._failed is not None:
             raise RuntimeError(f"this exchange failed in an earlier round ({type(self._failed).__name__}: "
                                f"{self._failed}); the ranks are out of step, restart training") from self._failed
-        if b.spec.index == 0 and self._auto is not None and self._auto.index < 0:
+        if b.spec.index == 0 and self._auto is not None:
             self.prepare_round()  # the glue's path: it looks its buckets up by index
             b = self.bucket_states[0]
         t0 = time.perf_counter()

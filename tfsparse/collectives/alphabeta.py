@@ -224,12 +224,11 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
     sizes = _check_sizes(sizes)
     repeats = _check_count("repeats", repeats, 1, 10)
     warmup = _check_count("warmup", warmup, 0, 2)
-    if comm.size >= 2:
-        peer = _checks.integer("peer", peer, 1, comm.size - 1)
     if comm.size < 2:
         raise ValueError(f"measure_alpha_beta needs a world of at least 2 ranks (comm.size={comm.size}): the "
                          f"ping-pong has no peer; for one process there is no link to measure -- state one with "
                          f"AlphaBeta.from_strings(bandwidth, latency), e.g. ('1gbit', '50us')")
+    peer = _checks.integer("peer", peer, 1, comm.size - 1)
     link = comm.duplicate()
     result = np.full(2, np.nan)
     error = ""

@@ -61,13 +61,18 @@ def _chain(optimizer):
         optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
+def _innermost(optimizer):
+    """The optimizer that ``optimizer`` wraps, through every ``inner_optimizer`` (itself if none)."""
+    return list(_chain(optimizer))[-1]
+
+
 def _momentum_to_take(optimizer) -> float | None:
     """The momentum factor the exchange can take over from ``optimizer``: that of the innermost
     ``keras.optimizers.SGD`` with ``momentum`` > 0 and without Nesterov (heavy-ball momentum is
     what momentum correction applies, DGC §3.2); None for any other optimizer."""
     import keras
 
-    inner = list(_chain(optimizer))[-1] if optimizer is not None else None
+    inner = _innermost(optimizer) if optimizer is not None else None
     if type(inner) is keras.optimizers.SGD and not inner.nesterov:
         momentum = inner.momentum
         if isinstance(momentum, numbers.Real) and not isinstance(momentum, bool) and momentum > 0:
@@ -111,7 +116,7 @@ def fit_optimizer(exchange, optimizer) -> None:
     momentum = _momentum_to_take(optimizer)
     exchange.decide_memory(momentum)
     if momentum is not None:
-        _apply_without_momentum(list(_chain(optimizer))[-1], exchange.takes_momentum)
+        _apply_without_momentum(_innermost(optimizer), exchange.takes_momentum)
     check_optimizer(exchange, optimizer)
 
 
