@@ -313,6 +313,28 @@ def test_auto_measures_then_runs_its_choice_and_a_refit_inherits_it(capsys):
     assert strategy.exchange.auto_decision is None and "chose" not in capsys.readouterr().out
 
 
+def test_communication_stats_record_what_auto_runs_each_epoch(tmp_path):
+    """CommunicationStats: ``wire_bits`` in the epoch logs (numbers: the progress bar and
+    TensorBoard take them), the algorithm and wire of each epoch's end in the History fit returns,
+    and both as TensorBoard text under ``log_dir/train`` -- here auto's measured rounds (dense over
+    float16) fill epoch 0, and its choice for one rank (dense over float32) runs from round 8."""
+    x, y = data(16)
+    strategy = tfsparse.SparseStrategy("auto", communicator=solo())
+    with strategy.scope():
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), LOSS)
+    stats = tfsparse.keras.callbacks.CommunicationStats(log_dir=tmp_path)
+    hist = model.fit(x, y, batch_size=4, epochs=3, verbose=2, callbacks=[stats, keras.callbacks.TensorBoard(tmp_path)])
+    assert hist.history["comm_algorithm"] == ["dense"] * 3
+    assert hist.history["wire"] == ["float16", "float32", "float32"]
+    assert hist.history["wire_bits"] == [16.0, 32.0, 32.0]
+    assert len(hist.history["loss"]) == 3
+    events = list((tmp_path / "train").glob("events.out.tfevents.*"))
+    assert len(events) >= 2 and all(e.stat().st_size > 0 for e in events)  # Keras' scalars and our text
+    hist = model.fit(x, y, batch_size=4, epochs=0, verbose=0, callbacks=[stats])  # no epoch: nothing added
+    assert "comm_algorithm" not in hist.history
+
+
 def test_momentum_correction_and_warmup_in_fit():
     strategy = tfsparse.SparseStrategy("csc", 0.3, chunk_size=4, memory="momentum", momentum=0.8,
                                        communicator=solo())

@@ -1,7 +1,8 @@
 """Keras callbacks for multi-process training.
 
 * :class:`BroadcastInitialState` — start every rank from rank 0's weights and optimizer state.
-* :class:`CommunicationStats` — bytes, density and phase times of the exchange in each epoch's logs.
+* :class:`CommunicationStats` — bytes, density, wire and phase times of the exchange in each epoch's
+  logs; the algorithm and wire of each epoch in the History.
 * :class:`MetricAverage` — average epoch logs across ranks (for the DistributedOptimizer
   route; under SparseStrategy metrics are already averaged every step).
 * :class:`StepCountCheck` — fail fast when ranks have different numbers of batches.
@@ -28,6 +29,7 @@ import keras
 from .. import _checks, files, runtime
 from .._tf_private import set_initial_epoch
 from ..collectives.agreement import ConfigurationMismatch, check_agreement
+from ..wire import get_wire
 from .ownership import checkpointer_of, exchange_of, require_exchange
 from .replicas import check_replicas
 
@@ -133,18 +135,38 @@ class BroadcastInitialState(keras.callbacks.Callback):
 class CommunicationStats(keras.callbacks.Callback):
     """Adds to each epoch's logs, per step of the gradient exchange on this rank:
     ``comm_bytes`` (mean bytes sent), ``density`` (achieved fraction of gradient elements
-    sent), and where the time went -- ``encode_ms`` (error feedback, selection, encoding, on
+    sent), ``wire_bits`` (bits per value on the wire at the epoch's end: 32, 16 or 8), and where
+    the time went -- ``encode_ms`` (error feedback, selection, encoding, on
     the training thread), ``comm_ms`` (the collectives, on the communication thread),
     ``decode_ms`` (dense result and residual update, on the training thread once a bucket is
     off the wire, while the communication thread moves the next one) and
     ``wait_ms`` (the training thread blocked on the communication thread: the part of the
     exchange that overlap -- buckets, ``pipeline=2`` -- did not hide).
 
+    The setting in use at each epoch's end -- what ``algorithm="auto"`` chose, once it has --
+    lands in the ``History`` that ``fit`` returns when training ends: ``comm_algorithm`` (``"dense"``,
+    ``"gtopk"``, ...) and ``wire`` (``"float32"``, ``"float16"``, ...), one string per epoch (the
+    epoch logs themselves take numbers only: the progress bar and TensorBoard average and plot
+    them).  ``log_dir``: also written there as TensorBoard text summaries (``epoch_comm_algorithm``,
+    ``epoch_wire`` under ``log_dir/train``, where Keras' ``TensorBoard(log_dir)`` writes its scalars),
+    by rank 0; the numbers reach TensorBoard as any epoch log does.
+
     Put it before History/TensorBoard users in the callback list so they see the keys.
     """
 
     PHASES = ("encode", "comm", "decode", "wait")
-    KEYS = ("comm_bytes", "density", *(f"{phase}_ms" for phase in PHASES))
+    KEYS = ("comm_bytes", "density", "wire_bits", *(f"{phase}_ms" for phase in PHASES))
+    #: the strings added to the History when training ends
+    LABELS = ("comm_algorithm", "wire")
+
+    def __init__(self, log_dir: str | None = None):
+        super().__init__()
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self._labels: dict[int, tuple[str, str]] = {}
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._labels = {}
 
     def on_epoch_begin(self, epoch, logs=None):
         ex = exchange_of(self.model)
@@ -159,8 +181,31 @@ class CommunicationStats(keras.callbacks.Callback):
         steps = max(st.steps, 1)
         logs["comm_bytes"] = float(st.bytes_per_step)
         logs["density"] = float(st.density)
+        logs["wire_bits"] = float(8 * get_wire(ex.settings.wire_dtype).value_bytes)
         for phase in self.PHASES:
             logs[f"{phase}_ms"] = 1e3 * getattr(st, f"{phase}_seconds") / steps
+        self._labels[epoch] = (ex.settings.algorithm, ex.settings.wire_dtype)
+        if self.log_dir is not None and runtime.communicator().rank == 0:
+            self._write_text(epoch, *self._labels[epoch])
+
+    def _write_text(self, epoch: int, algorithm: str, wire: str) -> None:
+        import tensorflow as tf
+
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "train"))
+        with self._writer.as_default():
+            tf.summary.text("epoch_comm_algorithm", algorithm, step=epoch)
+            tf.summary.text("epoch_wire", wire, step=epoch)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        history = getattr(self.model, "history", None)
+        epochs = list(getattr(history, "epoch", None) or [])
+        # the History of this fit (it sets model.history at each epoch's end): its epochs are ours
+        if not isinstance(history, keras.callbacks.History) or not epochs or sorted(self._labels) != epochs:
+            return
+        for i, key in enumerate(self.LABELS):
+            history.history[key] = [self._labels[e][i] for e in epochs]
 
 
 class MetricAverage(keras.callbacks.Callback):
