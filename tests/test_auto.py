@@ -107,8 +107,8 @@ def _forced(monkeypatch, algorithm):
     real = auto.decide
     index = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == algorithm)
 
-    def decide(comm, n, periods, rounds, sparse=True):
-        d = real(comm, n, periods, rounds, sparse)
+    def decide(*args, **kwargs):
+        d = real(*args, **kwargs)
         return auto.Decision(index, d.compute_s, d.link, d.predictions)
     monkeypatch.setattr(auto, "decide", decide)
 
@@ -136,19 +136,53 @@ def test_the_numpy_api_switches_at_the_decision(monkeypatch, api, choice):
             summed = ex.step(grads) if api == "step" else engine.start(grads).wait()
             out.append(np.concatenate(summed))
             densities.append(engine.density)
+            if step == auto.MEASURE_ROUNDS - 1:  # the measurements were taken between the rounds
+                probe = engine._auto.probe
+                measured = (probe.done, sorted(probe.times), [len(t) for t in probe.times.values()])
         state = engine.get_state()
         engine.close()
-        return out, densities, engine.settings.config(), len(engine.bucket_states), state["auto"].tolist()
+        return out, densities, engine.settings.config(), len(engine.bucket_states), state["auto"].tolist(), measured
 
     results = InProcessWorld(3).run(fn)
-    out0, densities, settings, buckets, chosen = results[0]
+    out0, densities, settings, buckets, chosen, measured = results[0]
     assert densities[:7] == [1.0] * 7 and settings["algorithm"] != "auto" and buckets == 2
+    assert measured == (len(auto.PROBES), [8, 1 << 20, 4 << 20], [3, 3, 4])  # rank 0's round trips
+    assert [r[-1][0] for r in results] == [len(auto.PROBES)] * 3
     if choice != "measured":
         assert settings["algorithm"] == "gtopk" and densities[7:] == [0.01] * 3
-    for out, d, s, b, c in results:
+    for out, d, s, b, c, _ in results:
         assert s == settings and c == chosen and b == buckets and d == densities
         for a, ref in zip(out, out0):
             np.testing.assert_array_equal(a, ref)
+
+
+@pytest.mark.parametrize("memory, choice, kept", [("momentum", "gtopk", True), ("residual", "topk", True),
+                                                  ("residual", "dense", False)])
+def test_the_switch_keeps_the_memory_it_can(monkeypatch, memory, choice, kept):
+    """The choice's buckets take over the measured ones' memory object -- residual, velocity and
+    vectors, nothing copied or allocated -- where they use the same kind; dense float32 keeps
+    none (it loses nothing), and the residual is dropped.  The result vectors are reused."""
+    from tfsparse.exchange import GradientExchange
+
+    _forced(monkeypatch, choice)
+    engine = GradientExchange("auto", plan=0, memory=memory, **({"momentum": 0.9} if memory == "momentum" else {}))
+    rng = np.random.default_rng(0)
+    grads = lambda: [rng.standard_normal(300).astype(np.float32), rng.standard_normal(200).astype(np.float32)]
+    for _ in range(auto.MEASURE_ROUNDS):
+        engine.start(grads()).wait()
+    before = list(engine.bucket_states)
+    saved = engine.get_state()
+    engine.prepare_round()
+    assert engine.settings.algorithm == choice and engine.auto_choice.algorithm == choice
+    for new, old in zip(engine.bucket_states, before):
+        assert new is not old and new.outputs is old.outputs and (new.memory is old.memory) == kept
+    after = engine.get_state()
+    for key in ("residual", "velocity"):
+        if key in saved and kept:
+            np.testing.assert_array_equal(after[key], saved[key])
+    assert kept or "residual" not in after
+    engine.start(grads()).wait()
+    engine.close()
 
 
 def test_a_pinned_density_or_wire_is_not_auto():

@@ -2,25 +2,27 @@
 
 The first :data:`MEASURE_ROUNDS` rounds of an ``"auto"`` exchange run dense over float16 -- a
 dense warm-up, which sparse training wants anyway (gradientflow-sun2019 §3.2, DGC §3.3) -- while
-every rank records how long its steps take and how long each round of the exchange takes.  At
-the start of the next round, on every rank at once (:func:`decide`, collective):
+every rank records how long its steps take and how long each round of the exchange takes.
+Between those rounds, on the communication thread while the ranks compute their next gradients
+(:class:`Probe`, one piece of :data:`PROBES` after each of the first six rounds), it measures:
 
-1. **the compute step** -- each rank's median of (time between two rounds' starts) less (the
-   earlier round's exchange), the slowest rank's;
-2. **the link** -- α and β of the link between rank 0 and the first rank on another host (rank 1
-   on one host) by ping-pong (:func:`~tfsparse.collectives.measure_alpha_beta`);
-3. **the local work** of each candidate on this layout -- rank 0 times the selection of the
-   sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding;
+* **the link** -- round trips between rank 0 and the first rank on another host (rank 1 on one
+  host) of 8 B, 1 MiB and 4 MiB (one of 4 MiB per piece), from which rank 0 fits α and β
+  (:func:`~tfsparse.collectives.alphabeta.fit_alpha_beta`);
+* **the local work** of each candidate on this layout -- rank 0 times the selection of the
+  sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding.
 
-then rank 0 prices every candidate of :data:`CANDIDATES` with the library's timing model
-(:func:`tfsparse.timing.simulate`, the aggregators' own schedules under α-β): predicted step =
-compute + communication + local work, and predicted **time to accuracy** = predicted step ×
-the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what dense float32
-reaches, relative to dense; :data:`CANDIDATES` documents the measurements behind each).  The
-smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first -- and every
-rank computes it from the same numbers (the slowest rank's compute, rank 0's link and local
-timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a candidate, so on a fast link
-auto picks dense.
+At the start of the next round, on every rank at once (:func:`decide`, collective), with **the
+compute step** -- each rank's median of (time between two rounds' starts) less (the earlier
+round's exchange), the slowest rank's -- rank 0 prices every candidate of :data:`CANDIDATES` with
+the library's timing model (:func:`tfsparse.timing.simulate`, the aggregators' own schedules under
+α-β): predicted step = compute + communication + local work, and predicted **time to accuracy** =
+predicted step × the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what
+dense float32 reaches, relative to dense; :data:`CANDIDATES` documents the measurements behind
+each).  The smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first --
+and every rank computes it from the same numbers (the slowest rank's compute, rank 0's link and
+local timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a
+candidate, so on a fast link auto picks dense.
 
 The decision is part of the exchange's state (``auto`` in :meth:`GradientExchange.get_state`),
 saved in checkpoints: a run resumed after the decision runs the same choice without measuring
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .collectives.alphabeta import AlphaBeta, measure_alpha_beta
+from .collectives.alphabeta import AlphaBeta, fit_alpha_beta, round_trips
 from .schedules import k_from_density
 from .timing import simulate
 from .wire import get_wire
@@ -47,8 +49,11 @@ MEASURE_ROUNDS = 7
 #: a candidate is preferred to an earlier one only when predicted this much sooner (the
 #: measurements' noise: two settings closer than that are a tie, and the earlier one wins)
 TOLERANCE = 0.03
-#: the ping-pong's message sizes: past the emulated links' token bucket, a quarter of a second at 1 Gbit/s
-PING_SIZES = (8, 1 << 20, 4 << 20)
+#: what :class:`Probe` does after each of the first measured rounds, in order: ``(bytes, round
+#: trips)`` pairs between rank 0 and its peer (the first round trip of each size untimed; 4 MiB is
+#: past the emulated links' token bucket, and one round trip of it is 70 ms at 1 Gbit/s, 0.7 s at
+#: 100 Mbit/s: one per piece), or ``None``: rank 0 times the candidates' local work
+PROBES = (((8, 3), (1 << 20, 3)), ((4 << 20, 1),), ((4 << 20, 1),), ((4 << 20, 1),), ((4 << 20, 1),), None)
 #: the local work is timed on at most this many elements and scaled
 PROFILE_ELEMENTS = 1 << 20
 
@@ -206,25 +211,81 @@ def _peer(comm) -> int:
     return next((r for r, h in enumerate(hosts) if h != hosts[0]), 1)
 
 
-def decide(comm, n: int, periods, rounds, sparse: bool = True) -> Decision:
+class Probe:
+    """Auto's measurements of the link and of the local work, taken in pieces (:data:`PROBES`)
+    between the measured rounds: the exchange runs piece ``i`` (:meth:`run`) on its communication
+    thread after the ``i+1``-th measured round's last bucket, where it overlaps the ranks'
+    computation of the next gradients instead of lengthening a step.  Every rank runs every
+    piece, at the same point of its communication (the first one has collectives: the peer's
+    choice and a duplicate communicator, so the pings never count in the exchange's traffic)."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+        self.done = 0  # pieces run
+        self.submitted = 0  # pieces handed to the communication thread (the exchange's count)
+        self.peer = 1
+        self.link = None  # the duplicate communicator the round trips use
+        self.times: dict[int, list[float]] = {}  # rank 0: one-way seconds per message size
+        self.local = np.zeros(len(CANDIDATES))  # rank 0: each candidate's local work, seconds
+
+    def run(self, comm, index: int) -> None:
+        """Piece ``index`` of :data:`PROBES` (collective; every rank, in order)."""
+        if index != self.done:
+            raise RuntimeError(f"auto's measurement {index} ran after {self.done} of {len(PROBES)}")
+        if index == 0 and comm.size > 1:
+            self.peer = _peer(comm)
+            self.link = comm.duplicate()
+        piece = PROBES[index]
+        if piece is None:
+            if comm.rank == 0:
+                self.local = local_costs(self.n, comm.size)
+        elif self.link is not None:
+            for nbytes, count in piece:
+                self.times.setdefault(nbytes, []).extend(round_trips(self.link, nbytes, count, self.peer))
+        self.done = index + 1
+
+    def finish(self, comm) -> None:
+        """Runs the pieces not run yet (collective)."""
+        for index in range(self.done, len(PROBES)):
+            self.run(comm, index)
+
+    def fit(self) -> AlphaBeta:
+        """Rank 0: α and β fitted to the median one-way time of each size (its first round trip
+        untimed); ValueError when the times do not fit."""
+        sizes = sorted(self.times)
+        return fit_alpha_beta(sizes, [float(np.median(self.times[s][1:] or self.times[s])) for s in sizes])
+
+
+def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None) -> Decision:
     """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
     elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
-    ``rounds`` (the earlier round's exchange, seconds).  ``sparse``: whether the sparse
-    candidates may be chosen (their epochs are measured with momentum correction only).  Every
-    rank returns the same decision.  A link whose ping-pong times cannot be fitted (noise on a
-    busy node) leaves the measured setting, dense over float16, on every rank, with a warning."""
+    ``rounds`` (the earlier round's exchange, seconds) and ``probe``'s measurements (the pieces
+    not yet run are run now; None: all of them).  ``sparse``: whether the sparse candidates may be
+    chosen (their epochs are measured with momentum correction only).  Every rank returns the
+    same decision.  A link whose round-trip times cannot be fitted (noise on a busy node) leaves
+    the measured setting, dense over float16, on every rank, with a warning."""
+    probe = Probe(n) if probe is None else probe
+    probe.finish(comm)
     own = [p - r for p, r in zip(periods, rounds)]
     compute = np.array([max(0.0, float(np.median(own))) if own else 0.0])
     link = None
     if comm.size > 1:
         compute = np.array([max(float(v[0]) for v in comm.allgather(compute))])
-        try:
-            link = measure_alpha_beta(comm, sizes=PING_SIZES, repeats=2, warmup=1, peer=_peer(comm))
-        except ValueError as e:  # raised on every rank alike (rank 0's fit, broadcast)
-            warnings.warn(f"tfsparse: algorithm='auto' could not measure the link ({e}); it keeps dense over "
+        fitted, error = np.full(2, np.nan), ""
+        if comm.rank == 0:
+            try:
+                ab = probe.fit()
+                fitted[:] = (ab.alpha, ab.beta)
+            except ValueError as e:
+                error = str(e)
+        fitted = comm.bcast(fitted if comm.rank == 0 else None, root=0, shape=(2,), dtype=np.float64)
+        if not np.all(np.isfinite(fitted)):  # on every rank alike (rank 0's fit, broadcast)
+            why = error or "rank 0 could not fit the round-trip times"
+            warnings.warn(f"tfsparse: algorithm='auto' could not measure the link ({why}); it keeps dense over "
                           f"float16", RuntimeWarning, stacklevel=2)
             return Decision(MEASURING, float(compute[0]), None, ())
-    local = local_costs(n, comm.size) if comm.rank == 0 else np.zeros(len(CANDIDATES))
+        link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
+    local = probe.local if comm.rank == 0 else np.zeros(len(CANDIDATES))
     if comm.size > 1:
         local = comm.bcast(local if comm.rank == 0 else None, root=0, shape=local.shape, dtype=np.float64)
     return choose(n, comm.size, link, float(compute[0]), local, sparse)

@@ -109,8 +109,11 @@ class Bucket:
     memory update is done or its job has ended, and ``settled``: the rounds whose memory update
     was done early, on the communication thread)."""
 
-    def __init__(self, spec, aggregator, wire, density, memory, outputs=None, staging=None):
+    def __init__(self, spec, aggregator, wire, density, memory, outputs=None, staging=None, home=HOST):
         self.spec = spec
+        #: where the memory and the result vectors live (the exchange's space, or the host for an
+        #: aggregator that takes no device vector)
+        self.home = home
         self.aggregator = aggregator
         self.dense = None  # the bucket's DenseAllreduce, for dense steps of a sparse algorithm
         self.wire = wire
@@ -308,9 +311,12 @@ def nonfinite_ranks(comm, finite: bool) -> list[int]:
     return [r for r, f in enumerate(flags) if f[0]]
 
 
-def make_bucket(spec, settings, space) -> Bucket:
+def make_bucket(spec, settings, space, replaces: Bucket | None = None) -> Bucket:
     """A plan entry's stages: its aggregator (the settings' algorithm and options, or the plan's
-    for this bucket), its wire and its memory (vectors allocated in ``space``)."""
+    for this bucket), its wire and its memory (vectors allocated in ``space``).  ``replaces``:
+    the bucket of the same entry this one takes over from, between rounds -- its memory is kept
+    where it is the kind these settings use (:func:`~tfsparse.memory.get_memory`'s ``reuse``),
+    and its result and staging vectors where they live in the same space."""
     algorithm = spec.algorithm or settings.algorithm
     options = copy.deepcopy({**(settings.options if algorithm == settings.algorithm else {}), **spec.options})
     density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
@@ -319,10 +325,13 @@ def make_bucket(spec, settings, space) -> Bucket:
     # vector is handed the bucket on the host anyway, so there the gradients cross to the host
     # once and the host's fused passes run (Bucket.encode)
     home = space if aggregator.accepts_device or not space.on_device else HOST
+    before = replaces if replaces is not None and replaces.home is home else None
     memory = get_memory(settings.memory, spec.size, settings.memory_options, aggregator.uses_memory or wire.lossy,
-                        home)
-    staging = space.staging(spec.size) if home is not space else None
-    return Bucket(spec, aggregator, wire, density, memory, home.outputs(spec.size), staging)
+                        home, reuse=None if before is None else before.memory)
+    staging = None if home is space else (before._staging if before is not None and before._staging is not None
+                                          else space.staging(spec.size))
+    outputs = before.outputs if before is not None else home.outputs(spec.size)
+    return Bucket(spec, aggregator, wire, density, memory, outputs, staging, home)
 
 
 def assemble(layout, buckets, dense: dict, flat: bool, space):

@@ -111,11 +111,14 @@ def in_space(method):
 
 class _Auto:
     """``algorithm="auto"``: the settings before the choice (memory decided), this rank's step
-    periods and exchange rounds so far, and the choice (``index`` into
+    periods and exchange rounds so far, the measurements between rounds (``probe``, and the
+    futures of its pieces on the communication thread), and the choice (``index`` into
     :data:`tfsparse.auto.CANDIDATES`; -1 while measuring)."""
 
     def __init__(self):
         self.base: Settings | None = None
+        self.probe: auto.Probe | None = None
+        self.probing: list = []
         self.periods: list[float] = []
         self.rounds: list[float] = []
         self.last_start: float | None = None
@@ -302,6 +305,7 @@ class GradientExchange:
         self.settings = self.settings.resolved()  # "auto" undecided (no optimizer known): error feedback
         if self._auto is not None:  # measured rounds first (a restored decision replaces them)
             self._auto.base = self.settings
+            self._auto.probe = auto.Probe(layout.n)
             self._use(self._candidate_settings(auto.MEASURING))
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels()
@@ -339,9 +343,12 @@ class GradientExchange:
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
 
-    def _make_buckets(self, layout: Layout) -> list:
-        """The plan's buckets for ``layout`` with the stages of :attr:`settings`."""
-        return [make_bucket(spec, self.settings, self.space) for spec in self.plan.buckets(layout)]
+    def _make_buckets(self, layout: Layout, replacing=None) -> list:
+        """The plan's buckets for ``layout`` with the stages of :attr:`settings`; ``replacing``:
+        the buckets they take over from (:func:`~tfsparse.bucket.make_bucket`'s ``replaces``)."""
+        specs = self.plan.buckets(layout)
+        return [make_bucket(spec, self.settings, self.space, None if replacing is None else replacing[spec.index])
+                for spec in specs]
 
     def _candidate_settings(self, index: int) -> Settings:
         """The settings before auto's choice with candidate ``index`` of
@@ -370,18 +377,19 @@ class GradientExchange:
     def _replan(self, index: int) -> None:
         """Runs candidate ``index`` of :data:`tfsparse.auto.CANDIDATES` from the next round: new
         buckets with its stages over the same plan (the traced graph, one op per bucket, stays
-        valid), taking over the memory (residual, velocity) of the ones they replace.  Every rank
-        at the same round, with no round in flight."""
+        valid), taking over the memory (residual, velocity) of the ones they replace -- the memory
+        itself where the new stages use the same kind, else its values.  Every rank at the same
+        round, with no round in flight."""
         self.check_idle("the switch to the setting auto chose")
         self._auto.index = index
-        state = self.get_state()
         self._use(self._candidate_settings(index))
         old = self.bucket_states
-        self.bucket_states = self._make_buckets(self.layout)
+        self.bucket_states = self._make_buckets(self.layout, replacing=old)
         for new, before in zip(self.bucket_states, old):
             new.rounds = before.rounds
-        for b in self.bucket_states:
-            b.set_state({k: v for k, v in state.items() if k in ("residual", "velocity")})
+            if new.memory is not before.memory:
+                kept = new.memory.get_state()
+                new.memory.set_state({k: v for k, v in before.memory.get_state().items() if k in kept})
 
     def prepare_round(self) -> None:
         """Before a round's buckets are taken (:meth:`start`, ``Pipelined.step``, or the start of
@@ -401,7 +409,10 @@ class GradientExchange:
         if len(a.periods) < auto.MEASURE_ROUNDS:
             return
         n, sparse = int(self.layout.n), self.settings.memory == "momentum"
-        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse), self._xcomm)
+        for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
+            piece.result()
+        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe),
+                                    self._xcomm)
         a.decision = decision
         if self.comm.rank == 0:
             print(decision.describe(self.comm.size), flush=True)
@@ -534,7 +545,21 @@ class GradientExchange:
                         s.seconds += time.perf_counter() - t0
             if last:
                 self._round += 1
+        if last and self._auto is not None:
+            self._probe_between_rounds()
         return out.dense
+
+    def _probe_between_rounds(self) -> None:
+        """``algorithm="auto"`` while measuring, after a round's last bucket: the next piece of
+        its measurements (:class:`tfsparse.auto.Probe`) handed to the communication thread, where it
+        runs while the ranks compute the next gradients (every rank at the same point of its
+        communication: after this round's buckets, before the next round's)."""
+        a = self._auto
+        p = a.probe
+        if a.index >= 0 or p is None or p.submitted >= len(auto.PROBES) or self._next_round != self._round:
+            return
+        index, p.submitted = p.submitted, p.submitted + 1
+        a.probing.append(self._runner.submit(p.run, self._xcomm, index))
 
     def request_side_channel(self) -> None:
         """Asks for :attr:`side_channel` from now on (collective when the exchange is built

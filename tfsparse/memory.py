@@ -52,14 +52,20 @@ def check_memory(memory, momentum=None) -> dict:
     return _MEMORIES[memory].check_options(momentum)
 
 
-def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST):
+def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST, reuse=None):
     """The memory of a bucket of ``size`` elements; ``needed``: whether anything is lost in
     the exchange (a sparse algorithm or a lossy wire).  Without loss and without momentum
     nothing is kept (:class:`NoMemory`).  ``space``: where the bucket's vectors live
-    (:mod:`tfsparse.space`)."""
+    (:mod:`tfsparse.space`).  ``reuse``: a memory returned as it is -- its residual, velocity and
+    vectors kept -- when it is what this call would build (the same kind, options, size and
+    space): a bucket rebuilt with other stages (``algorithm="auto"``'s switch) keeps its memory
+    without copying or allocating."""
     cls = _MEMORIES[memory]
     if not needed and not cls.always:
-        return NoMemory(size, space=space)
+        cls, options = NoMemory, {}
+    if (type(reuse) is cls and reuse.space is space and reuse.acc.shape[0] == size
+            and all(np.float32(getattr(reuse, k)) == np.float32(v) for k, v in options.items())):
+        return reuse
     return cls(size, **options, space=space)
 
 

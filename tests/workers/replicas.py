@@ -247,8 +247,8 @@ def auto_case(route, choice):
     if choice != "measured":
         forced = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == choice)
 
-        def decide(comm, n, periods, rounds, sparse=True):
-            d = real(comm, n, periods, rounds, sparse)
+        def decide(*args, **kwargs):
+            d = real(*args, **kwargs)
             return auto.Decision(forced, d.compute_s, d.link, d.predictions)
         auto.decide = decide
     keras.utils.set_random_seed(rank)

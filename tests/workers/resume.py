@@ -28,8 +28,8 @@ if any(case["algo"] == "auto" for case in cases):
 
     _decide = auto.decide
 
-    def forced_decide(comm, n, periods, rounds, sparse=True):
-        d = _decide(comm, n, periods, rounds, sparse)
+    def forced_decide(*args, **kwargs):
+        d = _decide(*args, **kwargs)
         return auto.Decision(next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk"),
                              d.compute_s, d.link, d.predictions)
     auto.decide = forced_decide

@@ -247,25 +247,31 @@ def measure_alpha_beta(comm: Communicator, sizes=DEFAULT_SIZES, repeats: int = 1
     return AlphaBeta(alpha=float(result[0]), beta=float(result[1]))
 
 
+def round_trips(link: Communicator, nbytes: int, count: int, peer: int = 1) -> list[float]:
+    """Ranks 0 and ``peer`` of ``link`` (every other rank returns at once): ``count`` round trips
+    of ``nbytes`` bytes, rank 0 sending first; rank 0 returns each one's one-way time (half the
+    round trip, its clock), ``peer`` an empty list.  Point-to-point only: the two ranks call it at
+    the same point of their traffic on ``link``."""
+    buf = np.full(int(nbytes), 0xA5, dtype=np.uint8)
+    times: list[float] = []
+    for _ in range(int(count)):
+        if link.rank == 0:
+            req = link.irecv(peer, nbytes, tag=_TAG, dtype=np.uint8)
+            t0 = time.perf_counter()
+            link.send(buf, peer, tag=_TAG)
+            req.wait()
+            times.append((time.perf_counter() - t0) / 2.0)
+        elif link.rank == peer:
+            echo = link.irecv(0, nbytes, tag=_TAG, dtype=np.uint8).wait()
+            link.send(echo, 0, tag=_TAG)
+    return times
+
+
 def _ping_pong(link: Communicator, sizes, repeats: int, warmup: int, peer: int = 1) -> np.ndarray:
     """Ranks 0 and ``peer``: the median one-way time of each size (rank 0's clock; NaN on ``peer``)."""
-    buf = np.full(max(sizes), 0xA5, dtype=np.uint8)
     out = np.full(len(sizes), np.nan)
     for i, nbytes in enumerate(sizes):
-        msg = buf[:nbytes]
-        times = []
-        for rep in range(warmup + repeats):
-            if link.rank == 0:
-                req = link.irecv(peer, nbytes, tag=_TAG, dtype=np.uint8)
-                t0 = time.perf_counter()
-                link.send(msg, peer, tag=_TAG)
-                req.wait()
-                dt = time.perf_counter() - t0
-                if rep >= warmup:
-                    times.append(dt / 2.0)
-            else:
-                echo = link.irecv(0, nbytes, tag=_TAG, dtype=np.uint8).wait()
-                link.send(echo, 0, tag=_TAG)
+        times = round_trips(link, nbytes, warmup + repeats, peer)[warmup:]
         if times:
             out[i] = float(np.median(times))
     return out
