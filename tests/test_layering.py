@@ -21,6 +21,7 @@ LAYERS = [
     {"pipelined", "checkpoint"},
     {"tf_glue"},
     {"strategies", "keras", "run", "network"},
+    {"horovod"},  # Horovod's API over the Keras layer (tfsparse.horovod.tensorflow.keras)
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -1,0 +1,361 @@
+"""``horovod.tensorflow``'s process queries and collectives, on tfsparse's communicator.
+
+>>> import tfsparse.horovod.tensorflow as hvd     # was: import horovod.tensorflow as hvd
+>>> hvd.init()
+>>> hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
+>>> hvd.allreduce(tf.constant([1.0, 2.0]))                    # the mean over ranks (op=hvd.Average)
+>>> hvd.allgather(tf.ones([hvd.rank() + 1, 3]))               # rows of every rank, in rank order
+>>> hvd.broadcast(tf.constant(hvd.rank()), root_rank=0)      # rank 0's value everywhere
+>>> hvd.broadcast_variables(model.variables, root_rank=0)
+
+Each call has Horovod's meaning, eagerly and inside ``tf.function`` (where the collectives of a
+function run in the order they were written, on every rank), with Horovod's gradients
+(``allreduce``'s is the allreduce of the gradient; ``allgather``'s the average of the gradient's
+rows of this rank; ``broadcast``'s the average on the root rank, zero elsewhere).  Every rank
+must make the same calls in the same order, as under Horovod.
+
+What differs from Horovod: there are no process sets (``process_set=`` accepts the global one
+only), no Adasum or Product reduction, and ``device_dense``/``device_sparse`` are accepted and
+ignored (the collectives run on the host).  ``Compression.fp16`` halves what a float tensor
+carries as Horovod's does; the sum is formed in float32 and rounded to float16 once (Horovod
+rounds after every addition), so results may differ from Horovod's in the last bit.  Names
+of ``horovod.tensorflow`` not provided here raise an ``AttributeError`` naming them.
+"""
+from __future__ import annotations
+
+import hashlib
+import socket
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from ... import runtime
+
+#: the reduction ops, with Horovod's values (``hvd.Average == 0`` as in horovod.tensorflow)
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+_OPS = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max"}
+_NOT_PROVIDED_OPS = {Adasum: "Adasum", Product: "Product"}
+
+
+class NoneCompressor:
+    """No compression: the tensor travels as it is (Horovod's ``Compression.none``)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor:
+    """Float tensors travel as float16 and come back in their own dtype (Horovod's
+    ``Compression.fp16``); other dtypes travel as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class Compression:
+    """Horovod's choice of what a tensor travels as: ``Compression.none`` or ``Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+class _GlobalProcessSet:
+    """The only process set there is: every rank (Horovod's ``hvd.global_process_set``)."""
+
+    process_set_id = 0
+
+    def size(self) -> int:
+        return size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=0, ranks=all)"
+
+
+global_process_set = _GlobalProcessSet()
+
+_state: dict = {"topology": None}
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Joins the job's world (:func:`tfsparse.init`: MPI, or Horovod's collectives when launched by
+    ``horovodrun``) and learns which ranks share a host; collective, idempotent.  ``comm`` and
+    ``process_sets`` (Horovod's sub-communicators and process sets) are not provided: only
+    ``None`` is accepted."""
+    if comm is not None:
+        raise ValueError(f"init(comm={comm!r}) is not supported by tfsparse.horovod: it runs on every rank of the "
+                         f"job (accepted: comm=None)")
+    if process_sets not in (None, [], ()):
+        raise ValueError(f"init(process_sets={process_sets!r}) is not supported by tfsparse.horovod: there are no "
+                         f"process sets (accepted: process_sets=None)")
+    world = runtime.init()
+    if _state["topology"] is None:
+        _state["topology"] = _topology(world)
+
+
+def _topology(world) -> dict:
+    """local and cross ranks and sizes from the ranks' hosts (one allgather of a hostname hash):
+    the local ranks are the ranks on this host in rank order; the cross ranks, those with this
+    local rank, one per host."""
+    name = np.frombuffer(hashlib.sha1(socket.gethostname().encode()).digest()[:8], np.int64).copy()
+    hosts = [int(h[0]) for h in world.allgather(name)] if world.size > 1 else [int(name[0])]
+    local_of = [sum(1 for q in range(r) if hosts[q] == hosts[r]) for r in range(len(hosts))]
+    me = world.rank
+    cross = [r for r in range(len(hosts)) if local_of[r] == local_of[me]]
+    return {"local_rank": local_of[me], "local_size": hosts.count(hosts[me]),
+            "cross_rank": cross.index(me), "cross_size": len(cross)}
+
+
+def shutdown() -> None:
+    """Ends this module's use of the world (Horovod's ``hvd.shutdown()``): later queries raise
+    until :func:`init` is called again.  The world itself ends with the process."""
+    _state["topology"] = None
+
+
+def is_initialized() -> bool:
+    return _state["topology"] is not None
+
+
+def _topo(key: str) -> int:
+    if _state["topology"] is None:
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    return _state["topology"][key]
+
+
+def rank() -> int:
+    _topo("local_rank")
+    return runtime.rank()
+
+
+def size() -> int:
+    _topo("local_rank")
+    return runtime.size()
+
+
+def local_rank() -> int:
+    return _topo("local_rank")
+
+
+def local_size() -> int:
+    return _topo("local_size")
+
+
+def cross_rank() -> int:
+    return _topo("cross_rank")
+
+
+def cross_size() -> int:
+    return _topo("cross_size")
+
+
+def _comm():
+    _topo("local_rank")
+    return runtime.communicator()
+
+
+def _check_process_set(process_set) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise ValueError(f"process_set={process_set!r} is not supported by tfsparse.horovod: there are no process "
+                         f"sets (accepted: hvd.global_process_set)")
+
+
+def _resolve_op(op, average) -> int:
+    """Horovod's rules: ``average`` (deprecated) or ``op``, not both; neither: Average."""
+    if op is not None and average is not None:
+        raise ValueError(f"op={op!r} and average={average!r}: give one of them (op, average is deprecated)")
+    if op is None:
+        return Average if average is None or average else Sum
+    if op in _NOT_PROVIDED_OPS:
+        raise ValueError(f"op=hvd.{_NOT_PROVIDED_OPS[op]} is not supported by tfsparse.horovod; accepted: "
+                         f"{', '.join('hvd.' + n for n in _OPS.values())}")
+    if op not in _OPS:
+        raise ValueError(f"op={op!r} is not supported; accepted: {', '.join('hvd.' + n for n in _OPS.values())}")
+    return int(op)
+
+
+# -- ordering and the numpy side ----------------------------------------------
+_last_collective: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ordered(fn, inputs, dtypes):
+    """``tf.numpy_function(fn, inputs, dtypes)``; inside a ``tf.function``, after the collective
+    made before it in the same graph (control dependency), so that every rank runs a function's
+    collectives in the order they were written, whatever order TensorFlow schedules them in."""
+    if tf.executing_eagerly():
+        return tf.numpy_function(fn, inputs, dtypes, stateful=True)
+    graph = tf.compat.v1.get_default_graph()
+    before = _last_collective.get(graph)
+    with tf.control_dependencies([] if before is None else [before]):
+        out = tf.numpy_function(fn, inputs, dtypes, stateful=True)
+    _last_collective[graph] = out[0] if isinstance(out, (list, tuple)) else out
+    return out
+
+
+def _np_allreduce(x: np.ndarray, op: int, prescale: float, postscale: float) -> np.ndarray:
+    comm = runtime.communicator()
+    x = np.asarray(x)
+    dtype = x.dtype
+    # float16 is summed in float32 (MPI has no float16 type) and rounded once
+    work = x.astype(np.float32) if dtype == np.float16 else x
+    if prescale != 1.0:
+        work = np.asarray(work * prescale).astype(work.dtype)
+    out = comm.allreduce(work, {Sum: "sum", Average: "sum", Min: "min", Max: "max"}[op])
+    if op == Average:  # the sum divided by the ranks (integers: truncated, as Horovod's)
+        out = out / comm.size if out.dtype.kind == "f" else np.trunc(out / comm.size)
+    if postscale != 1.0:
+        out = out * postscale
+    return np.asarray(out).astype(dtype)
+
+
+def _reduce(tensor, op: int, prescale: float, postscale: float):
+    @tf.custom_gradient
+    def reduce(x):
+        y = _ordered(lambda a: _np_allreduce(a, op, prescale, postscale), [x], x.dtype)
+        y.set_shape(x.shape)
+
+        def grad(dy):  # Horovod's: the gradient reduced as the value was
+            return _reduce(tf.convert_to_tensor(dy), op, prescale, postscale)
+        return y, grad
+    return reduce(tensor)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """The element-wise reduction of ``tensor`` over the ranks: ``op`` = ``hvd.Average``
+    (default), ``hvd.Sum``, ``hvd.Min`` or ``hvd.Max``; ``prescale_factor`` multiplies each rank's
+    tensor before, ``postscale_factor`` the result after.  A ``tf.IndexedSlices`` (an
+    Embedding's gradient) is gathered instead -- values and indices of every rank, the values
+    divided by the ranks for Average -- as Horovod does.  Every rank gets the same result, bit for
+    bit."""
+    op = _resolve_op(op, average)
+    _check_process_set(process_set)
+    _comm()
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (Sum, Average):
+            raise ValueError(f"op=hvd.{_OPS[op]} with a tf.IndexedSlices: only hvd.Sum and hvd.Average are supported "
+                             f"(as in Horovod); pass a dense tensor (tf.convert_to_tensor) for the others")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise ValueError("prescale_factor/postscale_factor are not supported with a tf.IndexedSlices (as in Horovod)")
+        values = allgather(tensor.values)
+        if op == Average:
+            values = values / tf.cast(size(), values.dtype)
+        return tf.IndexedSlices(values, allgather(tensor.indices), dense_shape=tensor.dense_shape)
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    return compression.decompress(_reduce(compressed, op, float(prescale_factor), float(postscale_factor)), ctx)
+
+
+def _np_allgather(x: np.ndarray):
+    comm = runtime.communicator()
+    x = np.asarray(x)
+    shapes = comm.allgather(np.array(x.shape, np.int64))
+    rest = [tuple(int(d) for d in s[1:]) for s in shapes]
+    if len({len(s) for s in shapes}) != 1 or len(set(rest)) != 1:
+        raise ValueError(f"allgather: every rank's tensor must have the same rank and the same dimensions after "
+                         f"the first; got shapes {[tuple(int(d) for d in s) for s in shapes]}")
+    parts = comm.allgather(np.ascontiguousarray(x).reshape(-1))
+    return np.concatenate([p.reshape((-1,) + rest[0]) for p in parts]).astype(x.dtype, copy=False)
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order (the first
+    dimension may differ between ranks, the others may not)."""
+    _check_process_set(process_set)
+    _comm()
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError("allgather needs a tensor of rank >= 1 (it concatenates along the first dimension); "
+                         "got a scalar: reshape it to [1]")
+    return _gather(tensor)
+
+
+def _gather(tensor):
+    @tf.custom_gradient
+    def gather(x):
+        y = _ordered(_np_allgather, [x], x.dtype)
+        y.set_shape([None] + x.shape.as_list()[1:])
+
+        def grad(dy):  # Horovod's: the average over ranks of the gradient, this rank's rows of it
+            dy = _reduce(tf.convert_to_tensor(dy), Average, 1.0, 1.0)
+            counts = _gather(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]))
+            start = tf.reduce_sum(counts[:rank()])
+            return dy[start:start + tf.shape(x, out_type=tf.int64)[0]]
+        return y, grad
+    return gather(tensor)
+
+
+def _np_broadcast(x: np.ndarray, root: int) -> np.ndarray:
+    comm = runtime.communicator()
+    x = np.asarray(x)
+    return np.asarray(comm.bcast(x if comm.rank == root else None, root=root, shape=x.shape, dtype=x.dtype))
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """``root_rank``'s ``tensor`` on every rank (every rank passes a tensor of the same shape and
+    dtype)."""
+    _check_process_set(process_set)
+    root = _check_root(root_rank)
+    return _broadcast(tf.convert_to_tensor(tensor), root)
+
+
+def _check_root(root_rank) -> int:
+    n = _comm().size
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank={root_rank!r} is not valid; accepted: an integer from 0 to {n - 1}")
+    return int(root_rank)
+
+
+def _broadcast(tensor, root: int):
+    @tf.custom_gradient
+    def bcast(x):
+        y = _ordered(lambda a: _np_broadcast(a, root), [x], x.dtype)
+        y.set_shape(x.shape)
+
+        def grad(dy):  # Horovod's: the average of the gradient on the root, zero elsewhere
+            reduced = _reduce(tf.convert_to_tensor(dy), Average, 1.0, 1.0)
+            return reduced if rank() == root else reduced * 0
+        return y, grad
+    return bcast(tensor)
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assigns ``root_rank``'s values to ``variables`` on every rank (Keras or TF variables: a
+    model's ``variables``, an optimizer's ``variables``).  Eagerly one broadcast per dtype;
+    inside a ``tf.function``, returns the group of assignments."""
+    _check_process_set(process_set)
+    root = _check_root(root_rank)
+    variables = list(variables)
+    if tf.executing_eagerly():
+        from ...keras.callbacks import broadcast_variables as fused
+
+        fused(variables, root_rank=root, communicator=_comm())
+        return None
+    return tf.group(*[v.assign(_broadcast(tf.convert_to_tensor(v), root)) for v in variables])
+
+
+_PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+             "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "Compression",
+             "Average", "Sum", "Min", "Max", "global_process_set")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"tfsparse.horovod.tensorflow does not provide horovod.tensorflow.{name}; provided: "
+                         f"{', '.join(_PROVIDED)}")
