@@ -3,7 +3,9 @@ on real ranks under ``mpirun`` (P = 2 and the non-power-of-two 3) and ``horovodr
 process queries, ``allreduce`` (every op, the scale factors, fp16 compression, integers,
 IndexedSlices), ``allgather`` (ranks of different lengths), ``broadcast``, ``broadcast_variables``
 (eagerly and in a ``tf.function``), Horovod's gradients of the three collectives, collectives of a
-``tf.function`` in the order written, each against its numpy reference (tests/workers/horovod_api.py);
+``tf.function`` in the order written, each against its numpy reference, and a custom training
+loop as Horovod's TF2 examples write it (``DistributedGradientTape``, ``broadcast_variables``
+after the first batch; an Embedding among the layers) (tests/workers/horovod_api.py);
 and the errors: before ``init``, after ``shutdown``, unsupported ops, process sets and names."""
 import sys
 
@@ -33,6 +35,14 @@ def _check(results, P, backend):
         assert e["missing"].startswith("AttributeError: tfsparse.horovod.tensorflow does not provide "
                                        "horovod.tensorflow.mpi_threads_supported; provided: init, shutdown")
         assert "rank >= 1" in e["scalar"]
+        assert "accepted: num_groups=0, groups=None" in e["groups"]
+        # the custom loop (DistributedGradientTape, variables broadcast after the first batch):
+        # the same weights and optimizer state on every rank, the loss falling, the tape's
+        # gradient the mean of the ranks' own
+        np.testing.assert_array_equal(res["loop_weights"], results[0]["loop_weights"])
+        assert res["losses"] == results[0]["losses"]
+        assert np.mean(res["losses"][-4:]) < 0.5 * np.mean(res["losses"][:4])
+        assert res["tape_error"] < 1e-6
 
 
 @pytest.mark.parametrize("P", [2, 3])

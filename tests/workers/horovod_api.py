@@ -119,6 +119,49 @@ def assign_from(root):
 assign_from(P - 1)
 check("broadcast_variables in a tf.function", v, data(P - 1))
 
+# a custom training loop as Horovod's TF2 examples write it: DistributedGradientTape, and the
+# variables broadcast from rank 0 after the first batch (each rank starts from other weights)
+keras.utils.set_random_seed(200 + r)
+net = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 8), keras.layers.Flatten(),
+                        keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+opt = keras.optimizers.SGD(0.1, momentum=0.9)
+lossf = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+rng = np.random.default_rng(r)
+tokens = rng.integers(0, 50, (64, 5)).astype(np.int32)
+labels = (tokens[:, 0] % 3).astype(np.int32)
+
+
+@tf.function
+def training_step(xb, yb, first_batch):
+    with tf.GradientTape() as tape:
+        loss_value = lossf(yb, net(xb, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss_value, net.trainable_variables)
+    opt.apply_gradients(zip(grads, net.trainable_variables))
+    if first_batch:
+        hvd.broadcast_variables(net.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+    return loss_value
+
+
+losses = []
+for epoch in range(12):
+    for b in range(4):
+        xb, yb = tokens[16 * b:16 * b + 16], labels[16 * b:16 * b + 16]
+        losses.append(float(hvd.allreduce(training_step(xb, yb, epoch == 0 and b == 0))))
+loop_weights = np.concatenate([v.numpy().reshape(-1) for v in net.variables + opt.variables
+                               if "float" in str(v.dtype)])
+# the tape's gradient is the mean over the ranks of the local gradients (the Embedding's too)
+with tf.GradientTape() as plain:
+    local_loss = lossf(labels[:16], net(tokens[:16]))
+local = [tf.convert_to_tensor(g) for g in plain.gradient(local_loss, net.trainable_variables)]
+with tf.GradientTape() as t2:
+    dist_loss = lossf(labels[:16], net(tokens[:16]))
+dist = hvd.DistributedGradientTape(t2, sparse_as_dense=True).gradient(dist_loss, net.trainable_variables)
+flat_local = np.concatenate([g.numpy().reshape(-1) for g in local])
+mean = hvd.allgather(tf.constant(flat_local[None, :])).numpy().astype(np.float64).mean(0)
+tape_error = float(np.max(np.abs(np.concatenate([g.numpy().reshape(-1) for g in dist]) - mean)))
+
 errors = {
     "adasum": error_of(lambda: hvd.allreduce(mine, op=hvd.Adasum)),
     "both": error_of(lambda: hvd.allreduce(mine, op=hvd.Sum, average=True)),
@@ -126,8 +169,10 @@ errors = {
     "process_set": error_of(lambda: hvd.allreduce(mine, process_set=object())),
     "missing": error_of(lambda: hvd.mpi_threads_supported()),
     "scalar": error_of(lambda: hvd.allgather(tf.constant(1.0))),
+    "groups": error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)),
 }
 hvd.shutdown()
 after_shutdown = error_of(hvd.size)
 save_result(r, queries=queries, failures=failures, weights=flat, errors=errors, before_init=before_init,
+            losses=losses, loop_weights=loop_weights, tape_error=tape_error,
             after_shutdown=after_shutdown, backend=__import__("tfsparse").runtime.backend())

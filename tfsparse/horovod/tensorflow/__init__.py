@@ -349,8 +349,102 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     return tf.group(*[v.assign(_broadcast(tf.convert_to_tensor(v), root)) for v in variables])
 
 
+def _reduce_gradients(grads, op: int, compression, sparse_as_dense: bool, predivide: float):
+    """Horovod's reduction of a list of gradients: the dense ones of each dtype concatenated into
+    one allreduce (as Horovod's tensor fusion does), ``tf.IndexedSlices`` gathered (or made dense,
+    ``sparse_as_dense``), None left None.  ``predivide``: Horovod's ``gradient_predivide_factor``
+    (Average only: each rank's gradient divided by it before the sum, the sum multiplied by it
+    over the ranks after)."""
+    if predivide != 1.0 and op != Average:
+        raise ValueError(f"gradient_predivide_factor={predivide!r} needs op=hvd.Average (as in Horovod)")
+    out = list(grads)
+    groups: dict = {}
+    for i, g in enumerate(out):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if not sparse_as_dense:
+                out[i] = allreduce(g, op=op, compression=compression)
+                continue
+            g = out[i] = tf.convert_to_tensor(g)
+        groups.setdefault(g.dtype, []).append(i)
+    for dtype, idx in groups.items():
+        flat = tf.concat([tf.reshape(out[i], [-1]) for i in idx], axis=0)
+        if op == Average and predivide != 1.0:
+            flat = allreduce(flat, op=Sum, compression=compression, prescale_factor=1.0 / predivide,
+                             postscale_factor=predivide / size())
+        else:
+            flat = allreduce(flat, op=op, compression=compression)
+        sizes = [tf.size(out[i]) for i in idx]
+        for i, part in zip(idx, tf.split(flat, sizes)):
+            out[i] = tf.reshape(part, tf.shape(out[i]))
+    return out
+
+
+class _DistributedGradientTape:
+    """What :func:`DistributedGradientTape` returns: the user's tape, whose :meth:`gradient`
+    reduces the gradients over the ranks; every other attribute is the tape's own."""
+
+    def __init__(self, tape, op, compression, sparse_as_dense, predivide, scale_local_gradients):
+        self._tape = tape
+        self._reduce = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense, predivide=predivide)
+        self._local: dict = {}  # id -> source (Keras 3 variables have no .ref(): Horovod's failure, issue 4290)
+        self.scale_local_gradients = scale_local_gradients
+
+    def register_local_source(self, source):
+        """``source``'s gradient stays this rank's own (not reduced; divided by the ranks when
+        ``scale_local_gradients``, as Horovod does)."""
+        self._local[id(source)] = source
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        nested = tf.nest.flatten(sources)
+        grads = self._tape.gradient(target, nested, output_gradients=output_gradients)
+        shared = [i for i, s in enumerate(nested) if id(s) not in self._local]
+        reduced = _reduce_gradients([grads[i] for i in shared], **self._reduce)
+        for i, g in zip(shared, reduced):
+            grads[i] = g
+        if self.scale_local_gradients:
+            for i, s in enumerate(nested):
+                if id(s) in self._local and grads[i] is not None:
+                    g = grads[i]
+                    grads[i] = (tf.IndexedSlices(g.values / size(), g.indices, g.dense_shape)
+                                if isinstance(g, tf.IndexedSlices) else g / size())
+        return tf.nest.pack_sequence_as(sources, grads)
+
+    def __getattr__(self, name):
+        return getattr(self._tape, name)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """``gradtape`` (a ``tf.GradientTape``) whose ``gradient()`` returns the gradients reduced over
+    the ranks (``op``: Horovod's default ``hvd.Average``; ``compression``; ``sparse_as_dense``:
+    an Embedding's ``tf.IndexedSlices`` reduced as a dense tensor instead of gathered) -- lossless,
+    the same on every rank, as Horovod's.  ``num_groups``/``groups`` (Horovod's fusion groups) are
+    accepted only as their defaults: the gradients of one dtype always travel as one allreduce."""
+    _check_process_set(process_set)
+    op = _resolve_op(op, None)
+    if num_groups not in (0, None) or groups is not None:
+        raise ValueError(f"num_groups={num_groups!r}, groups={groups!r}: tfsparse.horovod fuses the gradients of "
+                         f"one dtype into one allreduce; accepted: num_groups=0, groups=None")
+    if not isinstance(gradtape, tf.GradientTape):
+        raise ValueError(f"gradtape={gradtape!r} is not valid; accepted: a tf.GradientTape")
+    _comm()
+    return _DistributedGradientTape(gradtape, op, compression, bool(sparse_as_dense),
+                                    float(gradient_predivide_factor), bool(scale_local_gradients))
+
+
 _PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-             "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "Compression",
+             "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "DistributedGradientTape",
+             "Compression",
              "Average", "Sum", "Min", "Max", "global_process_set")
 
 
