@@ -169,7 +169,10 @@ def main():
         _, acc = model.evaluate(x_test, y_test, verbose=0)
         rows.append((algorithm, acc, hist.history["comm_bytes"][-1], hist.history["density"][-1],
                      1e3 * float(np.mean(timer.times))))
-        runs[algorithm] = {**{k: [float(v) for v in vals] for k, vals in hist.history.items()},
+        # the History's numbers; CommunicationStats also puts the setting each epoch ended with there
+        # (comm_algorithm, wire: strings, kept as they are)
+        runs[algorithm] = {**{k: [v if isinstance(v, str) else float(v) for v in vals]
+                              for k, vals in hist.history.items()},
                            "test_accuracy": float(acc), "step_ms": rows[-1][-1],
                            "epoch_end_s": clock.epoch_end_s, "train_s": clock.train_s}
 

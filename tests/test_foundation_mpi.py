@@ -102,6 +102,9 @@ def test_fit_digits_all_routes(P):
             assert m["eval"] == pytest.approx(meta[0]["eval"], rel=1e-6)
             assert m["history"]["loss"] == pytest.approx(hist["loss"], rel=1e-6)
         n = meta[0]["n_params"]
+        # what ran, per epoch, in the History (CommunicationStats): the pinned setting throughout
+        assert meta[0]["labels"] == {"comm_algorithm": [cfg.split(":")[1]] * len(hist["loss"]),
+                                     "wire": ["float32"] * len(hist["loss"])}
         if cfg.endswith("dense"):
             assert hist["density"] == [1.0] * len(hist["loss"])
             assert hist["comm_bytes"][0] == pytest.approx(2 * 4 * n * (P - 1) / P, abs=1)
@@ -333,8 +336,8 @@ def test_demo_writes_the_exchange_statistics_to_tensorboard_on_rank_zero(tmp_pat
     events = EventAccumulator(str(files[0]))
     events.Reload()
     tags = set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
-    assert {f"epoch_{k}" for k in ("comm_bytes", "density", "encode_ms", "comm_ms", "decode_ms", "wait_ms",
-                                   "loss", "accuracy")} <= tags
+    assert {f"epoch_{k}" for k in ("comm_bytes", "density", "wire_bits", "encode_ms", "comm_ms", "decode_ms",
+                                   "wait_ms", "loss", "accuracy")} <= tags
 
 
 def test_terminate_on_nan_on_one_rank_stops_every_rank_after_the_same_batch():

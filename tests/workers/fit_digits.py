@@ -86,7 +86,8 @@ for cfg in configs:
         ev = dict(zip(keys, map(float, vals)))
     w = np.concatenate([np.asarray(v).ravel() for v in model.get_weights()])
     out[f"{cfg}/weights"] = w
-    meta = {"history": {k: [float(a) for a in v] for k, v in hist.history.items()}, "eval": ev,
+    labels = {k: hist.history.pop(k) for k in tfsparse.keras.callbacks.CommunicationStats.LABELS}
+    meta = {"history": {k: [float(a) for a in v] for k, v in hist.history.items()}, "eval": ev, "labels": labels,
             "n_params": int(w.size), "digests": digests.digests, "backend": tfsparse.runtime.backend()}
     out[f"{cfg}/json"] = meta
     if rank == 0 and algo == "dense":

@@ -62,7 +62,8 @@ check("allgather", hvd.allgather(tf.constant(rows(r))), np.concatenate([rows(q) 
 check("broadcast", hvd.broadcast(mine, root_rank=P - 1), data(P - 1))
 
 # IndexedSlices (an Embedding's gradient): gathered, the values averaged
-sl = hvd.allreduce(tf.IndexedSlices(tf.constant([[float(r + 1)]]), tf.constant([r], tf.int64), tf.constant([P, 1], tf.int64)))
+sl = hvd.allreduce(tf.IndexedSlices(tf.constant([[float(r + 1)]]), tf.constant([r], tf.int64),
+                                    tf.constant([P, 1], tf.int64)))
 check("slices values", sl.values, np.array([[q + 1.0] for q in range(P)], np.float32) / np.float32(P))
 check("slices indices", sl.indices, np.arange(P, dtype=np.int64))
 

@@ -147,7 +147,8 @@ class CommunicationStats(keras.callbacks.Callback):
     lands in the ``History`` that ``fit`` returns when training ends: ``comm_algorithm`` (``"dense"``,
     ``"gtopk"``, ...) and ``wire`` (``"float32"``, ``"float16"``, ...), one string per epoch (the
     epoch logs themselves take numbers only: the progress bar and TensorBoard average and plot
-    them).  ``log_dir``: also written there as TensorBoard text summaries (``epoch_comm_algorithm``,
+    them; a script that makes every History value a float skips these two keys,
+    :attr:`LABELS`).  ``log_dir``: also written there as TensorBoard text summaries (``epoch_comm_algorithm``,
     ``epoch_wire`` under ``log_dir/train``, where Keras' ``TensorBoard(log_dir)`` writes its scalars),
     by rank 0; the numbers reach TensorBoard as any epoch log does.
 

@@ -251,7 +251,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
             raise ValueError(f"op=hvd.{_OPS[op]} with a tf.IndexedSlices: only hvd.Sum and hvd.Average are supported "
                              f"(as in Horovod); pass a dense tensor (tf.convert_to_tensor) for the others")
         if prescale_factor != 1.0 or postscale_factor != 1.0:
-            raise ValueError("prescale_factor/postscale_factor are not supported with a tf.IndexedSlices (as in Horovod)")
+            raise ValueError("prescale_factor/postscale_factor are not supported with a tf.IndexedSlices "
+                             "(as in Horovod)")
         values = allgather(tensor.values)
         if op == Average:
             values = values / tf.cast(size(), values.dtype)
