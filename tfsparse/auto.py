@@ -31,8 +31,6 @@ arguments that pin it.
 """
 from __future__ import annotations
 
-import hashlib
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .collectives.alphabeta import AlphaBeta, fit_alpha_beta, round_trips
+from .collectives.hosts import host_ids
 from .schedules import k_from_density
 from .timing import simulate
 from .wire import get_wire
@@ -206,8 +205,7 @@ def local_costs(n: int, workers: int) -> np.ndarray:
 def _peer(comm) -> int:
     """The rank whose link to rank 0 auto measures: the first rank on another host than rank 0
     (the network, where there is one), else rank 1 (collective: one allgather of a hostname hash)."""
-    name = hashlib.sha1(socket.gethostname().encode()).digest()[:8]
-    hosts = [int(h[0]) for h in comm.allgather(np.frombuffer(name, np.int64).copy())]
+    hosts = host_ids(comm)
     return next((r for r, h in enumerate(hosts) if h != hosts[0]), 1)
 
 
@@ -285,7 +283,5 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
                           f"float16", RuntimeWarning, stacklevel=2)
             return Decision(MEASURING, float(compute[0]), None, ())
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
-    local = probe.local if comm.rank == 0 else np.zeros(len(CANDIDATES))
-    if comm.size > 1:
-        local = comm.bcast(local if comm.rank == 0 else None, root=0, shape=local.shape, dtype=np.float64)
+    local = comm.bcast(probe.local, root=0)  # rank 0's timing of the local work
     return choose(n, comm.size, link, float(compute[0]), local, sparse)

@@ -12,6 +12,7 @@ The sparse allreduce algorithms built on top live in :mod:`tfsparse.aggregators`
 from .alphabeta import AlphaBeta, measure_alpha_beta
 from .communicator import Communicator, Request, split_counts
 from .horovod import HorovodCommunicator, horovod_available
+from .hosts import host_ids
 from .inprocess import InProcessCommunicator, InProcessWorld
 from .mpi import MPICommunicator
 from .thread import CommThread
@@ -19,5 +20,5 @@ from .thread import CommThread
 __all__ = [
     "Communicator", "Request", "split_counts", "MPICommunicator", "HorovodCommunicator",
     "InProcessWorld", "InProcessCommunicator", "horovod_available", "CommThread",
-    "AlphaBeta", "measure_alpha_beta",
+    "AlphaBeta", "measure_alpha_beta", "host_ids",
 ]

@@ -23,14 +23,13 @@ of ``horovod.tensorflow`` not provided here raise an ``AttributeError`` naming t
 """
 from __future__ import annotations
 
-import hashlib
-import socket
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from ... import runtime
+from ...collectives import host_ids
 
 #: the reduction ops, with Horovod's values (``hvd.Average == 0`` as in horovod.tensorflow)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -112,8 +111,7 @@ def _topology(world) -> dict:
     """local and cross ranks and sizes from the ranks' hosts (one allgather of a hostname hash):
     the local ranks are the ranks on this host in rank order; the cross ranks, those with this
     local rank, one per host."""
-    name = np.frombuffer(hashlib.sha1(socket.gethostname().encode()).digest()[:8], np.int64).copy()
-    hosts = [int(h[0]) for h in world.allgather(name)] if world.size > 1 else [int(name[0])]
+    hosts = host_ids(world)
     local_of = [sum(1 for q in range(r) if hosts[q] == hosts[r]) for r in range(len(hosts))]
     me = world.rank
     cross = [r for r in range(len(hosts)) if local_of[r] == local_of[me]]
