@@ -6,7 +6,13 @@ IndexedSlices), ``allgather`` (ranks of different lengths), ``broadcast``, ``bro
 ``tf.function`` in the order written, each against its numpy reference, and a custom training
 loop as Horovod's TF2 examples write it (``DistributedGradientTape``, ``broadcast_variables``
 after the first batch; an Embedding among the layers) (tests/workers/horovod_api.py);
-and the errors: before ``init``, after ``shutdown``, unsupported ops, process sets and names."""
+and the errors: before ``init``, after ``shutdown``, unsupported ops, process sets and names.
+``tfsparse.horovod.tensorflow.keras`` the same way (tests/workers/horovod_keras.py): ``model.fit``
+as Horovod's Keras examples write it (DistributedOptimizer, BroadcastGlobalVariablesCallback,
+MetricAverageCallback, LearningRateWarmupCallback; an Embedding; every rank its own initial
+weights), each update against the numpy mean (``op=Sum``: sum) of the ranks' own gradients
+(``gradient_predivide_factor``, ``Compression.fp16``, ``backward_passes_per_step``),
+LearningRateScheduleCallback with momentum correction, ``algorithm="gtopk"`` one keyword away."""
 import sys
 
 import numpy as np
@@ -61,3 +67,55 @@ def test_horovod_api_under_horovodrun(tmp_path):
                 str(REPO / "tests" / "workers" / "horovod_api.py")], timeout=300,
                env={"TFSPARSE_TEST_OUT": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "3"})
     _check([load_result(tmp_path, r) for r in range(3)], 3, "horovod")
+
+
+def _check_keras(results, P, backend):
+    assert len(results) == P
+    lossless = 2e-6  # float32 sums in another order than the float64 reference
+    for r, res in enumerate(results):
+        assert res["backend"] == backend and res["name"] == "HorovodOptimizer"
+        # Horovod's Keras example: rank 0's weights and optimizer state everywhere, the epoch logs
+        # the ranks' mean (the same History on every rank), the loss falling, Horovod's warm-up
+        np.testing.assert_array_equal(res["fit_weights"], results[0]["fit_weights"])
+        assert res["history"] == results[0]["history"]
+        assert res["metric_error"] < 1e-9
+        assert res["history"]["loss"][-1] < 0.6 * res["history"]["loss"][0], res["history"]["loss"]
+        assert res["lr_error"] < 1e-6, (res["lr_error"], res["lrs"])
+        u = res["updates"]
+        for key in ("average", "sum", "predivide", "passes", "passes averaged"):
+            assert u[key] < lossless, (key, u)
+        assert u["fp16"] < 2e-3, u
+        assert res["passes"] == [True, 2, True, 2]  # no update after the first pass; iterations count both
+        # staircase schedule, 0.1 * 0.5 ** (epoch - 1) from epoch 1 to 2: 0.1, 0.1, 0.05, then left at 0.05
+        np.testing.assert_allclose(res["schedule_lrs"], [0.1] * 4 + [0.05] * 4, rtol=1e-6)
+        assert res["correction"] < 1e-6
+        np.testing.assert_array_equal(res["schedule_weights"], results[0]["schedule_weights"])
+        np.testing.assert_array_equal(res["sparse_weights"], results[0]["sparse_weights"])
+        assert res["sparse_losses"][-1] < 0.8 * res["sparse_losses"][0], res["sparse_losses"]
+        e = res["errors"]
+        assert "op=3 is not supported by DistributedOptimizer; accepted: hvd.Average, hvd.Sum" in e["op"]
+        assert "backward_passes_per_step=0 is not valid; accepted: an integer >= 1" in e["passes"]
+        assert "gradient_predivide_factor=2.0 needs op=hvd.Average" in e["predivide"]
+        assert "accepted: a keras.optimizers.Optimizer (Keras 3)" in e["v1"]
+        assert e["missing"].startswith("AttributeError: tfsparse.horovod.tensorflow.keras.callbacks does not provide "
+                                       "horovod.tensorflow.keras.callbacks.BestModelCheckpoint; provided: "
+                                       "BroadcastGlobalVariablesCallback")
+        assert "horovod.tensorflow.keras.load_model; provided:" in e["load_model"]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_horovod_keras_under_mpirun(P):
+    results, _ = mpirun(P, "horovod_keras.py", timeout=400)
+    _check_keras(results, P, "mpi")
+
+
+@pytest.mark.horovod
+def test_horovod_keras_under_horovodrun(tmp_path):
+    from tfsparse.collectives import horovod_available
+
+    if not horovod_available():
+        pytest.skip("Horovod is not installed with MPI (bash tools/install.sh --horovod builds it)")
+    run_locked([launcher("horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable,
+                str(REPO / "tests" / "workers" / "horovod_keras.py")], timeout=400,
+               env={"TFSPARSE_TEST_OUT": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "3"})
+    _check_keras([load_result(tmp_path, r) for r in range(2)], 2, "horovod")

@@ -25,6 +25,11 @@ step (the ranks in lockstep, as a synchronous exchange holds them).  A config
 user would otherwise pick: the same model trained by a custom loop whose gradients go through
 Horovod's ``hvd.allreduce`` (Tensor Fusion, average; Horovod's ``DistributedGradientTape`` fails on
 Keras 3 variables) -- it needs Horovod (``tools/install.sh --horovod``).
+``{"algorithm": "tfsparse.horovod", "compression": "none" | "fp16"}`` is that user's script
+moved to :mod:`tfsparse.horovod.tensorflow.keras`: ``model.fit`` with its ``DistributedOptimizer``
+(lossless dense, or a float16 wire).  ``--model resnet50`` is Horovod's synthetic benchmark's
+model (``keras.applications.ResNet50``, untrained, 25.6M parameters) on 64x64 images, batch 8
+per rank.
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``
 (``wire_dtype``, ``plan``, ``pipeline``, ``chunk_size``, ...), e.g. GradientFlow's comparison::
@@ -56,7 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where l
 import bench_host  # noqa: E402
 
 STEPS, SKIP = 12, 3
-MODELS = {"mlp25m": (1024, [4096, 4096], 1024, 16), "mlp17m": (64, [4096, 4096], 10, 32)}  # in, hidden, out, batch
+#: input shape, hidden widths (None: keras.applications.ResNet50, untrained), outputs, batch per rank
+MODELS = {"mlp25m": ((1024,), [4096, 4096], 1024, 16), "mlp17m": ((64,), [4096, 4096], 10, 32),
+          "resnet50": ((64, 64, 3), None, 1000, 8)}
 
 
 class StepTimes(keras.callbacks.Callback):
@@ -117,9 +124,12 @@ def check_configs(configs) -> list[dict]:
 
 
 def build(model_name):
-    inputs, hidden, outputs, _ = MODELS[model_name]
+    shape, hidden, outputs, _ = MODELS[model_name]
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((inputs,))] + [keras.layers.Dense(h, activation="relu") for h in hidden]
+    if hidden is None:  # Horovod's synthetic benchmark's model (25.6M parameters), at a CPU-sized image and batch
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=outputs,
+                                           classifier_activation=None)
+    return keras.Sequential([keras.Input(shape)] + [keras.layers.Dense(h, activation="relu") for h in hidden]
                             + [keras.layers.Dense(outputs)])
 
 
@@ -134,11 +144,20 @@ def measure(comm, config, x, y, model_name):
         return measure_compute(comm, x, y, model_name, barrier=bool(config.get("barrier")))
     if config["algorithm"] == "horovod":
         return measure_horovod(comm, config, x, y, model_name)
-    options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
-    strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
-    with strategy.scope():
+    if config["algorithm"] == "tfsparse.horovod":  # a Horovod Keras script moved to tfsparse.horovod
+        import tfsparse.horovod.tensorflow.keras as hvd
+
+        hvd.init()
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[config.get("compression", "none")]
         model = build(model_name)
-        model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
+        model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), compression=compression),
+                      "mse")
+    else:
+        options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density")}
+        strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
+        with strategy.scope():
+            model = build(model_name)
+            model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
     timer, phases = StepTimes(), PhaseTimes()
     with traffic.recording() as moved:
         hist = model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
@@ -186,7 +205,8 @@ def measure_pass(comm, n: int, repeats: int = 9) -> float:
 
 
 def measure_horovod(comm, config, x, y, model_name):
-    """The peer: a custom loop, every gradient through ``hvd.allreduce`` (average, Tensor Fusion)."""
+    """The peer: a custom loop, every gradient through ``hvd.allreduce`` (average, Tensor Fusion),
+    as Horovod's synthetic benchmark writes it."""
     import tensorflow as tf
     import horovod.tensorflow as hvd
 
@@ -259,8 +279,8 @@ def main():
     args = parser.parse_args()
     configs = check_configs(json.loads(args.configs))
     comm = tfsparse.init(backend=args.backend)
-    inputs, _, outputs, batch = MODELS[args.model]
-    x = np.random.default_rng(comm.rank).standard_normal((batch * STEPS, inputs)).astype(np.float32)
+    shape, _, outputs, batch = MODELS[args.model]
+    x = np.random.default_rng(comm.rank).standard_normal((batch * STEPS, *shape)).astype(np.float32)
     y = np.random.default_rng(comm.rank + 9).standard_normal((batch * STEPS, outputs)).astype(np.float32)
     results = {"processes": comm.size, "network": args.network, "backend": args.backend, "model": args.model,
                "machine": bench_host.describe(), "date": time.strftime("%Y-%m-%d"),

@@ -55,6 +55,11 @@ DRAGONN='[{"label":"dense","algorithm":"dense"},{"label":"topk","algorithm":"top
  {"label":"dgc","algorithm":"dgc","density":0.001},{"label":"dragonn","algorithm":"dragonn","density":0.001},
  {"label":"dragonn, plan=cost_model","algorithm":"dragonn","density":0.001,"plan":"cost_model"},
  {"label":"gtopk","algorithm":"gtopk","density":0.001},{"label":"oktopk","algorithm":"oktopk","density":0.001}]'
+HVD_R50='[{"label":"Horovod 0.28.1, hvd.allreduce, fp32","algorithm":"horovod","compression":"none"},
+ {"label":"Horovod 0.28.1, hvd.allreduce, fp16","algorithm":"horovod","compression":"fp16"},
+ {"label":"tfsparse.horovod DistributedOptimizer, fp32","algorithm":"tfsparse.horovod","compression":"none"},
+ {"label":"tfsparse.horovod DistributedOptimizer, fp16","algorithm":"tfsparse.horovod","compression":"fp16"},
+ {"label":"SparseStrategy dense f16","algorithm":"dense","wire_dtype":"float16"}]'
 
 TTA='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"gtopk 0.01, memory=residual","algorithm":"gtopk","density":0.01,"memory":"residual"},
@@ -74,6 +79,7 @@ STEP[pipe_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$PIPE' --mo
 STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/dragonn_1gbit"
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
 STEP[tta_1gbit]="for seed in 0 1 2; do $RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 10 --seed \$seed --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_1gbit $OUT/time_to_accuracy_1gbit_s0.json $OUT/time_to_accuracy_1gbit_s1.json $OUT/time_to_accuracy_1gbit_s2.json"
+STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
 STEP[demo]="flock $LOCK make demo"  # writes results/demo.{json,png}
 STEP[encode]="$PYTHON tools/bench_encode.py --out $OUT/bench_encode"
 STEP[exchange]="$PYTHON tools/bench_exchange.py --wires float32,float16,bfloat16,int8 --label 'shared memory' --out $OUT/bench_exchange.json"
@@ -87,7 +93,7 @@ STEP[accuracy]="$PYTHON -m pytest -s -q tests/test_algorithms_fit.py -k 'accurac
 STEP[simulate]="$PYTHON tools/simulate_network.py --sweep --out $OUT/simulate_network"
 STEP[validate_100mbit]="$PYTHON tools/validate_network_model.py --rates 100mbit --n 4000000 --density 0.01 --repeats 3 --out $OUT/validate_network_model_100mbit.json"
 STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out $OUT/validate_network_model.json"
-ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit tta_conv encode exchange traffic
+ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
  tta_1gbit demo"
 

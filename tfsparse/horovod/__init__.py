@@ -8,8 +8,9 @@ optimizer, tape and Keras callbacks fail.  A Horovod script runs on tfsparse aft
     hvd.init()
     total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
 
-:mod:`tfsparse.horovod.tensorflow` holds the names of ``horovod.tensorflow`` that tfsparse
-provides, with Horovod's meaning; a name it does not provide raises an ``AttributeError`` that
-names it and lists what is provided.  Launch with ``tfsparse-run``, ``mpirun`` or
+:mod:`tfsparse.horovod.tensorflow` and :mod:`tfsparse.horovod.tensorflow.keras` (with its
+``callbacks``) hold the names of ``horovod.tensorflow`` and ``horovod.tensorflow.keras`` that
+tfsparse provides, with Horovod's meaning; a name they do not provide raises an
+``AttributeError`` that names it and lists what is provided.  Launch with ``tfsparse-run``, ``mpirun`` or
 ``horovodrun``.
 """

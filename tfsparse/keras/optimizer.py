@@ -166,7 +166,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         self._start_from_root(variables)
         names = [getattr(v, "path", v.name) for _, v in pairs]
-        p = float(self.exchange.comm.size)
+        p = self._divisor()
         if not self.loss_scale:
             summed = exchange_tensors(self.exchange, [g for g, _ in pairs], names=names)
             self.inner_optimizer.apply([s / tf.cast(p, s.dtype) for s in summed], trainable_variables)
@@ -179,6 +179,12 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             keras.ops.cond(grow, self._double_scale, self._count_finite_step)
 
         keras.ops.cond(self.check_finite(summed), finite, self._stateful_handle_non_finite_grads)
+
+    def _divisor(self) -> float:
+        """What the exchanged sum is divided by before the inner optimizer applies it, on this
+        route (no strategy): the world size, for the ranks' mean (``tfsparse.horovod``'s
+        ``op=Sum`` and ``gradient_predivide_factor`` change it)."""
+        return float(self.exchange.comm.size)
 
     def _double_scale(self):  # LossScaleOptimizer's growth rule: after dynamic_growth_steps finite steps
         self.step_counter.assign(0)

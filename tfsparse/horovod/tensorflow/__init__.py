@@ -441,8 +441,26 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                                     float(gradient_predivide_factor), bool(scale_local_gradients))
 
 
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                         gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True, **tfsparse_settings):
+    """Horovod's ``hvd.DistributedOptimizer`` for a Keras 3 optimizer: the same as
+    :func:`tfsparse.horovod.tensorflow.keras.DistributedOptimizer` (``use_locking`` is accepted and
+    has no effect).  TensorFlow 1's ``tf.compat.v1.train.Optimizer`` is not supported."""
+    from .keras import DistributedOptimizer as keras_distributed_optimizer
+
+    return keras_distributed_optimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups, groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+        **tfsparse_settings)
+
+
 _PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
              "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "DistributedGradientTape",
+             "DistributedOptimizer",
              "Compression",
              "Average", "Sum", "Min", "Max", "global_process_set")
 

@@ -1,0 +1,212 @@
+"""``horovod.tensorflow.keras`` for Keras 3: Horovod's ``DistributedOptimizer`` and callbacks on
+tfsparse's exchange.
+
+>>> import tfsparse.horovod.tensorflow.keras as hvd    # was: import horovod.tensorflow.keras as hvd
+>>> hvd.init()
+>>> opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+>>> model.compile(optimizer=opt, loss=..., metrics=["accuracy"])   # no experimental_run_tf_function
+>>> model.fit(dataset, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+...                               hvd.callbacks.MetricAverageCallback(),
+...                               hvd.callbacks.LearningRateWarmupCallback(0.001 * hvd.size(), warmup_epochs=3)])
+
+:func:`DistributedOptimizer` is lossless by default, as Horovod's is: every gradient is summed
+densely in float32 (``compression=hvd.Compression.fp16``: sent as float16, summed in float32) and
+divided by the ranks (``op=hvd.Average``; ``op=hvd.Sum`` keeps the sum).  tfsparse's algorithms
+are one keyword away: ``algorithm="gtopk", density=0.01``, ``algorithm="auto"``, or any other
+setting of :class:`tfsparse.keras.DistributedOptimizer`, which it is.
+
+What differs from Horovod: ``device_dense``, ``device_sparse`` and ``sparse_as_dense`` are
+accepted and have no effect (an Embedding's gradient always travels dense); Horovod's fusion
+groups (``num_groups``, ``groups``) are not (tfsparse's buckets fuse the gradients); there are no
+process sets; the optimizer
+is not a subclass of the wrapped optimizer's class but a ``keras.optimizers.LossScaleOptimizer``
+wrapping it (``opt.inner_optimizer``), so ``model.save`` stores the wrapper and
+``keras.models.load_model`` restores it; at the end of ``fit`` the BatchNormalization moving
+statistics are averaged over the ranks and the replicas compared
+(:class:`tfsparse.keras.DistributedOptimizer`).  Names not provided raise an ``AttributeError``
+naming them.
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from ....keras.optimizer import DistributedOptimizer as _SparseOptimizer
+from ....keras.optimizer import _sparse_strategy
+from .. import (Average, Compression, Sum, _check_process_set, _resolve_op, cross_rank, cross_size,
+                global_process_set, init, is_initialized, local_rank, local_size, rank, shutdown, size)
+from .. import allgather as _allgather
+from .. import allreduce as _allreduce
+from .. import broadcast as _broadcast
+from . import callbacks
+
+_KERAS_OPS = {Average: "hvd.Average", Sum: "hvd.Sum"}
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
+    """Horovod's Keras ``allreduce``: ``value`` (anything ``tf.constant`` takes) reduced over the
+    ranks (:func:`tfsparse.horovod.tensorflow.allreduce`)."""
+    return _allreduce(tf.constant(value), average=average, compression=compression, op=op,
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def allgather(value, name=None):
+    """Horovod's Keras ``allgather``: every rank's ``value`` concatenated on the first dimension."""
+    return _allgather(tf.constant(value))
+
+
+def broadcast(value, root_rank, name=None):
+    """Horovod's Keras ``broadcast``: ``root_rank``'s ``value`` on every rank."""
+    return _broadcast(tf.constant(value), root_rank)
+
+
+@keras.saving.register_keras_serializable(package="tfsparse.horovod")
+class HorovodOptimizer(_SparseOptimizer):
+    """What :func:`DistributedOptimizer` returns: :class:`tfsparse.keras.DistributedOptimizer`
+    with Horovod's reduction (``op``, ``gradient_predivide_factor``) and local accumulation
+    (``backward_passes_per_step``, ``average_aggregated_gradients``).
+
+    With ``backward_passes_per_step=N > 1`` each rank adds its gradients into accumulators for
+    ``N`` steps; the ``N``-th exchanges the accumulated sum (divided by ``N`` when
+    ``average_aggregated_gradients``) and applies it; the steps between exchange nothing and only
+    advance ``iterations``, as Horovod's do."""
+
+    def __init__(self, inner_optimizer, *, op=Average, gradient_predivide_factor=1.0, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, **kwargs):
+        op = _resolve_op(op, None)
+        if op not in _KERAS_OPS:
+            raise ValueError(f"op={op!r} is not supported by DistributedOptimizer; accepted: hvd.Average, hvd.Sum "
+                             f"(as in Horovod)")
+        factor = float(gradient_predivide_factor)
+        if not factor > 0:
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} is not valid; accepted: a "
+                             f"number > 0")
+        if factor != 1.0 and op != Average:
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} needs op=hvd.Average "
+                             f"(as in Horovod)")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is not valid; accepted: an "
+                             f"integer >= 1")
+        if _sparse_strategy() is not None and (op != Average or factor != 1.0 or backward_passes_per_step > 1):
+            raise ValueError(f"op={_KERAS_OPS[op]}, gradient_predivide_factor={factor}, backward_passes_per_step="
+                             f"{backward_passes_per_step} inside a SparseStrategy scope: the strategy averages every "
+                             f"step; accepted there: the defaults (hvd.Average, 1.0, 1)")
+        if backward_passes_per_step > 1 and (kwargs.get("loss_scale") or (
+                kwargs.get("loss_scale") is None and keras.config.dtype_policy().name == "mixed_float16")):
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} with loss scaling (the "
+                             f"mixed_float16 policy or loss_scale=True) is not supported; accepted: "
+                             f"backward_passes_per_step=1, or loss_scale=False")
+        super().__init__(inner_optimizer, **kwargs)
+        self.op = op
+        self.gradient_predivide_factor = factor
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+
+    def build(self, var_list):
+        super().build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._accumulated = [self.add_variable_from_reference(v, "accumulated") for v in var_list]
+            self._passes = self.add_variable((), initializer="zeros", dtype="int64", name="backward_passes")
+
+    def _divisor(self) -> float:
+        if self.op == Sum:
+            return 1.0
+        return super()._divisor() / self.gradient_predivide_factor
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if self.gradient_predivide_factor != 1.0:
+            grads = [_scaled(g, 1.0 / self.gradient_predivide_factor) for g in grads]
+        if self.backward_passes_per_step == 1 or any(g is None for g in grads):
+            return super().apply(grads, trainable_variables)  # (the wrapper names missing gradients)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        self._start_from_root(list(variables))
+        for total, g in zip(self._accumulated, grads):
+            total.assign_add(tf.convert_to_tensor(g))
+        self._passes.assign_add(1)
+        n = self.backward_passes_per_step
+
+        def exchange_and_apply():
+            summed = [tf.identity(t.value) for t in self._accumulated]
+            if self.average_aggregated_gradients:
+                summed = [s / tf.cast(n, s.dtype) for s in summed]
+            _SparseOptimizer.apply(self, summed, trainable_variables)
+            for total in self._accumulated:
+                total.assign(tf.zeros_like(total))
+            self._passes.assign(0)
+
+        def count_pass():
+            self.inner_optimizer.iterations.assign_add(1)
+
+        keras.ops.cond(keras.ops.equal(self._passes, n), exchange_and_apply, count_pass)
+
+    def get_config(self):
+        return {**super().get_config(), "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "average_aggregated_gradients": self.average_aggregated_gradients}
+
+
+def _scaled(g, factor: float):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
+                         scale_local_gradients=True, **tfsparse_settings):
+    """Horovod's ``DistributedOptimizer(optimizer, ...)``: ``optimizer`` (a Keras 3 optimizer)
+    applies the gradients reduced over the ranks -- their mean (``op=hvd.Average``) or sum
+    (``hvd.Sum``), each rank's gradient divided by ``gradient_predivide_factor`` before the sum
+    and the sum multiplied by it over the ranks after -- accumulated over
+    ``backward_passes_per_step`` steps first (see :class:`HorovodOptimizer`).  Lossless by default
+    (``algorithm="dense"``, float32; ``compression=hvd.Compression.fp16``: a float16 wire).
+
+    ``tfsparse_settings``: any keyword of :class:`tfsparse.keras.DistributedOptimizer`
+    (``algorithm``, ``density``, ``wire_dtype``, ``loss_scale``, ...), e.g. ``algorithm="gtopk",
+    density=0.01`` or ``algorithm="auto"``."""
+    _check_process_set(process_set)
+    if compression is not Compression.none and compression is not Compression.fp16:
+        raise ValueError(f"compression={compression!r} is not supported; accepted: hvd.Compression.none, "
+                         f"hvd.Compression.fp16")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is not supported; accepted: a keras.optimizers.Optimizer "
+                         f"(Keras 3), e.g. keras.optimizers.SGD(0.01)")
+    if num_groups not in (0, None) or groups is not None:
+        raise ValueError(f"num_groups={num_groups!r}, groups={groups!r}: tfsparse's buckets fuse the gradients; "
+                         f"accepted: num_groups=0, groups=None")
+    if not scale_local_gradients:
+        raise ValueError("scale_local_gradients=False is not supported: a Keras optimizer has no local variables "
+                         "here; accepted: True")
+    if compression is Compression.fp16:
+        if tfsparse_settings.get("wire_dtype", "float16") != "float16":
+            raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={tfsparse_settings['wire_dtype']!r}: "
+                             f"give one of them")
+        tfsparse_settings["wire_dtype"] = "float16"
+    if tfsparse_settings.get("algorithm") is None and tfsparse_settings.get("density") is None \
+            and tfsparse_settings.get("settings") is None:
+        tfsparse_settings["algorithm"] = "dense"  # Horovod's allreduce: lossless
+    return HorovodOptimizer(optimizer, name=name, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                            backward_passes_per_step=backward_passes_per_step,
+                            average_aggregated_gradients=average_aggregated_gradients, **tfsparse_settings)
+
+
+_PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
+             "cross_size", "allreduce", "allgather", "broadcast", "DistributedOptimizer", "Compression", "Average",
+             "Sum", "callbacks", "global_process_set")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"tfsparse.horovod.tensorflow.keras does not provide horovod.tensorflow.keras.{name}; "
+                         f"provided: {', '.join(_PROVIDED)}")

@@ -1,0 +1,175 @@
+"""``horovod.tensorflow.keras.callbacks`` for Keras 3, with Horovod's meaning.
+
+>>> callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),   # rank 0's state after batch 0
+...              hvd.callbacks.MetricAverageCallback(),               # epoch logs: the ranks' mean
+...              hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1 * hvd.size(), warmup_epochs=5),
+...              hvd.callbacks.LearningRateScheduleCallback(0.1 * hvd.size(), multiplier=0.1, start_epoch=30)]
+
+What differs from Horovod: ``device=`` is accepted and has no effect.  Momentum correction (the
+learning-rate callbacks' ``momentum_correction=True``) multiplies an SGD optimizer's velocity by
+``new_lr / old_lr`` when the rate changes -- the same update as Horovod's scaling of the momentum
+for that one batch (Keras 3 compiles ``SGD``'s momentum into the step as a constant, so the
+velocity, a variable, is what can change); optimizers without SGD's momentum are left alone, as
+Horovod leaves optimizers without a ``momentum``.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from ....collectives.agreement import check_agreement
+from ....keras.callbacks import broadcast_variables
+from .. import _check_root, _comm, rank, size
+
+_PROVIDED = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+             "LearningRateWarmupCallback")
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """After the first batch, every rank takes ``root_rank``'s model variables (weights and
+    non-trainable state) and optimizer variables -- those the first step created included --
+    except ``local_variables``."""
+
+    def __init__(self, root_rank, device="", local_variables=None):
+        super().__init__()
+        self.root_rank = _check_root(root_rank)
+        self.device = device
+        self.broadcast_done = False
+        if local_variables is None:
+            local_variables = []
+        elif isinstance(local_variables, keras.Variable) or hasattr(local_variables, "assign"):
+            local_variables = [local_variables]
+        self._local = {id(v) for v in local_variables}
+
+    def register_local_var(self, var) -> None:
+        """``var`` stays this rank's own: not broadcast."""
+        self._local.add(id(var))
+
+    def on_batch_end(self, batch, logs=None):
+        if self.broadcast_done:
+            return
+        comm = _comm()
+        variables = [v for v in self.model.variables if id(v) not in self._local]
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            variables += [v for v in optimizer.variables if id(v) not in self._local]
+        broadcast_variables(variables, self.root_rank, comm)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At each epoch's end, every number in the logs (loss, metrics, ``val_`` ones) becomes its
+    mean over the ranks, in place, for the callbacks after this one and the ``History``."""
+
+    def __init__(self, device=""):
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs:
+            return
+        comm = _comm()
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)) and not isinstance(v, bool))
+        check_agreement(comm, "the epoch logs MetricAverageCallback averages", keys,
+                        "Every rank must compile the same metrics and run the same callbacks before this one.")
+        if comm.size == 1 or not keys:
+            return
+        mean = comm.allreduce(np.array([float(logs[k]) for k in keys], np.float64)) / comm.size
+        for k, v in zip(keys, mean):
+            logs[k] = float(v)
+
+
+def _learning_rate(optimizer) -> float:
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` up to
+    ``end_epoch`` (not included): at each epoch's first batch (``staircase``), or at every batch
+    with a fractional epoch (``epoch + batch / steps_per_epoch``).  ``multiplier``: a function of
+    the epoch, or a number ``m`` for ``m ** (epoch - start_epoch)``.  ``initial_lr=None``: the
+    optimizer's rate when training begins.  The epoch logs get ``lr``."""
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__()
+        if initial_lr is not None and not (isinstance(initial_lr, (int, float)) and initial_lr > 0):
+            raise ValueError(f"initial_lr={initial_lr!r} is not valid; accepted: a number > 0, or None (the "
+                             f"optimizer's learning rate when training begins)")
+        if not callable(multiplier) and not isinstance(multiplier, (int, float)):
+            raise ValueError(f"multiplier={multiplier!r} is not valid; accepted: a number or a function of the epoch")
+        self.initial_lr = initial_lr
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = None
+
+    def on_train_begin(self, logs=None):
+        if self.initial_lr is None:
+            self.initial_lr = _learning_rate(self.model.optimizer)
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self.params.get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError(f"steps_per_epoch=None: {type(self).__name__} could not find the number of steps "
+                                 f"per epoch (a dataset of unknown length); accepted: steps_per_epoch=<steps>")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase and batch == 0:
+            self._adjust(epoch)
+        elif not self.staircase:
+            self._adjust(epoch + float(batch) / self.steps_per_epoch)
+
+    def _adjust(self, epoch) -> None:
+        optimizer = self.model.optimizer
+        old = _learning_rate(optimizer)
+        new = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if self.momentum_correction and old > 0 and isinstance(inner, keras.optimizers.SGD) and inner.momentum \
+                and getattr(inner, "momentums", None):
+            ratio = _learning_rate(optimizer) / old
+            for velocity in inner.momentums:
+                velocity.assign(velocity * ratio)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = _learning_rate(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Goyal et al.'s gradual warm-up, as Horovod's: over ``warmup_epochs`` the learning rate
+    rises at every batch from ``initial_lr / size()`` to ``initial_lr``
+    (``initial_lr / size() * (e * (size() - 1) / warmup_epochs + 1)`` at fractional epoch ``e``,
+    counted from the batch's end).  ``verbose``: rank 0 says when it ends."""
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        def multiplier(epoch):
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{_learning_rate(self.model.optimizer):g}.")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"tfsparse.horovod.tensorflow.keras.callbacks does not provide "
+                         f"horovod.tensorflow.keras.callbacks.{name}; provided: {', '.join(_PROVIDED)}")
