@@ -271,3 +271,89 @@ def test_an_mpirun_that_outlives_its_ranks_is_ended(capsys):
     finishing = subprocess.Popen(["sh", "-c", "sleep 1; exit 3"])
     assert run.wait_for_launcher(finishing, linger=0.5, poll=0.1) == 3
     assert capsys.readouterr().err == ""
+
+
+# -- hosts: slots, forwarded variables, the check over ssh --------------------------------------
+
+def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path):
+    """On this machine alone every job may oversubscribe; with -H or a hostfile only a job with
+    more ranks than the hosts' slots (the slots, not this machine's cores, decide)."""
+    assert "--oversubscribe" in dry_run(capsys, "-np", "2", "python", "t.py")
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "-H", "n1:4,n2:4", "python", "t.py")
+    assert "--oversubscribe" in dry_run(capsys, "-np", "9", "-H", "n1:4,n2:4", "python", "t.py")
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "2", "-H", "n1,n2", "python", "t.py")  # 1 slot each
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nn1 slots=2\nn2 slots=2 max_slots=4\n\n")
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), "python", "t.py")
+    assert "--oversubscribe" in dry_run(capsys, "-np", "5", "--hostfile", str(hostfile), "python", "t.py")
+    hostfile.write_text("n1\nn2\n")  # no slots=: Open MPI counts each host's cores; tfsparse-run adds nothing
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "64", "--hostfile", str(hostfile), "python", "t.py")
+    err = usage_error(capsys, "-np", "2", "-H", "n1:x", "python", "t.py")
+    assert "-H 'n1:x': 'n1:x' is not a host; accepted: HOST or HOST:SLOTS" in err
+    err = usage_error(capsys, "-np", "2", "--hostfile", str(tmp_path / "missing"), "python", "t.py")
+    assert "--hostfile" in err and "cannot be read" in err
+
+
+def test_tfsparse_numba_and_search_path_variables_reach_every_rank(capsys, monkeypatch):
+    monkeypatch.setenv("TFSPARSE_STALL_SECONDS", "30")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/tmp/numba-cache")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
+    cmd = dry_run(capsys, "-np", "2", "-H", "n1:1,n2:1", "-x", "MINE=1", "python", "t.py")
+    for var in ("PATH", "LD_LIBRARY_PATH", "TFSPARSE_STALL_SECONDS", "NUMBA_CACHE_DIR", "MINE=1"):
+        assert contains(cmd, ["-x", var]), (var, cmd)
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh as Open MPI would run it: options, the host, the remote command (run here, in sh)
+while [ "$1" = "-o" ]; do shift 2; done
+host=$1; shift
+case $host in
+  down*) sleep 60 ;;
+  locked*) echo "me@$host: Permission denied (publickey,password)." >&2; exit 255 ;;
+  *) exec sh -c "$1" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    ssh = folder / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{__import__('os').environ['PATH']}")
+    return ssh
+
+
+def test_hosts_that_cannot_start_ranks_are_named_within_seconds(fake_ssh, tmp_path):
+    import time
+
+    from tfsparse import cluster
+
+    t0 = time.monotonic()
+    problems = cluster.check_hosts(["good", "down1", "locked1"], sys.executable, str(tmp_path), timeout=3)
+    assert time.monotonic() - t0 < 6  # every host asked at once
+    assert problems == [
+        "host down1: no answer over ssh within 3 s",
+        "host locked1: ssh cannot log in without a prompt (me@locked1: Permission denied (publickey,password).); "
+        "Open MPI needs key-based ssh to every host, its host key known"]
+    assert cluster.check_hosts(["good"], str(tmp_path / "nopython"), str(tmp_path), timeout=3) == [
+        f"host good: has no program {tmp_path / 'nopython'} (the same Python environment must be at the same path "
+        f"on every host)"]
+    assert "host good: has no directory" in cluster.check_hosts(["good"], sys.executable, "/no/such/dir",
+                                                               timeout=3)[0]
+
+
+def test_the_launcher_stops_before_mpirun_when_a_host_cannot_start_its_ranks(fake_ssh, capsys, monkeypatch):
+    """tfsparse-run asks the job's other hosts first (not localhost, not this machine's name) and
+    does not start mpirun when one cannot: one line per host on stderr, exit status 1."""
+    monkeypatch.setattr(run, "run_locally", lambda *a, **k: pytest.fail("mpirun started"))
+    monkeypatch.setattr("tfsparse.cluster.CHECK_TIMEOUT_S", 3.0)
+    assert run.main(["-np", "3", "-H", "localhost:1,locked9:1,good:1", sys.executable, "t.py"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "tfsparse-run: host locked9: ssh cannot log in without a prompt (me@locked9: Permission denied "
+        "(publickey,password).); Open MPI needs key-based ssh to every host, its host key known"]
+    # another agent than ssh is not second-guessed
+    assert run.check_job_hosts("locked9:1", ["--mca", "plm_rsh_agent", "rsh"], ["python"], {}) == []

@@ -4,9 +4,18 @@
     tfsparse-run -np 4 --net 1gbit python train.py      # on an emulated 1 Gbit/s cluster
     tfsparse-run -np 4 -x FOO=1 --mca btl self,vader python train.py   # mpirun flags pass through
 
-Adds ``--oversubscribe`` when more processes than cores are asked for, the
-run-as-root flags when run by root, ``--bind-to none`` (TensorFlow manages its own
-threads) and exports ``PYTHONUNBUFFERED=1`` so ranks' output is not held back.
+Adds ``--oversubscribe`` on this machine alone (no host list) and, with ``-H`` or an mpirun
+``--hostfile``, only when more processes are asked for than the hosts' slots; the run-as-root
+flags when run by root; ``--bind-to none`` (TensorFlow manages its own threads); and exports
+``PYTHONUNBUFFERED=1`` so ranks' output is not held back.  Every rank, on every host, gets the
+launching shell's ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, ``VIRTUAL_ENV`` and every
+``TFSPARSE_*`` and ``NUMBA_*`` variable (:data:`FORWARDED`), as well as the caller's ``-x`` list.
+
+With other hosts than this one, every host is first asked over ssh, all at once and without
+prompts (:func:`tfsparse.cluster.check_hosts`), whether it can start its ranks: a host that
+cannot be reached, asks for a password or a host-key confirmation, or lacks the program (its
+absolute path here) or the working directory is named on one line each within seconds, and
+the job does not start, instead of ``mpirun`` waiting.
 
 Any other flag before the program is mpirun's and is passed on (``-x VAR[=value]``,
 ``--mca key value``, ``--map-by ...``, ``--tag-output``, ...): Open MPI's flags are known with the
@@ -47,6 +56,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cluster import check_hosts, parse_host_list, read_hostfile, remote_hosts, total_slots
 from .network import EmulatedNetwork, NetSpec
 
 # Open MPI's mpirun flags and how many values each takes (mpirun --help all, Open MPI 4.1; and
@@ -106,10 +116,13 @@ _OWN_ARITY = {flag: 0 if kw.get("action") in ("store_true", "help") else 1
 
 _DESCRIPTION = """\
 Launch one process per worker through mpirun with the right flags: adds
---oversubscribe when more processes than cores are asked for (or no host list
-is given), the run-as-root flags when run by root, --bind-to none (TensorFlow
-manages its own threads), and exports PYTHONUNBUFFERED=1 so that the ranks'
-output is not held back.
+--oversubscribe on this machine alone (with -H or --hostfile: only beyond the
+hosts' slots), the run-as-root flags when run by root, --bind-to none
+(TensorFlow manages its own threads), and exports PYTHONUNBUFFERED=1 so that
+the ranks' output is not held back. PATH, PYTHONPATH, LD_LIBRARY_PATH,
+VIRTUAL_ENV and every TFSPARSE_* and NUMBA_* variable reach every rank. Other
+hosts are first asked over ssh (no prompts, seconds) whether they can start
+their ranks; one that cannot is named and the job does not start.
 
 Any other flag before the program is passed on to mpirun (-x VAR[=value],
 --mca key value, --map-by ..., --tag-output, ...). The program is the first
@@ -230,7 +243,10 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
     env = dict(os.environ)
     if hosts:
         cmd += ["-H", hosts]
-    if (np_ > (os.cpu_count() or 1) or hosts is None) and "nooversubscribe" not in given:
+    placement = job_hosts(hosts, extra)
+    slots = total_slots(placement) if placement is not None else None
+    # on this machine alone (no host list), as many ranks as asked; on hosts, only beyond their slots
+    if (placement is None or (slots is not None and np_ > slots)) and "nooversubscribe" not in given:
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -242,9 +258,8 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
     # #8356); seen once in this project's CI (a departing-rank test), where mpirun then hung
     # instead of ending the job: print each rank's message instead
     env.setdefault("OMPI_MCA_orte_base_help_aggregate", "0")
-    for var in ("PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "TFSPARSE_BACKEND", "PYTHONPATH"):
-        if var in env:
-            cmd += ["-x", var]
+    for var in forwarded(env):
+        cmd += ["-x", var]
     if network is not None:
         cmd += network.mpirun_args()
         env.update(network.environment())
@@ -252,10 +267,56 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
     # mpirun started by its absolute path acts as if given --prefix and puts its own bin/ first
     # on the ranks' PATH (/usr/bin/python3 instead of the caller's python3): resolve the program
     # against the caller's PATH here
-    program = command[0] if os.sep in command[0] else (shutil.which(command[0]) or command[0])
-    command = [program, *command[1:]]
+    command = [resolve_program(command[0]), *command[1:]]
     cmd += network.wrap(command) if network is not None else command
     return cmd, env
+
+
+#: the variables every rank gets from the launching shell (``-x``), on this machine and others:
+#: Python's and the libraries' search paths, and every ``TFSPARSE_*`` and ``NUMBA_*`` setting
+FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")
+FORWARDED_PREFIXES = ("TFSPARSE_", "NUMBA_")
+
+
+def forwarded(env: dict) -> list[str]:
+    """The names in ``env`` that go to every rank: :data:`FORWARDED`, then the
+    :data:`FORWARDED_PREFIXES` ones, sorted."""
+    return [v for v in FORWARDED if v in env] + sorted(v for v in env if v.startswith(FORWARDED_PREFIXES))
+
+
+def resolve_program(name: str) -> str:
+    """The program's absolute path on this machine (a name is looked up on the caller's PATH),
+    which every host must have too (:func:`tfsparse.cluster.check_hosts`)."""
+    return name if os.sep in name else (shutil.which(name) or name)
+
+
+def _flag_value(extra: list[str], names) -> str | None:
+    """The value of the last of mpirun's flags ``names`` in ``extra`` (``--flag v`` or
+    ``--flag=v``), else None."""
+    value = None
+    for i, token in enumerate(extra):
+        if token.startswith("-") and _flag_name(token) in names:
+            value = token.partition("=")[2] if "=" in token else (extra[i + 1] if i + 1 < len(extra) else None)
+    return value
+
+
+def job_hosts(hosts: str | None, extra: list[str]):
+    """The job's (host, slots) pairs from ``-H`` or an mpirun ``--hostfile``, or None (this
+    machine only)."""
+    if hosts:
+        return parse_host_list(hosts)
+    hostfile = _flag_value(extra, ("hostfile", "machinefile", "default-hostfile"))
+    return read_hostfile(hostfile) if hostfile else None
+
+
+def ssh_agent(extra: list[str], env: dict) -> str:
+    """What Open MPI starts remote ranks through: ``--mca plm_rsh_agent``, else
+    ``OMPI_MCA_plm_rsh_agent``, else ssh (the first of ``"ssh : rsh"`` alternatives)."""
+    agent = env.get("OMPI_MCA_plm_rsh_agent", "ssh")
+    for i, token in enumerate(extra[:-2]):
+        if _flag_name(token) == "mca" and extra[i + 1] in ("plm_rsh_agent", "orte_rsh_agent"):
+            agent = extra[i + 2]
+    return agent.split(":")[0].strip() or "ssh"
 
 
 LINGER_S = 20.0
@@ -419,6 +480,20 @@ def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = 
         return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
 
 
+def check_job_hosts(hosts: str | None, extra: list[str], command: list[str], env: dict) -> list[str]:
+    """One line per host of the job, other than this machine, that cannot start its ranks
+    (:func:`tfsparse.cluster.check_hosts`, all hosts at once, within seconds); empty when every
+    one can, or when the job runs on this machine only."""
+    placement = job_hosts(hosts, extra)
+    remote = remote_hosts(placement) if placement is not None else []
+    if not remote:
+        return []
+    agent = ssh_agent(extra, env)
+    if Path(shlex.split(agent)[0]).name != "ssh":
+        return []  # another agent (rsh, a batch system's): its own options, not checked here
+    return check_hosts(remote, resolve_program(command[0]), os.getcwd(), agent=agent)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfsparse-run", usage="tfsparse-run -np N [options] [mpirun flags] [--] program [args...]",
@@ -456,6 +531,11 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    problems = check_job_hosts(args.hosts, mpi_flags + shlex.split(args.mpi_args), command, env)
+    if problems:
+        for line in problems:
+            print(f"tfsparse-run: {line}", file=sys.stderr)
+        return 1
     sys.stdout.flush()
     try:
         return run_locally(cmd, env, args.max_restarts)
