@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 
 from .collectives.alphabeta import parse_rate, parse_time
@@ -212,7 +216,7 @@ class EmulatedNetwork:
     # set-up / tear-down ----------------------------------------------------------
     def __enter__(self) -> "EmulatedNetwork":
         check_can_emulate()
-        if self.spec.latency:
+        if self.spec is not None and self.spec.latency:
             self._check_netem()
         for pid, names in leftover_namespaces().items():
             _remove(names, [f"tn{pid}x"])
@@ -287,9 +291,134 @@ class EmulatedNetwork:
 
 
 def _remove(namespaces, links) -> None:
-    """Deletes namespaces (their veths go with them) and root-namespace links; never raises."""
+    """Ends what still runs in the namespaces (an emulated host's sshd and its sessions), deletes
+    them (their veths go with them) and the root-namespace links; never raises."""
     for name in namespaces:
+        for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
         _run("ip", "netns", "del", name, check=False)
     for link in links:
         if os.path.exists(f"/sys/class/net/{link}"):
             _run("ip", "link", "del", link, check=False)
+
+
+SSHD = "/usr/sbin/sshd"
+
+
+class EmulatedHosts(EmulatedNetwork):
+    """``hosts`` emulated hosts on this machine, reached over ssh as a cluster's are.
+
+    >>> with EmulatedHosts(2, NetSpec.parse("1gbit")) as cluster:
+    ...     cluster.host_list(4)        # "h1:2,h2:2"
+    ...     subprocess.run(["mpirun", "-H", cluster.host_list(4), *cluster.mpirun_args(), "python", "train.py"])
+
+    Each host is a network namespace and a hostname (UTS) namespace, ``h1`` ... ``hH``, linked to
+    the emulated switch at ``spec``'s rate (or unshaped, ``spec=None``), with its own ``sshd``
+    (Debian's openssh-server) accepting a key made for this run.  Open MPI sees distinct nodes
+    and starts their ranks through ssh (:meth:`agent`, an ssh configuration that names the
+    hosts), exactly as on a cluster; the ranks of one host share its memory (Open MPI's ``vader``)
+    and reach other hosts over the emulated links.  Leaving the context ends the sshds and
+    whatever they started, and removes the namespaces and keys.
+    """
+
+    def __init__(self, hosts: int, spec: NetSpec | None = None, owner: int | None = None):
+        if not 1 <= hosts <= 64:
+            raise ValueError(f"--emulate-hosts {hosts}: accepted: 1 to 64 hosts")
+        super().__init__(hosts, spec, owner)
+        self.hosts = hosts
+        self.folder: str | None = None
+        self._daemons: list[subprocess.Popen] = []
+
+    def name(self, host: int) -> str:
+        return f"h{host + 1}"
+
+    def host_list(self, nprocs: int) -> str:
+        """``-H`` for ``nprocs`` ranks spread evenly over the hosts, the first hosts taking one
+        more where they do not divide evenly, each host's ranks consecutive."""
+        counts = [nprocs // self.hosts + (1 if h < nprocs % self.hosts else 0) for h in range(self.hosts)]
+        return ",".join(f"{self.name(h)}:{c}" for h, c in enumerate(counts) if c)
+
+    @property
+    def agent(self) -> str:
+        """What Open MPI starts remote ranks through (``plm_rsh_agent``): ssh with this run's
+        configuration (the hosts' names and addresses, the key, no host-key prompts)."""
+        return f"ssh -F {self.folder}/ssh_config"
+
+    def mpirun_args(self) -> list[str]:
+        cidr = str(self.subnet)
+        return ["--mca", "plm_rsh_agent", self.agent, "--mca", "btl", "tcp,vader,self",
+                "--mca", "btl_tcp_if_include", cidr, "--mca", "oob_tcp_if_include", cidr,
+                "-x", "PMIX_MCA_ptl_tcp_if_include"]
+
+    def wrap(self, command: list[str]) -> list[str]:
+        return list(command)  # the ranks start inside their host, through its sshd
+
+    def _shape(self, namespace: str, device: str) -> None:
+        if self.spec is not None:
+            super()._shape(namespace, device)
+
+    def __enter__(self) -> "EmulatedHosts":
+        if not os.path.exists(SSHD):
+            raise RuntimeError(f"--emulate-hosts needs {SSHD} (Debian's openssh-server: apt-get install "
+                               f"openssh-server)")
+        super().__enter__()
+        try:
+            self._start_daemons()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for daemon in self._daemons:
+            if daemon.poll() is None:
+                daemon.kill()
+            daemon.wait()
+        self._daemons = []
+        super().close()  # also ends what the daemons started
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def _start_daemons(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="tfsparse-hosts-")
+        key, host_key = f"{self.folder}/id", f"{self.folder}/host_key"
+        for path in (key, host_key):
+            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "tfsparse-run --emulate-hosts", "-f", path)
+        shutil.copy(f"{key}.pub", f"{self.folder}/authorized_keys")
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+        user = pwd.getpwuid(os.getuid()).pw_name
+        lines = [f"Host {self.name(h)}\n  HostName {self.address(h)}\n" for h in range(self.hosts)]
+        lines.append(f"Host *\n  User {user}\n  IdentityFile {key}\n  IdentitiesOnly yes\n"
+                     f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
+        with open(f"{self.folder}/ssh_config", "w") as f:
+            f.write("".join(lines))
+        for h in range(self.hosts):
+            config = f"{self.folder}/sshd_{self.name(h)}"
+            with open(config, "w") as f:
+                f.write(f"ListenAddress {self.address(h)}\nHostKey {host_key}\n"
+                        f"AuthorizedKeysFile {self.folder}/authorized_keys\nPermitRootLogin prohibit-password\n"
+                        f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+                        f"StrictModes no\nPidFile none\n")
+            with open(f"{config}.log", "w") as log:  # sshd's own log (-e), read when it fails
+                self._daemons.append(subprocess.Popen(
+                    ["ip", "netns", "exec", self.namespace(h), "unshare", "--uts", "sh", "-c",
+                     f"hostname {self.name(h)} && exec {SSHD} -D -e -f {config}"],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 15
+        for h in range(self.hosts):  # each sshd listening: a login that runs `true`
+            while True:
+                if self._daemons[h].poll() is not None:
+                    with open(f"{self.folder}/sshd_{self.name(h)}.log") as log:
+                        raise RuntimeError(f"the sshd of emulated host {self.name(h)} ended: {log.read().strip()[-400:]}")
+                done = _run(*self.agent.split(), "-o", "BatchMode=yes", "-o", "ConnectTimeout=2", self.name(h),
+                            "true", check=False)
+                if done.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"emulated host {self.name(h)} did not accept ssh within 15 s: "
+                                       f"{done.stderr.strip()[-400:]}")
+                time.sleep(0.2)

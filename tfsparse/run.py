@@ -31,6 +31,12 @@ shaped to RATE in both directions, Open MPI restricted to TCP over those links (
 :mod:`tfsparse.network`); the launcher then stays in the foreground and removes the namespaces
 and links when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM are passed on to mpirun).
 
+``--emulate-hosts H`` makes H hosts on this machine (:class:`~tfsparse.network.EmulatedHosts`):
+each its own network and hostname namespace (``h1`` ... ``hH``) with its own ``sshd``, linked at
+``--net``'s rate; the ranks are spread evenly over them (or as ``-H h1:N,...`` or a
+``--hostfile`` says) and Open MPI starts them through ssh, as on a cluster.  The hosts are
+removed when the job ends, fails or is interrupted.
+
 ``--max-restarts N`` (like torchrun's; default 0) relaunches the whole mpirun job when it exits
 with a non-zero status, up to N times, one line on stderr per restart, and returns the last
 job's exit status; a job interrupted by Ctrl-C or SIGTERM is not relaunched.  A script that
@@ -57,7 +63,7 @@ import time
 from pathlib import Path
 
 from .cluster import check_hosts, parse_host_list, read_hostfile, remote_hosts, total_slots
-from .network import EmulatedNetwork, NetSpec
+from .network import EmulatedHosts, EmulatedNetwork, NetSpec
 
 # Open MPI's mpirun flags and how many values each takes (mpirun --help all, Open MPI 4.1; and
 # the PRRTE flags of Open MPI 5).  Keys without their leading dashes: mpirun accepts its long
@@ -104,6 +110,11 @@ _OPTIONS = (
     (("--net",), dict(default=None, metavar="RATE[,latency=DELAY]",
                       help="run on an emulated network: each rank in its own network namespace, its link "
                            "shaped to RATE both ways (e.g. 1gbit, 100mbit,latency=50us); needs root")),
+    (("--emulate-hosts",), dict(dest="emulate_hosts", type=int, default=None, metavar="H",
+                                help="run on H emulated hosts on this machine, each with its own sshd and "
+                                     "hostname, the ranks spread evenly (or as -H h1:N,h2:N... says), Open MPI "
+                                     "starting them over ssh; --net RATE shapes the links between hosts; "
+                                     "needs root and openssh-server")),
     (("--max-restarts",), dict(dest="max_restarts", type=_restarts, default=0, metavar="N",
                                help="relaunch the whole job when it fails (exits non-zero), up to N times "
                                     "(default 0); a script with tfsparse.keras.callbacks.BackupAndRestore "
@@ -143,6 +154,9 @@ examples:
       transports
   tfsparse-run -np 8 -H node1:4,node2:4 --map-by node python train.py
       two hosts, ranks placed round-robin over the nodes
+  tfsparse-run -np 4 --emulate-hosts 2 --net 1gbit python train.py
+      two emulated hosts on this machine (h1, h2), two ranks each, started
+      over ssh, 1 Gbit/s between them (root, openssh-server)
   tfsparse-run -np 2 --some-new-flag value -- python train.py
       a flag tfsparse-run does not know: end mpirun's flags with --
   tfsparse-run -np 4 --max-restarts 3 python train.py
@@ -480,6 +494,24 @@ def run_on_network(np_: int, spec: NetSpec, command: list[str], mpi_args: str = 
         return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
 
 
+def run_on_hosts(np_: int, hosts: int, spec: NetSpec | None, command: list[str], host_list: str | None = None,
+                 mpi_args: str = "", mpi_flags=(), max_restarts: int = 0) -> int:
+    """Builds ``hosts`` emulated hosts (:class:`~tfsparse.network.EmulatedHosts`), runs mpirun
+    across them over ssh -- after the same check of every host as on a cluster -- and removes
+    them, whatever the outcome; returns the last mpirun's exit status."""
+    extra = [*mpi_flags, *shlex.split(mpi_args)]
+    with _Launcher() as launcher, EmulatedHosts(hosts, spec) as cluster:
+        if host_list is None and job_hosts(None, extra) is None:
+            host_list = cluster.host_list(np_)
+        cmd, env = build_command(np_, command, mpi_args, host_list, network=cluster, mpi_flags=mpi_flags)
+        problems = check_job_hosts(host_list, extra + cluster.mpirun_args(), command, env)
+        if problems:
+            raise RuntimeError("; ".join(problems))
+        print(f"tfsparse-run: {np_} ranks on {hosts} emulated hosts ({host_list or 'the hostfile'}), "
+              f"{spec or 'unshaped'} links between hosts, subnet {cluster.subnet}", file=sys.stderr, flush=True)
+        return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
+
+
 def check_job_hosts(hosts: str | None, extra: list[str], command: list[str], env: dict) -> list[str]:
     """One line per host of the job, other than this machine, that cannot start its ranks
     (:func:`tfsparse.cluster.check_hosts`, all hosts at once, within seconds); empty when every
@@ -514,12 +546,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(own)
     try:
         spec = NetSpec.parse(args.net) if args.net is not None else None
-        if spec is not None and args.hosts:
+        if spec is not None and args.hosts and args.emulate_hosts is None:
             raise ValueError(f"--net with -H {args.hosts}: the emulated network lives on this "
-                             "machine; accepted: one of them")
+                             "machine; accepted: one of them, or -H with --emulate-hosts")
+        if args.emulate_hosts is not None and not 1 <= args.emulate_hosts <= 64:
+            raise ValueError(f"--emulate-hosts {args.emulate_hosts}: accepted: 1 to 64 hosts")
         cmd, env = build_command(args.np, command, args.mpi_args, args.hosts, mpi_flags=mpi_flags)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    if args.emulate_hosts is not None and not args.dry_run:
+        try:
+            return run_on_hosts(args.np, args.emulate_hosts, spec, command, args.hosts, args.mpi_args, mpi_flags,
+                                args.max_restarts)
+        except (RuntimeError, PermissionError, ValueError) as e:
+            print(f"tfsparse-run: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
     if spec is not None and not args.dry_run:
         try:
             return run_on_network(args.np, spec, command, args.mpi_args, mpi_flags, args.max_restarts)

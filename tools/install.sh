@@ -56,6 +56,12 @@ if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
   apt_install openmpi-bin libopenmpi-dev
 fi
 
+# the emulated hosts (tfsparse-run --emulate-hosts, tests/test_hosts_mpi.py): an sshd per host
+if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "== installing openssh-server for the emulated hosts (Debian packages; no daemon is started)"
+  apt_install openssh-server
+fi
+
 if [ "$USE_VENV" = 1 ]; then
   if ! [ -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
     if ! "$PY" -c "import ensurepip, venv" 2>/dev/null; then

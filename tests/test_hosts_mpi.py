@@ -1,0 +1,103 @@
+"""``tfsparse-run --emulate-hosts``: hosts emulated on this machine (each a network and hostname
+namespace with its own sshd), Open MPI starting the remote ranks through ssh as on a cluster.
+
+P = 4 as 2 hosts x 2 ranks and 3 hosts x 1 rank, 1 Gbit/s between hosts: each rank on its host
+(hostname, Horovod's local and cross ranks), a ``TFSPARSE_*`` variable of the launching shell in
+every rank (sshd gives remote ranks a clean environment: only what tfsparse-run forwards
+arrives), a SparseStrategy fit (gTop-k, Adam, an Embedding) ending with identical weights; and
+the namespaces and daemons gone after success, a failing rank and Ctrl-C.  Needs root and
+openssh-server (tools/install.sh installs it); skipped without them."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpi_harness import REPO, job_env, load_result, run_job
+from mpi_jobs import mpi_lock
+from tfsparse import network
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and network.has_net_admin() and os.path.exists(network.SSHD)),
+    reason="needs root / CAP_NET_ADMIN and openssh-server (tools/install.sh)")]
+
+
+def launcher(np_, hosts, *command, net="1gbit", flags=()):
+    return [sys.executable, "-m", "tfsparse.run", "-np", str(np_), "--emulate-hosts", str(hosts), "--net", net,
+            *flags, *command]
+
+
+def leftovers(pid=None):
+    """Our namespaces (of launcher ``pid``) and any sshd an emulated host started."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith(network.NS_PREFIX)
+             and (pid is None or line.startswith(f"{network.NS_PREFIX}{pid}-"))]
+    daemons = subprocess.run(["pgrep", "-f", "tfsparse-hosts-"], capture_output=True, text=True).stdout.split()
+    return names + daemons
+
+
+@pytest.mark.parametrize("P, hosts", [(4, 2), (3, 3)])
+def test_ranks_on_emulated_hosts_started_over_ssh_train_to_identical_weights(tmp_path, P, hosts):
+    env = {"TFSPARSE_TEST_OUT": str(tmp_path), "TFSPARSE_PROBE": "forwarded"}
+    code, text = run_job(launcher(P, hosts, sys.executable, str(REPO / "tests" / "workers" / "hosts.py")),
+                         env=env, timeout=300)
+    assert code == 0, text
+    per_host = P // hosts
+    assert f"{P} ranks on {hosts} emulated hosts" in text
+    results = [load_result(tmp_path, r) for r in range(P)]
+    for r, res in enumerate(results):
+        assert res["host"] == f"h{r // per_host + 1}"  # each host's ranks consecutive
+        assert res["topology"] == [r % per_host, per_host, r // per_host, hosts]
+        assert res["probe"] == "forwarded"
+        np.testing.assert_array_equal(res["weights"], results[0]["weights"])
+        assert res["losses"][-1] < res["losses"][0]
+    assert not leftovers()
+
+
+def test_a_failing_rank_fails_the_job_and_the_hosts_are_removed():
+    code, text = run_job(launcher(4, 2, sys.executable, "-c",
+                                  "import os, sys; sys.exit(3 if os.environ['OMPI_COMM_WORLD_RANK'] == '2' else 0)"),
+                         timeout=120)
+    assert code != 0, text
+    assert not leftovers()
+
+
+def test_ctrl_c_stops_the_remote_ranks_and_removes_the_hosts(tmp_path):
+    marker = tmp_path / "up"
+    script = ("import os, time; from pathlib import Path; "
+              f"Path('{marker}' + os.environ['OMPI_COMM_WORLD_RANK']).touch(); time.sleep(300)")
+    with mpi_lock():
+        proc = subprocess.Popen(launcher(4, 2, sys.executable, "-c", script), env=job_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not all(Path(f"{marker}{r}").exists() for r in range(4)):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+                time.sleep(0.2)
+            assert len(leftovers(proc.pid)) >= 3  # two hosts and the switch (and the sshds)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code != 0
+    assert not leftovers()
+    assert subprocess.run(["pgrep", "-f", f"{marker}"], capture_output=True).returncode != 0  # no rank left
+
+
+def test_a_host_list_or_a_hostfile_places_the_ranks_as_on_a_cluster(tmp_path):
+    """``-H h1:1,h2:3`` and an Open MPI hostfile name the emulated hosts as a cluster's."""
+    where = ("import socket; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+             "names = c.gather(socket.gethostname()); c.rank == 0 and print('hosts:', ','.join(names))")
+    code, text = run_job(launcher(4, 2, sys.executable, "-c", where, flags=["-H", "h1:1,h2:3"]), timeout=120)
+    assert code == 0 and "hosts: h1,h2,h2,h2" in text, text
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h1 slots=2\nh2 slots=1\n")
+    code, text = run_job(launcher(3, 2, sys.executable, "-c", where, flags=["--hostfile", str(hostfile)]),
+                         timeout=120)
+    assert code == 0 and "hosts: h1,h1,h2" in text, text
+    assert not leftovers()
