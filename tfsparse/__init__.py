@@ -16,10 +16,10 @@ Keras nor TensorFlow.
 """
 from importlib import import_module
 
+from ._version import __version__
 from .collectives.agreement import ConfigurationMismatch
 from .runtime import StepCountMismatch, init, is_initialized, local_rank, rank, size
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "SparseStrategy": ("tfsparse.strategies", "SparseStrategy"),

@@ -42,6 +42,7 @@ counter -- is explicit: :meth:`~GradientExchange.get_state` / :meth:`~GradientEx
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 import weakref
@@ -52,6 +53,7 @@ import numpy as np
 from . import auto
 from .bucket import Bucket, ExchangeStats, agreement, assemble, check_saved_layout, make_bucket
 from .collectives.agreement import check_agreement
+from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
 from .collectives.watchdog import note_round
 from .plan import Layout
@@ -335,6 +337,29 @@ class GradientExchange:
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Rank 0's start-up line: what this exchange runs and where (collective: one allgather
+        of 8 bytes for the hosts).  ``TFSPARSE_ANNOUNCE=0`` turns it off."""
+        if os.environ.get("TFSPARSE_ANNOUNCE", "1") == "0":
+            return
+        hosts = len(set(host_ids(self.comm)))
+        if self.comm.rank != 0:
+            return
+        from ._version import __version__
+
+        transport = {"MPICommunicator": "mpi", "HorovodCommunicator": "horovod"}.get(type(self.comm).__name__,
+                                                                                  type(self.comm).__name__)
+        algorithm = (f"algorithm='auto' (measures {auto.MEASURE_ROUNDS} rounds, then chooses)"
+                     if self._auto is not None else
+                     f"algorithm={self.algorithm!r} density={self.density:g} wire={self.wire.name} "
+                     f"memory={self.settings.memory}")
+        buckets = len(self.bucket_states)
+        print(f"tfsparse {__version__}: {self.comm.size} rank{'s' * (self.comm.size != 1)} on {hosts} "
+              f"host{'s' * (hosts != 1)} ({transport}), {algorithm}, plan={self.plan.name} "
+              f"({buckets} bucket{'s' * (buckets != 1)}, {self.layout.n:,} gradient elements), "
+              f"pipeline={self.pipeline}", flush=True)
 
     def inherit_choice(self, other: "GradientExchange") -> None:
         """``algorithm="auto"``: this exchange (not yet built) runs the choice ``other`` made,
