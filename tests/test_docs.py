@@ -77,3 +77,33 @@ def test_the_link_check_sees_a_broken_link():
     found = list(_relative_links("see [a page](docs/nope.md#x) and ![fig](docs/a.png)\n"
                                  "```\n[not a link](inside/a/fence.md)\n```\n[web](https://example.org) [here](#top)\n"))
     assert found == [(1, "docs/nope.md#x"), (1, "docs/a.png")]
+
+
+USER_PAGES = sorted((REPO / "docs").glob("*.md")) + [README]
+HEX = re.compile(r"(?<![\w/.#-])([0-9a-f]{7,40})(?![\w/.-])")
+#: words about how the project is made, not about using it
+PROCESS_WORDS = ("the issue's", "this session", "the session", " lent ", "a helper")
+
+
+def _commits(tokens: set) -> set:
+    """The tokens that name a commit of this repository (all of them where git cannot tell)."""
+    found = set()
+    for token in tokens:
+        done = subprocess.run(["git", "cat-file", "-e", f"{token}^{{commit}}"], cwd=REPO, capture_output=True)
+        if done.returncode == 0 or (done.returncode != 1 and b"Not a valid" not in done.stderr):
+            found.add(token)
+    return found
+
+
+def test_user_pages_hold_no_commit_hashes_or_process_words():
+    """The pages say what is, with the command that reproduces each figure; what was measured at
+    which commit stays in git and the CHANGELOG."""
+    problems = []
+    for page in USER_PAGES:
+        text = page.read_text()
+        tokens = {t for t in HEX.findall(text) if re.search(r"\d", t) and re.search(r"[a-f]", t)}
+        for token in sorted(_commits(tokens)):
+            problems.append(f"{page.relative_to(REPO)}: commit {token}")
+        lowered = text.lower()
+        problems += [f"{page.relative_to(REPO)}: {word.strip()!r}" for word in PROCESS_WORDS if word in lowered]
+    assert not problems, "\n".join(problems)
