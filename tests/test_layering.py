@@ -20,7 +20,7 @@ LAYERS = [
     {"exchange"},
     {"pipelined", "checkpoint"},
     {"tf_glue"},
-    {"strategies", "keras", "run", "network", "cluster"},
+    {"strategies", "keras", "run", "network", "cluster", "cli"},
     {"horovod"},  # Horovod's API over the Keras layer (tfsparse.horovod.tensorflow.keras)
 ]
 LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}

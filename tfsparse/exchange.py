@@ -72,14 +72,40 @@ QUIET_PAUSE = 50e-6
 _AGREE_HINT = "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer settings."
 
 
+#: seconds the kernels' warm-up may take, silently, before rank 0 says that it compiles them
+COMPILE_NOTICE_S = 2.0
+
+
 @functools.lru_cache(maxsize=None)
-def _warm_kernels() -> None:
+def _warm_kernels(announce: bool = False) -> None:
     """Once per process, before the first step: every Numba CPU kernel compiled, or loaded from
-    its on-disk cache (< 1 s when ``tools/install.sh`` filled it; ~30 s to compile on 2 cores
-    otherwise), so that no step stalls on a compile half-way."""
+    its on-disk cache (< 1 s when ``tools/install.sh`` or ``tfsparse warmup`` filled it; ~30 s to
+    compile on 2 cores otherwise), so that no step stalls on a compile half-way.  ``announce``
+    (rank 0): where loading takes longer than :data:`COMPILE_NOTICE_S`, one line says that the
+    kernels are being compiled, and one how long it took."""
     from .ops import cpu
 
-    cpu.warmup()
+    if not announce:
+        cpu.warmup()
+        return
+    t0 = time.perf_counter()
+    done: Future = Future()
+    worker = threading.Thread(target=lambda: _settle(done, cpu.warmup), name="tfsparse-warmup", daemon=True)
+    worker.start()
+    worker.join(COMPILE_NOTICE_S)
+    if worker.is_alive():
+        print("tfsparse: compiling the Numba kernels (once per machine and version; `tfsparse warmup` "
+              "does it ahead of time) ...", flush=True)
+        worker.join()
+        print(f"tfsparse: kernels compiled in {time.perf_counter() - t0:.0f} s and cached", flush=True)
+    done.result()
+
+
+def _settle(future: Future, fn) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:
+        future.set_exception(e)
 
 
 class _Inline:
@@ -310,11 +336,11 @@ class GradientExchange:
             self._auto.probe = auto.Probe(layout.n)
             self._use(self._candidate_settings(auto.MEASURING))
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
-            _warm_kernels()
+            _warm_kernels(comm.rank == 0)
             self._agree(layout, [])
             self.plan.prepare(comm, self)
         buckets = self._make_buckets(layout)
-        _warm_kernels()
+        _warm_kernels(comm.rank == 0)
         self._agree(layout, buckets)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
         # a thread of its own only where the transport allows calls from several threads

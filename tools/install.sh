@@ -104,7 +104,7 @@ pipi --no-deps -e .
 # compile the Numba CPU kernels once per machine (on-disk cache, ~30 s on 2 cores): the first
 # training step then loads them (< 1 s) instead of compiling them on every rank at once
 echo "== compiling the Numba kernels into their cache"
-"$PY" -c "from tfsparse.ops import cpu; cpu.warmup()"
+"$PY" -m tfsparse.cli warmup
 
 if [ "$WITH_HOROVOD" = 1 ]; then
   if "$PY" -c "import horovod.tensorflow as h; assert h.mpi_built()" 2>/dev/null; then

@@ -1,0 +1,33 @@
+"""``tfsparse warmup`` fills the kernels' cache ahead of the first job; the first exchange of a
+job says on rank 0 when it has to compile them instead (a long silent first step otherwise)."""
+import subprocess
+import sys
+import time
+
+from tfsparse import exchange
+
+
+def test_warmup_command_readies_the_kernels_and_says_where_they_are_cached():
+    done = subprocess.run([sys.executable, "-m", "tfsparse.cli", "warmup"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "the Numba kernels are ready in" in done.stdout and "cached" in done.stdout
+    version = subprocess.run([sys.executable, "-m", "tfsparse.cli", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.stdout.strip().startswith("tfsparse 0.")
+
+
+def test_a_slow_warmup_is_announced_on_rank_zero_only(monkeypatch, capsys):
+    from tfsparse.ops import cpu
+
+    monkeypatch.setattr(cpu, "warmup", lambda: time.sleep(0.3))
+    monkeypatch.setattr(exchange, "COMPILE_NOTICE_S", 0.05)
+    exchange._warm_kernels.__wrapped__(False)  # other ranks: silent
+    assert capsys.readouterr().out == ""
+    exchange._warm_kernels.__wrapped__(True)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tfsparse: compiling the Numba kernels") and "tfsparse warmup" in out[0]
+    assert out[1].startswith("tfsparse: kernels compiled in") and len(out) == 2
+    monkeypatch.setattr(cpu, "warmup", lambda: None)  # cached: nothing said
+    exchange._warm_kernels.__wrapped__(True)
+    assert capsys.readouterr().out == ""
