@@ -107,3 +107,79 @@ def test_user_pages_hold_no_commit_hashes_or_process_words():
         lowered = text.lower()
         problems += [f"{page.relative_to(REPO)}: {word.strip()!r}" for word in PROCESS_WORDS if word in lowered]
     assert not problems, "\n".join(problems)
+
+
+def _doc_commands():
+    """Every command of record in the pages' code blocks (``# = `` lines included), its
+    continuation lines joined, comments dropped: (page, command words)."""
+    import shlex
+
+    found = []
+    for page in USER_PAGES:
+        blocks = re.findall(r"^[ \t]*```([\w-]*)[ \t]*\n(.*?)^[ \t]*```", page.read_text(), flags=re.S | re.M)
+        for language, block in blocks:
+            if language not in ("", "bash", "sh", "console", "shell"):
+                continue  # output, a hostfile, Python
+            lines, joined = block.splitlines(), []
+            for line in lines:
+                line = re.sub(r"^\s*#\s*=\s*", "", line)  # "# = command": the command a step runs
+                if joined and joined[-1].endswith("\\"):
+                    joined[-1] = joined[-1][:-1] + " " + line.strip()
+                else:
+                    joined.append(line.strip())
+            for line in joined:
+                if not re.match(r"(tfsparse-run|tfsparse |python (tools|keras_examples)/|bash tools/|make )", line):
+                    continue
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:  # an open quote: a JSON list spread over lines
+                    words = shlex.split(line.split("'")[0], comments=True)
+                words = ["4" if re.fullmatch(r"\$\{?\w+\}?", w) else w for w in words]  # $SLURM_NTASKS
+                found.append((page.relative_to(REPO), words))
+    return found
+
+
+def test_the_commands_in_the_pages_still_run():
+    """What a page tells the reader to type still exists and parses: ``tfsparse-run``'s flags (and
+    the script it starts), the tools' and examples' scripts (``--help``), ``measure_docs.sh``'s
+    steps, the Makefile's targets."""
+    from tfsparse import run
+
+    commands = _doc_commands()
+    assert len(commands) > 20
+    steps = subprocess.run(["bash", "tools/measure_docs.sh", "--list"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60).stdout
+    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), flags=re.M))
+    scripts, problems = set(), []
+    for page, words in commands:
+        if words[0] == "tfsparse-run":
+            try:
+                own, _, program = run.split_argv(words[1:])
+                run.make_parser().parse_args(own)
+            except (ValueError, SystemExit) as e:
+                problems.append(f"{page}: {' '.join(words)}: {e}")
+                continue
+            words = program
+        if words[:1] == ["tfsparse"]:
+            if words[1:2] not in (["warmup"], ["--version"]):
+                problems.append(f"{page}: {' '.join(words)}: no such tfsparse command")
+        elif words[:1] == ["bash"] and words[1] == "tools/measure_docs.sh":
+            if words[2:] and f"{words[2]}:" not in steps:
+                problems.append(f"{page}: measure_docs.sh has no step {words[2]!r}")
+        elif words[:1] == ["bash"]:
+            if not (REPO / words[1]).is_file():
+                problems.append(f"{page}: no script {words[1]}")
+        elif words[:1] == ["make"]:
+            if words[1] not in targets:
+                problems.append(f"{page}: the Makefile has no target {words[1]!r}")
+        elif words[:1] == ["python"] and len(words) > 1 and words[1].startswith(("tools/", "keras_examples/")):
+            if not (REPO / words[1]).is_file():
+                problems.append(f"{page}: no script {words[1]}")
+            else:
+                scripts.add(words[1])
+    for script in sorted(scripts):
+        done = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        if done.returncode != 0:
+            problems.append(f"{script} --help failed: {done.stderr[-500:]}")
+    assert not problems, "\n".join(problems)
