@@ -29,5 +29,6 @@ def test_a_slow_warmup_is_announced_on_rank_zero_only(monkeypatch, capsys):
     assert out[0].startswith("tfsparse: compiling the Numba kernels") and "tfsparse warmup" in out[0]
     assert out[1].startswith("tfsparse: kernels compiled in") and len(out) == 2
     monkeypatch.setattr(cpu, "warmup", lambda: None)  # cached: nothing said
+    monkeypatch.setattr(exchange, "COMPILE_NOTICE_S", 5.0)
     exchange._warm_kernels.__wrapped__(True)
     assert capsys.readouterr().out == ""

@@ -82,7 +82,7 @@ def test_the_link_check_sees_a_broken_link():
 USER_PAGES = sorted((REPO / "docs").glob("*.md")) + [README]
 HEX = re.compile(r"(?<![\w/.#-])([0-9a-f]{7,40})(?![\w/.-])")
 #: words about how the project is made, not about using it
-PROCESS_WORDS = ("the issue's", "this session", "the session", " lent ", "a helper")
+PROCESS_WORDS = ("the issue's", "this session", "the session", " lent ")
 
 
 def _commits(tokens: set) -> set:
@@ -128,7 +128,7 @@ def _doc_commands():
                 else:
                     joined.append(line.strip())
             for line in joined:
-                if not re.match(r"(tfsparse-run|tfsparse |python (tools|keras_examples)/|bash tools/|make )", line):
+                if not re.match(r"(tfsparse-run |tfsparse |python (tools|keras_examples)/|bash tools/|make )\S", line):
                     continue
                 try:
                     words = shlex.split(line, comments=True)

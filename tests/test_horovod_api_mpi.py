@@ -82,7 +82,7 @@ def _check_keras(results, P, backend):
         assert res["history"]["loss"][-1] < 0.6 * res["history"]["loss"][0], res["history"]["loss"]
         assert res["lr_error"] < 1e-6, (res["lr_error"], res["lrs"])
         u = res["updates"]
-        for key in ("average", "sum", "predivide", "passes", "passes averaged"):
+        for key in ("average", "sum", "predivide", "passes", "passes averaged", "passes in fit"):
             assert u[key] < lossless, (key, u)
         assert u["fp16"] < 2e-3, u
         assert res["passes"] == [True, 2, True, 2]  # no update after the first pass; iterations count both

@@ -32,11 +32,18 @@ def launcher(np_, hosts, *command, net="1gbit", flags=()):
 
 
 def leftovers(pid=None):
-    """Our namespaces (of launcher ``pid``) and any sshd an emulated host started."""
+    """The namespaces of launcher ``pid`` -- or, without one, of launchers that have ended -- and
+    the sshds of emulated hosts whose run has ended (their keys' folder gone): what a launch left
+    behind, whatever else runs on the machine meanwhile."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    names = [line.split()[0] for line in listed.splitlines() if line.startswith(network.NS_PREFIX)
-             and (pid is None or line.startswith(f"{network.NS_PREFIX}{pid}-"))]
-    daemons = subprocess.run(["pgrep", "-f", "tfsparse-hosts-"], capture_output=True, text=True).stdout.split()
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith(network.NS_PREFIX)]
+    if pid is not None:
+        names = [n for n in names if n.startswith(f"{network.NS_PREFIX}{pid}-")]
+    else:
+        names = [n for names_ in network.leftover_namespaces().values() for n in names_]
+    daemons = [line for line in subprocess.run(["pgrep", "-af", "sshd .*tfsparse-hosts-"], capture_output=True,
+                                               text=True).stdout.splitlines()
+               if not Path(line.split(" -f ")[-1].split()[0]).parent.is_dir()]
     return names + daemons
 
 
@@ -76,7 +83,9 @@ def test_ctrl_c_stops_the_remote_ranks_and_removes_the_hosts(tmp_path):
         try:
             deadline = time.monotonic() + 60
             while not all(Path(f"{marker}{r}").exists() for r in range(4)):
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    pytest.fail(proc.communicate(timeout=30)[0][-3000:])
                 time.sleep(0.2)
             assert len(leftovers(proc.pid)) >= 3  # two hosts and the switch (and the sshds)
             proc.send_signal(signal.SIGINT)

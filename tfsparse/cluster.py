@@ -2,14 +2,14 @@
 
 >>> hosts = parse_host_list("node1:4,node2:4")     # [("node1", 4), ("node2", 4)]
 >>> total_slots(hosts)                              # 8: -np 8 needs no --oversubscribe
->>> problems = check_hosts(["node2"], "/opt/venv/bin/python", "/home/me/project")
+>>> problems = check_hosts(["node2"], "/opt/venv/bin/python")
 >>> # [] or one line per host that cannot run the job: not reachable over ssh within seconds,
->>> # asking for a password, or without the program or the working directory
+>>> # asking for a password, or without the program
 
 Open MPI starts the ranks of other hosts through ssh (``plm_rsh_agent``) without a terminal, so a
 host that asks for a password or a host-key confirmation, or that cannot be reached, makes
 ``mpirun`` wait a long time or for ever; the program (the launching machine's absolute path of the
-interpreter) and the working directory must exist on every host.  :func:`check_hosts` asks each
+interpreter) must exist on every host.  :func:`check_hosts` asks each
 host once, all at the same time, with ``BatchMode`` (no prompts) and a connection timeout.
 """
 from __future__ import annotations
@@ -69,32 +69,45 @@ def total_slots(hosts) -> int | None:
 
 
 def local_names() -> set[str]:
-    """The names under which Open MPI treats a host as this machine."""
-    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.gethostname().split(".")[0]}
+    """The names and addresses under which Open MPI treats a host as this machine: its hostname
+    (short and qualified), what that resolves to, and the addresses of its interfaces."""
+    hostname = socket.gethostname()
+    names = {"localhost", "::1", hostname, hostname.split(".")[0]}
     try:
         names.add(socket.getfqdn())
+        names.update(info[4][0] for info in socket.getaddrinfo(hostname, None))
     except OSError:
         pass
+    try:  # every interface's address (iproute2), where there is one
+        listed = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+        names.update(word.split("/")[0] for line in listed.splitlines() for i, word in enumerate(line.split())
+                     if i > 0 and line.split()[i - 1] in ("inet", "inet6"))
+    except (OSError, subprocess.SubprocessError):
+        pass
     return names
+
+
+def is_local(name: str, here: set[str]) -> bool:
+    return name in here or name.startswith("127.")
 
 
 def remote_hosts(hosts) -> list[str]:
     """The distinct hosts of ``hosts`` that are not this machine, in order."""
     here, seen = local_names(), []
     for name, _ in hosts:
-        if name not in here and name not in seen:
+        if not is_local(name.rpartition("@")[2], here) and name not in seen:  # user@host: the host's
             seen.append(name)
     return seen
 
 
-def check_hosts(hosts: list[str], program: str, workdir: str, agent: str = "ssh",
-                timeout: float | None = None) -> list[str]:
+def check_hosts(hosts: list[str], program: str, agent: str = "ssh", timeout: float | None = None) -> list[str]:
     """Asks every host in ``hosts`` at once, over ``agent`` (ssh without prompts, a connection
-    timeout), whether it has ``workdir`` and can run ``program``; returns one line per host that
-    cannot run the job (empty: all can), within ``timeout`` seconds (default
-    :data:`CHECK_TIMEOUT_S`)."""
+    timeout), whether it can run ``program``; returns one line per host that cannot (empty: all
+    can), within ``timeout`` seconds (default :data:`CHECK_TIMEOUT_S`).  The working directory
+    is not checked: Open MPI starts a rank elsewhere when it is missing there, and a script given
+    by its absolute path still runs."""
     timeout = CHECK_TIMEOUT_S if timeout is None else float(timeout)
-    remote = f"cd {shlex.quote(workdir)} 2>/dev/null || exit 3; test -x {shlex.quote(program)} || exit 4"
+    remote = f"test -x {shlex.quote(program)} || exit 4"
     connect = max(1, int(timeout) - 2)
     asks = {}
     for host in hosts:
@@ -103,29 +116,42 @@ def check_hosts(hosts: list[str], program: str, workdir: str, agent: str = "ssh"
             asks[host] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True, start_new_session=True)
         except OSError as e:
+            for started in asks.values():
+                _end(started)
             return [f"host {host}: {agent!r} cannot be started ({e.strerror}); Open MPI starts the ranks of other "
                     f"hosts through it"]
     deadline = time.monotonic() + timeout
     problems = []
-    for host, ask in asks.items():
-        try:
-            _, err = ask.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    try:
+        for host, ask in asks.items():
             try:
-                os.killpg(ask.pid, signal.SIGKILL)  # the agent and anything it started
-            except ProcessLookupError:
-                pass
-            ask.communicate()
-            problems.append(f"host {host}: no answer over {agent} within {timeout:g} s")
-            continue
-        last = (err or "").strip().splitlines()[-1:] or [""]
-        if ask.returncode == 3:
-            problems.append(f"host {host}: has no directory {workdir} (the ranks start in the launching directory; "
-                            f"use the same path on every host, or mpirun's -wdir)")
-        elif ask.returncode == 4:
-            problems.append(f"host {host}: has no program {program} (the same Python environment must be at the "
-                            f"same path on every host)")
-        elif ask.returncode != 0:
-            problems.append(f"host {host}: {agent} cannot log in without a prompt ({last[0] or f'exit status {ask.returncode}'}); "
-                            f"Open MPI needs key-based ssh to every host, its host key known")
+                _, err = ask.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _end(ask)
+                problems.append(f"host {host}: no answer over {agent} within {timeout:g} s")
+                continue
+            problems += _problem(host, ask.returncode, err, program, agent)
+    finally:  # interrupted (Ctrl-C): no ssh left behind
+        for ask in asks.values():
+            if ask.poll() is None:
+                _end(ask)
     return problems
+
+
+def _end(ask: subprocess.Popen) -> None:
+    try:
+        os.killpg(ask.pid, signal.SIGKILL)  # the agent and anything it started
+    except ProcessLookupError:
+        pass
+    ask.communicate()
+
+
+def _problem(host: str, code: int, err: str, program: str, agent: str) -> list[str]:
+    last = (err or "").strip().splitlines()[-1:] or [""]
+    if code == 4:
+        return [f"host {host}: has no program {program} (the same Python environment must be at the same path on "
+                f"every host)"]
+    if code != 0:
+        return [f"host {host}: {agent} cannot log in without a prompt ({last[0] or f'exit status {code}'}); "
+                f"Open MPI needs key-based ssh to every host, its host key known"]
+    return []

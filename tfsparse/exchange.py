@@ -367,11 +367,9 @@ class GradientExchange:
 
     def _announce(self) -> None:
         """Rank 0's start-up line: what this exchange runs and where (collective: one allgather
-        of 8 bytes for the hosts).  ``TFSPARSE_ANNOUNCE=0`` turns it off."""
-        if os.environ.get("TFSPARSE_ANNOUNCE", "1") == "0":
-            return
-        hosts = len(set(host_ids(self.comm)))
-        if self.comm.rank != 0:
+        of 8 bytes for the hosts, on every rank).  ``TFSPARSE_ANNOUNCE=0`` on rank 0 turns it off."""
+        hosts = len(set(host_ids(self.comm)))  # on every rank, whatever its environment says
+        if self.comm.rank != 0 or os.environ.get("TFSPARSE_ANNOUNCE", "1") == "0":
             return
         from ._version import __version__
 

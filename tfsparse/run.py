@@ -14,8 +14,8 @@ launching shell's ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, ``VIRTUAL_ENV``
 With other hosts than this one, every host is first asked over ssh, all at once and without
 prompts (:func:`tfsparse.cluster.check_hosts`), whether it can start its ranks: a host that
 cannot be reached, asks for a password or a host-key confirmation, or lacks the program (its
-absolute path here) or the working directory is named on one line each within seconds, and
-the job does not start, instead of ``mpirun`` waiting.
+absolute path here) is named on one line each within seconds, and the job does not start,
+instead of ``mpirun`` waiting (``TFSPARSE_HOST_CHECK=0`` skips the check).
 
 Any other flag before the program is mpirun's and is passed on (``-x VAR[=value]``,
 ``--mca key value``, ``--map-by ...``, ``--tag-output``, ...): Open MPI's flags are known with the
@@ -515,15 +515,15 @@ def run_on_hosts(np_: int, hosts: int, spec: NetSpec | None, command: list[str],
 def check_job_hosts(hosts: str | None, extra: list[str], command: list[str], env: dict) -> list[str]:
     """One line per host of the job, other than this machine, that cannot start its ranks
     (:func:`tfsparse.cluster.check_hosts`, all hosts at once, within seconds); empty when every
-    one can, or when the job runs on this machine only."""
+    one can, when the job runs on this machine only, or with ``TFSPARSE_HOST_CHECK=0``."""
     placement = job_hosts(hosts, extra)
     remote = remote_hosts(placement) if placement is not None else []
     if not remote:
         return []
     agent = ssh_agent(extra, env)
-    if Path(shlex.split(agent)[0]).name != "ssh":
-        return []  # another agent (rsh, a batch system's): its own options, not checked here
-    return check_hosts(remote, resolve_program(command[0]), os.getcwd(), agent=agent)
+    if Path(shlex.split(agent)[0]).name != "ssh" or env.get("TFSPARSE_HOST_CHECK") == "0":
+        return []  # another agent (rsh, a batch system's): its own options, not checked here; or turned off
+    return check_hosts(remote, resolve_program(command[0]), agent=agent)
 
 
 def make_parser() -> argparse.ArgumentParser:

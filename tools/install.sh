@@ -57,9 +57,15 @@ if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
 fi
 
 # the emulated hosts (tfsparse-run --emulate-hosts, tests/test_hosts_mpi.py): an sshd per host
+# (Debian's package would start and enable the system's ssh service: a policy-rc.d that refuses,
+# for the length of the install, keeps it stopped; tfsparse-run starts its own sshds)
 if ! [ -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "== installing openssh-server for the emulated hosts (Debian packages; no daemon is started)"
-  apt_install openssh-server
+  echo "== installing openssh-server for the emulated hosts (Debian packages; its service is not started)"
+  HOLD=0
+  if ! [ -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d; HOLD=1; fi
+  apt_install openssh-server || { [ "$HOLD" = 1 ] && rm -f /usr/sbin/policy-rc.d; exit 1; }
+  if [ "$HOLD" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 if [ "$USE_VENV" = 1 ]; then

@@ -123,6 +123,23 @@ step, own_g, unchanged2, iterations2 = one_update([(xb, yb), (xb2, yb2)], passes
 updates["passes averaged"] = relative(step, everyones_mean(own_g) / 2)
 passes = [unchanged, iterations, unchanged2, iterations2]
 
+# accumulation through fit: the broadcast after batch 0 leaves each rank's own partial sum, and a
+# window still open at the end (3 batches, 2 passes each) is no divergence at fit's replica check
+net = build(7)
+opt2 = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), backward_passes_per_step=2)
+net.compile(loss=lossf, optimizer=opt2)
+w0 = flat(net.trainable_variables)
+own_g = 0.0
+for xb_, yb_ in ((xb, yb), (xb2, yb2)):
+    with tf.GradientTape() as tape:
+        loss_value = lossf(yb_, net(xb_, training=True))
+    own_g = own_g + np.concatenate([np.asarray(tf.convert_to_tensor(g), np.float64).reshape(-1)
+                                    for g in tape.gradient(loss_value, net.trainable_variables)])
+xb3, yb3 = data(300 + r, 16)
+net.fit(np.concatenate([xb, xb2, xb3]), np.concatenate([yb, yb2, yb3]), batch_size=16, shuffle=False, verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+updates["passes in fit"] = relative((w0 - flat(net.trainable_variables)) / 0.5, everyones_mean(own_g))
+
 # 3. the schedule callback (staircase, a constant multiplier) with momentum correction, through
 #    horovod.tensorflow's DistributedOptimizer (the same wrapper), everyone from one seed
 net = build(3)

@@ -107,8 +107,9 @@ class HorovodOptimizer(_SparseOptimizer):
     def build(self, var_list):
         super().build(var_list)
         if self.backward_passes_per_step > 1:
-            self._accumulated = [self.add_variable_from_reference(v, "accumulated") for v in var_list]
-            self._passes = self.add_variable((), initializer="zeros", dtype="int64", name="backward_passes")
+            # each rank's own partial sums: outside the optimizer's variables (as Horovod keeps them),
+            # so that no broadcast overwrites them and no replica check compares them; not saved
+            self._local = _RankLocal(var_list)
 
     def _divisor(self) -> float:
         if self.op == Sum:
@@ -127,29 +128,40 @@ class HorovodOptimizer(_SparseOptimizer):
             self.built = True
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         self._start_from_root(list(variables))
-        for total, g in zip(self._accumulated, grads):
+        local = self._local
+        for total, g in zip(local.sums, grads):
             total.assign_add(tf.convert_to_tensor(g))
-        self._passes.assign_add(1)
+        local.passes.assign_add(1)
         n = self.backward_passes_per_step
 
         def exchange_and_apply():
-            summed = [tf.identity(t.value) for t in self._accumulated]
+            summed = [tf.identity(t) for t in local.sums]
             if self.average_aggregated_gradients:
                 summed = [s / tf.cast(n, s.dtype) for s in summed]
             _SparseOptimizer.apply(self, summed, trainable_variables)
-            for total in self._accumulated:
+            for total in local.sums:
                 total.assign(tf.zeros_like(total))
-            self._passes.assign(0)
+            local.passes.assign(0)
 
         def count_pass():
             self.inner_optimizer.iterations.assign_add(1)
 
-        keras.ops.cond(keras.ops.equal(self._passes, n), exchange_and_apply, count_pass)
+        keras.ops.cond(keras.ops.equal(local.passes, n), exchange_and_apply, count_pass)
 
     def get_config(self):
         return {**super().get_config(), "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                 "backward_passes_per_step": self.backward_passes_per_step,
                 "average_aggregated_gradients": self.average_aggregated_gradients}
+
+
+class _RankLocal:
+    """A rank's gradient sums over the backward passes of one exchange, and the count of those
+    passes: plain ``tf.Variable`` objects held where Keras' trackers do not look."""
+
+    def __init__(self, var_list):
+        with tf.init_scope():
+            self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in var_list]
+            self.passes = tf.Variable(0, dtype=tf.int64, trainable=False)
 
 
 def _scaled(g, factor: float):
@@ -193,8 +205,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                              f"give one of them")
         tfsparse_settings["wire_dtype"] = "float16"
     if tfsparse_settings.get("algorithm") is None and tfsparse_settings.get("density") is None \
-            and tfsparse_settings.get("settings") is None:
-        tfsparse_settings["algorithm"] = "dense"  # Horovod's allreduce: lossless
+            and tfsparse_settings.get("settings") is None and _sparse_strategy() is None:
+        tfsparse_settings["algorithm"] = "dense"  # Horovod's allreduce: lossless (a strategy's own, inside one)
     return HorovodOptimizer(optimizer, name=name, op=op, gradient_predivide_factor=gradient_predivide_factor,
                             backward_passes_per_step=backward_passes_per_step,
                             average_aggregated_gradients=average_aggregated_gradients, **tfsparse_settings)

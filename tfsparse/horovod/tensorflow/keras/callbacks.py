@@ -8,11 +8,14 @@
 What differs from Horovod: ``device=`` is accepted and has no effect.  Momentum correction (the
 learning-rate callbacks' ``momentum_correction=True``) multiplies an SGD optimizer's velocity by
 ``new_lr / old_lr`` when the rate changes -- the same update as Horovod's scaling of the momentum
-for that one batch (Keras 3 compiles ``SGD``'s momentum into the step as a constant, so the
-velocity, a variable, is what can change); optimizers without SGD's momentum are left alone, as
+for that one batch for plain momentum (with ``nesterov=True`` the look-ahead term keeps the
+unscaled momentum); Keras 3 compiles ``SGD``'s momentum into the step as a constant, so the
+velocity, a variable, is what can change; optimizers without SGD's momentum are left alone, as
 Horovod leaves optimizers without a ``momentum``.
 """
 from __future__ import annotations
+
+import numbers
 
 import keras
 import numpy as np
@@ -27,8 +30,8 @@ _PROVIDED = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learn
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """After the first batch, every rank takes ``root_rank``'s model variables (weights and
-    non-trainable state) and optimizer variables -- those the first step created included --
-    except ``local_variables``."""
+    non-trainable state; not the random-seed states) and optimizer variables -- those the first
+    step created included -- except ``local_variables``."""
 
     def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
@@ -49,7 +52,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             return
         comm = _comm()
-        variables = [v for v in self.model.variables if id(v) not in self._local]
+        # Keras 3's random-seed states stay each rank's own (Dropout masks differ between ranks,
+        # as each process's random stream did under Horovod with tf.keras)
+        variables = [v for v in self.model.variables
+                     if id(v) not in self._local and "seed_generator" not in getattr(v, "path", v.name)]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             variables += [v for v in optimizer.variables if id(v) not in self._local]
@@ -93,10 +99,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__()
-        if initial_lr is not None and not (isinstance(initial_lr, (int, float)) and initial_lr > 0):
+        if initial_lr is not None and not (isinstance(initial_lr, numbers.Real) and initial_lr > 0):
             raise ValueError(f"initial_lr={initial_lr!r} is not valid; accepted: a number > 0, or None (the "
                              f"optimizer's learning rate when training begins)")
-        if not callable(multiplier) and not isinstance(multiplier, (int, float)):
+        if not callable(multiplier) and not isinstance(multiplier, numbers.Real):
             raise ValueError(f"multiplier={multiplier!r} is not valid; accepted: a number or a function of the epoch")
         self.initial_lr = initial_lr
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))

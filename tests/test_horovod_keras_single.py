@@ -1,0 +1,21 @@
+"""tfsparse.horovod.tensorflow.keras.DistributedOptimizer's settings in one process: lossless dense
+by default, a float16 wire for Compression.fp16, tfsparse's algorithms one keyword away, and a
+SparseStrategy's own algorithm kept inside its scope."""
+import keras
+
+import tfsparse
+import tfsparse.horovod.tensorflow.keras as hvd
+
+
+def test_defaults_compression_keywords_and_a_strategy_scope():
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert (opt.algorithm, opt.exchange.wire.name) == ("dense", "float32")
+    assert hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.fp16).exchange.wire.name \
+        == "float16"
+    sparse = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), algorithm="gtopk", density=0.05)
+    assert (sparse.algorithm, sparse.density) == ("gtopk", 0.05)
+    strategy = tfsparse.SparseStrategy("topk", 0.02)
+    with strategy.scope():
+        inside = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert (inside.algorithm, inside.density) == ("topk", 0.02)  # the strategy's, not dense
