@@ -206,3 +206,24 @@ def test_without_momentum_correction_auto_stays_dense():
     assert auto.choose(N, 4, link, 0.17, local()).candidate.algorithm != "dense"
     c = auto.choose(N, 4, link, 0.17, local(), sparse=False).candidate
     assert c.algorithm == "dense" and c.wire_dtype in ("float16", "bfloat16")
+
+
+def test_a_noisy_median_falls_back_to_the_fastest_round_trips():
+    """One slow 1 MiB round trip among few (a busy 2-core node) can hide the growth with the size
+    in the medians; the fastest times still show the link, so auto measures it instead of giving up."""
+    probe = auto.Probe(N)
+    mib = 1 << 20
+    # the first round trip of each size is untimed; 1 MiB's median 40 ms > 4 MiB's 35 ms
+    probe.times = {8: [1.0, 50e-6, 60e-6], mib: [1.0, 9e-3, 40e-3, 41e-3], 4 * mib: [1.0, 34e-3, 35e-3, 36e-3]}
+    ab = probe.fit()
+    assert ab.beta == pytest.approx(3 * mib / (34e-3 - 9e-3))  # the minima's slope
+    probe.times = {8: [1.0, 1e-3], mib: [1.0, 1e-3], 4 * mib: [1.0, 1e-3]}  # flat either way
+    with pytest.raises(ValueError, match="do not grow"):
+        probe.fit()
+
+
+def test_a_decision_without_a_link_says_what_it_runs():
+    kept = auto.Decision(auto.MEASURING, 0.1, None, ())
+    assert "algorithm='auto' kept " in kept.describe(2) and "could not be measured" in kept.describe(2)
+    other = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    assert "algorithm='auto' chose " in auto.Decision(other, 0.1, None, ()).describe(2)

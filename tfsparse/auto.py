@@ -126,8 +126,9 @@ class Decision:
 
     def describe(self, workers: int) -> str:
         if not self.predictions:
-            return (f"tfsparse: algorithm='auto' kept {self.candidate.label} for {workers} ranks (the link could not "
-                    f"be measured). Pin it with {self.candidate.pin()}")
+            verb = "kept" if self.index == MEASURING else "chose"
+            return (f"tfsparse: algorithm='auto' {verb} {self.candidate.label} for {workers} ranks (the link could "
+                    f"not be measured). Pin it with {self.candidate.pin()}")
         chosen = self.predictions[self.index]
         f16 = next(p for p in self.predictions if p.candidate.algorithm == "dense" and
                    p.candidate.wire_dtype == "float16")
@@ -249,9 +250,14 @@ class Probe:
 
     def fit(self) -> AlphaBeta:
         """Rank 0: α and β fitted to the median one-way time of each size (its first round trip
-        untimed); ValueError when the times do not fit."""
+        untimed) -- or, where noise on a busy node hides the growth with the size there, to the
+        fastest (contention only adds time); ValueError when neither fits."""
         sizes = sorted(self.times)
-        return fit_alpha_beta(sizes, [float(np.median(self.times[s][1:] or self.times[s])) for s in sizes])
+        timed = [self.times[s][1:] or self.times[s] for s in sizes]
+        try:
+            return fit_alpha_beta(sizes, [float(np.median(t)) for t in timed])
+        except ValueError:
+            return fit_alpha_beta(sizes, [float(np.min(t)) for t in timed])
 
 
 def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None) -> Decision:

@@ -272,7 +272,8 @@ def auto_case(route, choice):
         auto.decide = real
     ex = tfsparse.keras.ownership.exchange_of(model)
     info = {"choice": None if ex.auto_choice is None else ex.auto_choice.algorithm, "settings": ex.settings.config(),
-            "printed": [line for line in printed.getvalue().splitlines() if "algorithm='auto' chose" in line],
+            "printed": [line for line in printed.getvalue().splitlines()
+                        if "algorithm='auto' chose" in line or "algorithm='auto' kept" in line],
             "density": hist.history["density"], "comm_bytes": hist.history["comm_bytes"],
             "velocity": bool(ex.get_state()["velocity"].any()),
             "sgd_momentum": [float(sgd.momentum), bool(any(np.any(m.numpy()) for m in sgd.momentums))]}
