@@ -4,8 +4,10 @@ namespace with its own sshd), Open MPI starting the remote ranks through ssh as 
 P = 4 as 2 hosts x 2 ranks and 3 hosts x 1 rank, 1 Gbit/s between hosts: each rank on its host
 (hostname, Horovod's local and cross ranks), a ``TFSPARSE_*`` variable of the launching shell in
 every rank (sshd gives remote ranks a clean environment: only what tfsparse-run forwards
-arrives), a SparseStrategy fit (gTop-k, Adam, an Embedding) ending with identical weights; and
-the namespaces and daemons gone after success, a failing rank and Ctrl-C.  Needs root and
+arrives), a SparseStrategy fit (gTop-k, Adam, an Embedding) ending with identical weights, flat
+and two-level (``hierarchical=True``); the two-level exchange against the flat numpy reference
+over the hosts' sums at 2x2, 3x1 and 3 hosts x 2 ranks; and the namespaces and daemons gone after
+success, a failing rank and Ctrl-C.  Needs root and
 openssh-server (tools/install.sh installs it); skipped without them."""
 import os
 import signal
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from exchange_ref import reference_run
 from mpi_harness import REPO, job_env, load_result, run_job
 from mpi_jobs import mpi_lock
 from tfsparse import network
@@ -62,6 +65,54 @@ def test_ranks_on_emulated_hosts_started_over_ssh_train_to_identical_weights(tmp
         assert res["probe"] == "forwarded"
         np.testing.assert_array_equal(res["weights"], results[0]["weights"])
         assert res["losses"][-1] < res["losses"][0]
+        np.testing.assert_array_equal(res["two_level_weights"], results[0]["two_level_weights"])
+        assert res["two_level_losses"][-1] < res["two_level_losses"][0]
+    check_two_level(results)
+    assert not leftovers()
+
+
+def check_two_level(results):
+    """tests/workers/two_level.py's rounds: bit-identical on every rank, equal to the flat
+    reference run over the hosts' sums (each host's ranks added in rank order), residuals on the
+    hosts' leaders, no bytes across hosts from the other ranks."""
+    from test_exchange_pipeline import DENSITY, OPTIONS, STEPS, flat, grads_of
+    from workers.two_level import CASES
+
+    hosts = [res["host"] for res in results]
+    leaders = [hosts.index(h) for h in dict.fromkeys(hosts)]
+    sums = []
+    for s in range(STEPS):
+        sums.append([])
+        for h in dict.fromkeys(hosts):
+            ranks = [r for r, x in enumerate(hosts) if x == h]
+            total = flat(grads_of(ranks[0], s)).astype(np.float32)
+            for r in ranks[1:]:
+                total += flat(grads_of(r, s))
+            sums[-1].append(total)
+    for name, (algorithm, wire) in CASES.items():
+        buckets = [tuple(b) for b in results[0][f"{name}/buckets"]]
+        want = reference_run(algorithm, wire, buckets, sums, DENSITY, None, OPTIONS.get(algorithm))
+        for s in range(STEPS):
+            result, residuals = want[s]
+            for r, res in enumerate(results):
+                got = res[f"{name}/out{s}"]
+                np.testing.assert_array_equal(got, results[0][f"{name}/out{s}"], err_msg=f"{name}: ranks differ")
+                np.testing.assert_allclose(got, result, rtol=2e-5, atol=2e-5, err_msg=name)
+                if r in leaders:
+                    if residuals is not None:
+                        np.testing.assert_allclose(res[f"{name}/res{s}"], residuals[leaders.index(r)], rtol=2e-5,
+                                                   atol=2e-5, err_msg=name)
+                else:
+                    assert res[f"{name}/bytes{s}"] == 0, name
+
+
+def test_two_level_exchange_on_three_hosts_of_two_ranks(tmp_path):
+    code, text = run_job(launcher(6, 3, sys.executable, str(REPO / "tests" / "workers" / "two_level.py")),
+                         env={"TFSPARSE_TEST_OUT": str(tmp_path)}, timeout=300)
+    assert code == 0, text
+    results = [load_result(tmp_path, r) for r in range(6)]
+    assert [res["host"] for res in results] == ["h1", "h1", "h2", "h2", "h3", "h3"]
+    check_two_level(results)
     assert not leftovers()
 
 

@@ -13,7 +13,7 @@ LAYERS = [
     {"_tf_private", "ops", "state", "schedules", "space"},
     {"wire"},
     {"collectives"},
-    {"compressors", "memory", "runtime", "data"},
+    {"compressors", "memory", "runtime", "data", "hierarchy"},
     {"aggregators"},
     {"plan", "selection", "timing", "auto"},
     {"settings", "bucket"},

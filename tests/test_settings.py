@@ -84,7 +84,7 @@ def test_one_settings_object_for_the_engine_and_its_keywords():
     b = GradientExchange("oktopk", 0.05, wire_dtype="int8", plan=4096, tau=16)
     assert a.settings is s and b.settings == s and a.config() == b.config()
     assert s.config() == {"algorithm": "oktopk", "density": 0.05, "wire_dtype": "int8", "plan": 4096,
-                          "memory": "auto", "momentum": None, "pipeline": 1, "clip_norm": None,
+                          "memory": "auto", "momentum": None, "pipeline": 1, "clip_norm": None, "hierarchical": False,
                           "algorithm_options": {"tau": 16}}
     assert s.replace(density=0.1).density == 0.1 and s.density == 0.05
     assert Settings.of(s, density=0.2).options == {"tau": 16}

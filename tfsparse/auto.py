@@ -124,11 +124,16 @@ class Decision:
     def candidate(self) -> Candidate:
         return CANDIDATES[self.index]
 
-    def describe(self, workers: int) -> str:
+    def describe(self, workers: int, hosts: int | None = None) -> str:
+        """The line rank 0 prints; ``hosts``: a two-level exchange's hosts (None: flat)."""
+        if hosts is not None:
+            workers, two = f"{workers} ranks on {hosts} hosts (two-level)", ", hierarchical=True"
+        else:
+            workers, two = f"{workers} ranks", ""
         if not self.predictions:
             verb = "kept" if self.index == MEASURING else "chose"
-            return (f"tfsparse: algorithm='auto' {verb} {self.candidate.label} for {workers} ranks (the link could "
-                    f"not be measured). Pin it with {self.candidate.pin()}")
+            return (f"tfsparse: algorithm='auto' {verb} {self.candidate.label} for {workers} (the link could "
+                    f"not be measured). Pin it with {self.candidate.pin()}{two}")
         chosen = self.predictions[self.index]
         f16 = next(p for p in self.predictions if p.candidate.algorithm == "dense" and
                    p.candidate.wire_dtype == "float16")
@@ -137,8 +142,8 @@ class Decision:
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
         if chosen is not f16:
             why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
-        return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} ranks -- {why}; "
-                f"{link}. Pin it with {chosen.candidate.pin()}")
+        return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} -- {why}; "
+                f"{link}. Pin it with {chosen.candidate.pin()}{two}")
 
 
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
@@ -260,12 +265,14 @@ class Probe:
             return fit_alpha_beta(sizes, [float(np.min(t)) for t in timed])
 
 
-def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None) -> Decision:
+def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None,
+           workers: int | None = None) -> Decision:
     """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
     elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
     ``rounds`` (the earlier round's exchange, seconds) and ``probe``'s measurements (the pieces
     not yet run are run now; None: all of them).  ``sparse``: whether the sparse candidates may be
-    chosen (their epochs are measured with momentum correction only).  Every rank returns the
+    chosen (their epochs are measured with momentum correction only); ``workers``: how many run
+    the algorithm (default every rank of ``comm``; a two-level exchange: the hosts).  Every rank returns the
     same decision.  A link whose round-trip times cannot be fitted (noise on a busy node) leaves
     the measured setting, dense over float16, on every rank, with a warning."""
     probe = Probe(n) if probe is None else probe
@@ -290,4 +297,4 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
             return Decision(MEASURING, float(compute[0]), None, ())
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     local = comm.bcast(probe.local, root=0)  # rank 0's timing of the local work
-    return choose(n, comm.size, link, float(compute[0]), local, sparse)
+    return choose(n, comm.size if workers is None else int(workers), link, float(compute[0]), local, sparse)

@@ -51,11 +51,13 @@ from concurrent.futures import Future
 import numpy as np
 
 from . import auto
-from .bucket import Bucket, ExchangeStats, agreement, assemble, check_saved_layout, make_bucket
+from .bucket import Bucket, ExchangeStats, Outcome, agreement, assemble, check_saved_layout, make_bucket
 from .collectives.agreement import check_agreement
+from .collectives.communicator import Communicator
 from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
 from .collectives.watchdog import note_round
+from .hierarchy import TwoLevel
 from .plan import Layout
 from .schedules import check_density
 from .settings import AUTO, Settings
@@ -77,6 +79,17 @@ COMPILE_NOTICE_S = 2.0
 
 
 @functools.lru_cache(maxsize=None)
+def _two_level_pays(comm) -> bool:
+    """``algorithm="auto"``: whether to exchange in two levels -- several hosts, some with
+    several ranks, over a transport that forms groups (collective where ``comm`` has several
+    ranks: one allgather of the hosts).  Then only one rank per host sends across the network,
+    the host's sum, instead of every rank its own."""
+    if comm.size == 1 or type(comm)._split is Communicator._split:
+        return False
+    hosts = len(set(host_ids(comm)))
+    return 1 < hosts < comm.size
+
+
 def _warm_kernels(announce: bool = False) -> None:
     """Once per process, before the first step: every Numba CPU kernel compiled, or loaded from
     its on-disk cache (< 1 s when ``tools/install.sh`` or ``tfsparse warmup`` filled it; ~30 s to
@@ -157,6 +170,18 @@ class _Auto:
         self.decision = None
 
 
+class _Sent:
+    """A two-level round's job on a rank that is not its host's leader: the send of its
+    gradient to the leader (its :meth:`result` waits for it); the result is the leader's."""
+
+    def __init__(self, request):
+        self._request = request
+
+    def result(self):
+        self._request.wait()
+        return self
+
+
 class Round:
     """One round of an exchange, started by :meth:`GradientExchange.start`."""
 
@@ -212,6 +237,7 @@ class GradientExchange:
         self.comm_ahead = False
         self._comm = communicator
         self._xcomm = self._side = self._runner = None
+        self._two = None  # hierarchical=True over several ranks: this rank's groups (tfsparse.hierarchy)
         self.layout: Layout | None = None
         self.bucket_states: list[Bucket] = []
         self._next_round = 0  # the round the next start of bucket 0 begins
@@ -331,6 +357,8 @@ class GradientExchange:
     def _build(self, layout: Layout) -> None:
         comm = self.comm
         self.settings = self.settings.resolved()  # "auto" undecided (no optimizer known): error feedback
+        if self._auto is not None and not self.settings.hierarchical and _two_level_pays(comm):
+            self.settings = self.settings.replace(hierarchical=True)
         if self._auto is not None:  # measured rounds first (a restored decision replaces them)
             self._auto.base = self.settings
             self._auto.probe = auto.Probe(layout.n)
@@ -343,6 +371,11 @@ class GradientExchange:
         _warm_kernels(comm.rank == 0)
         self._agree(layout, buckets)
         self._xcomm = comm.duplicate() if comm.size > 1 else comm
+        if self.settings.hierarchical and comm.size > 1:
+            if self.space.on_device:
+                raise ValueError("hierarchical=True sums a host's gradients in host memory; these gradients live on "
+                                 "a device -- use hierarchical=False there")
+            self._two = TwoLevel.of(comm)
         # a thread of its own only where the transport allows calls from several threads
         # (MPI_THREAD_MULTIPLE); otherwise the collectives run inline, without overlap
         threaded = comm.size > 1 and comm.thread_safe
@@ -380,10 +413,12 @@ class GradientExchange:
                      f"algorithm={self.algorithm!r} density={self.density:g} wire={self.wire.name} "
                      f"memory={self.settings.memory}")
         buckets = len(self.bucket_states)
+        two_level = "" if self._two is None else \
+            f", two-level (inside each host, then across {self._two.hosts} host{'s' * (self._two.hosts != 1)})"
         print(f"tfsparse {__version__}: {self.comm.size} rank{'s' * (self.comm.size != 1)} on {hosts} "
               f"host{'s' * (hosts != 1)} ({transport}), {algorithm}, plan={self.plan.name} "
               f"({buckets} bucket{'s' * (buckets != 1)}, {self.layout.n:,} gradient elements), "
-              f"pipeline={self.pipeline}", flush=True)
+              f"pipeline={self.pipeline}{two_level}", flush=True)
 
     def inherit_choice(self, other: "GradientExchange") -> None:
         """``algorithm="auto"``: this exchange (not yet built) runs the choice ``other`` made,
@@ -460,11 +495,12 @@ class GradientExchange:
         n, sparse = int(self.layout.n), self.settings.memory == "momentum"
         for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
             piece.result()
-        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe),
-                                    self._xcomm)
+        workers = self.comm.size if self._two is None else self._two.hosts  # who runs the algorithm
+        decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe,
+                                                             workers=workers), self._xcomm)
         a.decision = decision
         if self.comm.rank == 0:
-            print(decision.describe(self.comm.size), flush=True)
+            print(decision.describe(self.comm.size, hosts=None if self._two is None else self._two.hosts), flush=True)
         self._replan(decision.index)
 
     def _agree(self, layout: Layout, buckets) -> None:
@@ -548,7 +584,17 @@ class GradientExchange:
                 self._density = check_density(self.schedule(self._next_round), f"schedule({self._next_round})")
             self._next_round += 1
         density = self.density if b.density is None else b.density
-        aggregator, payload, finite = b.encode(self._xcomm, self.space, arrays, density, dsync)
+        if self._two is not None:
+            arrays, sending = self._two.host_sum(self.space, arrays, b.spec.index)
+            if sending is not None:  # not its host's leader: the leader exchanges the host's sum
+                b.rounds += 1
+                b.expect_settlement(index)
+                b.settled.add(index)
+                b.settlements[index].set()
+                b.futures[index] = _Sent(sending)
+                return index
+            arrays = [arrays]
+        aggregator, payload, finite = b.encode(self._algorithm_comm, self.space, arrays, density, dsync)
         dt = time.perf_counter() - t0
         with self._stats_lock:
             for s in (self.stats, self.total):
@@ -558,12 +604,19 @@ class GradientExchange:
         b.futures[index] = self._runner.submit(self._communicate, b, aggregator, payload, finite, index)
         return index
 
+    @property
+    def _algorithm_comm(self):
+        """Over which the buckets' algorithm runs: the leaders' of the hosts (two-level), else
+        the exchange's own duplicate of the world."""
+        return self._xcomm if self._two is None else self._two.cross
+
     @in_space
     def _communicate(self, b: Bucket, aggregator, payload, finite: bool, index: int):
         """The communication thread's job for one bucket (:meth:`Bucket.communicate`); however it
         ends, the round's settlement event is set (:meth:`Bucket.wait_settled`)."""
         try:
-            return b.communicate(self._xcomm, self.space, aggregator, payload, finite, index, self.nonfinite_result)
+            return b.communicate(self._algorithm_comm, self.space, aggregator, payload, finite, index,
+                                 self.nonfinite_result)
         finally:
             b.settlements[index].set()
 
@@ -576,8 +629,13 @@ class GradientExchange:
             waited = time.perf_counter() - t0
             del b.futures[index]
             b.forget(index)
-            with self.space.active():
-                out = b.complete(self.space, received)
+            if isinstance(received, _Sent):  # the host's leader exchanged it: its result, shared
+                out = Outcome(self._two.share(None, b.spec.size), 0, 0, time.perf_counter() - t0, 0.0)
+            else:
+                with self.space.active():
+                    out = b.complete(self.space, received)
+                if self._two is not None:
+                    self._two.share(out.dense, b.spec.size)
         except BaseException as e:
             self._failed = e
             raise

@@ -24,6 +24,9 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
 ``pipeline``       Pipe-SGD's iteration dependency K: 1 (synchronous) or 2 (each step applies the
                    previous step's aggregate, :class:`tfsparse.pipelined.Pipelined`; see below)
 ``clip_norm``      DGC's local gradient clipping (None: off)
+``hierarchical``   the two-level exchange (default False): the ranks of a host sum their gradients
+                   over shared memory (exact, in rank order), one rank per host runs the algorithm
+                   across hosts, and it shares the result inside its host (see below)
 ``options``        the algorithm's own options (``tau=`` for Ok-Topk, ...)
 =================  ===============================================================================
 
@@ -44,6 +47,17 @@ momentum (DGC §3.2) and the optimizer its update without it, so ``SGD(0.05, mom
 keeps its meaning; every other case gets ``"residual"`` (error feedback; nothing is kept for a
 lossless exchange).  Plain error feedback under an optimizer's momentum plateaus below dense
 (``docs/choosing.md``).
+
+``hierarchical=True`` (BytePS' two-level compression; Horovod's hierarchical allreduce for
+``algorithm="dense"``): the first rank of each host (its leader) receives the gradients of the
+host's other ranks and adds them in rank order; the leaders run the settings' algorithm among
+themselves on that sum -- error feedback (residual, or momentum correction's velocity) is kept
+per host, on its leader, as if each host were one worker whose gradient is its ranks' sum; the
+density is the fraction each host sends -- and each leader broadcasts the summed result to its
+host's ranks, so every rank applies the same bits.  Only the leaders' traffic crosses the
+network (counted in the exchange's bytes; the shared-memory traffic is not).  With one rank per
+host, or one host, it is the flat exchange.  ``algorithm="auto"`` turns it on by itself where
+some host holds several ranks and there are several hosts.
 
 The old spellings of the grouping, ``bucket_bytes=θ`` and ``selection=...``, are deprecated
 aliases of ``plan=θ`` and ``plan=...``: they still work and warn (``DeprecationWarning``).
@@ -206,6 +220,7 @@ class Settings:
     momentum: float | None = None
     pipeline: int = 1
     clip_norm: float | None = None
+    hierarchical: bool = False
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -228,6 +243,10 @@ class Settings:
             self.momentum = check_memory(self.memory, self.momentum).get("momentum")
         self.pipeline = check_pipeline(self.pipeline)
         self.clip_norm = check_clip_norm(self.clip_norm)
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical={self.hierarchical!r} is not supported; accepted: True (a two-level "
+                             f"exchange: inside each host, then across hosts) or False (every rank alike)")
+        self.hierarchical = bool(self.hierarchical)
         if self.algorithm == AUTO:
             _check_auto(self)
 
@@ -295,7 +314,8 @@ class Settings:
         """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings."""
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire_dtype,
                 "plan": plan_config(self.plan), "memory": self.memory, "momentum": self.momentum,
-                "pipeline": self.pipeline, "clip_norm": self.clip_norm, "algorithm_options": dict(self.options)}
+                "pipeline": self.pipeline, "clip_norm": self.clip_norm, "hierarchical": self.hierarchical,
+                "algorithm_options": dict(self.options)}
 
     def local_clip_norm(self, workers: int) -> float | None:
         """The norm each rank clips its gradient to: ``clip_norm / sqrt(P)`` (DGC §3.3: "scale the

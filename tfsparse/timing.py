@@ -95,3 +95,45 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
     value_bytes = _checks.integer("value_bytes", value_bytes, 1)
     return price([(declared(aggregator, workers, n, density, t, value_bytes), weight) for t, weight in steps],
                  ab, gamma, cores)
+
+
+#: a host's shared memory as a link (the two-level exchange's inside part): what Open MPI's
+#: shared-memory transport moves between two ranks of one host -- about 1 µs and a few GB/s of
+#: copies; give the measured one (``tools/bench_two_level.py`` reports it) where it matters
+SHARED_MEMORY = AlphaBeta(alpha=1e-6, beta=4e9)
+
+
+def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, density: float, ab: AlphaBeta,
+                       gamma: float = 0.0, *, local: AlphaBeta = SHARED_MEMORY, step: int | None = None,
+                       value_bytes: int = VALUE_BYTES, **options) -> dict:
+    """Predicted time of one step of the two-level exchange (``hierarchical=True``) on ``hosts``
+    hosts of ``per_host`` ranks, and of the flat exchange on the same ranks, for a bucket of ``n``
+    elements at ``density``: ``{"two_level_s", "flat_s", "phases_s", "cross_bytes", "flat_bytes"}``.
+
+    * Two-level: the host's sum (the leader receives ``per_host - 1`` float32 vectors of ``n``
+      over ``local`` one after another, and adds each: ``gamma`` per element), then the algorithm
+      among the ``hosts`` leaders over ``ab`` (:func:`simulate`), then the leader's broadcast of
+      the float32 result inside the host (a binomial tree over ``local``).
+    * Flat: the algorithm among all ``hosts · per_host`` ranks, whose ``per_host`` ranks share
+      their host's link (``ab``'s bandwidth divided among them: every rank of a host sends across
+      the network in the same rounds) -- one host: shared memory alone (``local``).
+
+    Both are the α-β(-γ) model of :mod:`tfsparse.collectives.simulate`; the network part of the
+    two-level step is exactly :func:`simulate` over the hosts."""
+    hosts = _checks.integer("hosts", hosts, 1)
+    per_host = _checks.integer("per_host", per_host, 1)
+    n = _checks.integer("n", n, 1)
+    check_model(local, gamma, None)
+    cross = simulate(algorithm, hosts, n, density, ab, gamma, step=step, value_bytes=value_bytes, **options)
+    vector = 4 * n
+    gather = (per_host - 1) * (local.time(vector) + gamma * n)
+    share = (per_host - 1).bit_length() * local.time(vector) if per_host > 1 else 0.0
+    if hosts == 1:
+        shared_link = local
+    else:
+        shared_link = AlphaBeta(alpha=ab.alpha, beta=ab.beta / per_host, burst=ab.burst / per_host)
+    flat = simulate(algorithm, hosts * per_host, n, density, shared_link, gamma, step=step, value_bytes=value_bytes,
+                    **options)
+    return {"two_level_s": gather + cross.seconds + share, "flat_s": flat.seconds,
+            "phases_s": {"host sum": gather, "across hosts": cross.seconds, "host broadcast": share},
+            "cross_bytes": cross.bytes, "flat_bytes": flat.bytes}

@@ -199,6 +199,15 @@ class Communicator(ABC):
         the same order.  The exchange's communication thread talks over one."""
         return self._duplicate()
 
+    @tracked
+    def split(self, color: int | None) -> "Communicator | None":
+        """Communicators over the ranks that give the same ``color`` (an int >= 0), ranked in this
+        communicator's order (``MPI_Comm_split``); None for a rank that gives None.  Collective:
+        every rank calls it, in the same order."""
+        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"color={color!r} must be an int >= 0 or None")
+        return self._split(None if color is None else int(color))
+
     def progress(self) -> None:
         """Let the transport move the data of the point-to-point operations in flight (cheap: a
         few microseconds).  A no-op where it moves them by itself (``manual_progress`` False)."""
@@ -293,6 +302,11 @@ class Communicator(ABC):
     @abstractmethod
     def _irecv(self, source, count, tag, dtype, exact=True):
         """Transport primitive, implemented by each backend."""
+
+    def _split(self, color):
+        """Transport primitive; a transport without it cannot form groups of ranks."""
+        raise ValueError(f"the {self.name!r} transport ({type(self).__name__}) cannot form groups of ranks (a "
+                         f"two-level exchange, hierarchical=True, needs them); use tfsparse.init(backend='mpi')")
 
     def _irecv_into(self, source, buf, tag, exact=True):
         """:meth:`_irecv` into ``buf``; this default receives into a buffer of its own."""

@@ -32,6 +32,15 @@ class InProcessWorld:
         self._queues: dict = {}
         self._lock = threading.Lock()
         self.comms = [InProcessCommunicator(self, r) for r in range(size)]
+        self._parts: dict = {}
+
+    def part(self, key, size: int) -> "InProcessWorld":
+        """The world of the group ``key`` (a split's channel, count and color), made by the
+        first of its ranks to ask."""
+        with self._lock:
+            if key not in self._parts:
+                self._parts[key] = InProcessWorld(size, self.timeout)
+            return self._parts[key]
 
     def _queue(self, channel, src, dst, tag):
         with self._lock:
@@ -71,6 +80,15 @@ class InProcessCommunicator(Communicator):
     def _duplicate(self):
         self._dups += 1
         return InProcessCommunicator(self.world, self.rank, self.channel + (self._dups,))
+
+    def _split(self, color):
+        self._dups += 1
+        colors = self.world.exchange(self.rank, color, self.channel)
+        if color is None:
+            return None
+        members = [r for r, c in enumerate(colors) if c == color]
+        world = self.world.part((self.channel, self._dups, color), len(members))
+        return InProcessCommunicator(world, members.index(self.rank))
 
     def _exchange(self, item):
         # post a private copy: the caller may reuse its buffer while others still read the board

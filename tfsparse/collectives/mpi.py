@@ -114,6 +114,11 @@ class MPICommunicator(Communicator):
     def _duplicate(self):
         return MPICommunicator(self.comm.Dup())
 
+    def _split(self, color):
+        MPI = _mpi()
+        part = self.comm.Split(MPI.UNDEFINED if color is None else color, self.rank)
+        return None if part == MPI.COMM_NULL else MPICommunicator(part)
+
     def _send(self, x, dest, tag):
         self.comm.Send(x, dest=dest, tag=tag)
 
