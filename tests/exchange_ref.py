@@ -353,3 +353,16 @@ def momentum_reference(algorithm, grads, density, m=0.9, options=None):
                 u[r][sent[r]] = 0.0
         out.append((result, [x.copy() for x in v], [x.copy() for x in u]))
     return out
+
+
+def tree_sum(vectors):
+    """The two-level exchange's host sum (tfsparse.hierarchy): float32 vectors added up a
+    binomial tree to the first -- ``(v0 + v1) + (v2 + v3)`` for four."""
+    parts = [np.asarray(v, np.float32).copy() for v in vectors]
+    d = 1
+    while d < len(parts):
+        for r in range(0, len(parts), 2 * d):
+            if r + d < len(parts):
+                parts[r] = parts[r] + parts[r + d]
+        d *= 2
+    return parts[0]

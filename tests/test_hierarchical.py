@@ -1,5 +1,5 @@
 """The two-level exchange (``hierarchical=True``) on in-process ranks grouped into hosts: each
-host's sum (its ranks' gradients added in rank order) goes through the algorithm as one worker
+host's sum (its ranks' gradients added up a binomial tree, a fixed order) goes through the algorithm as one worker
 would, so the result equals the flat reference over the hosts' sums (tests/exchange_ref.py), on
 every rank bit-identical; error feedback lives on each host's leader.  Real hosts over ssh:
 tests/test_hosts_mpi.py."""
@@ -8,26 +8,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exchange_ref import reference_run
+from exchange_ref import reference_run, tree_sum
 from test_exchange_pipeline import DENSITY, OPTIONS, PLANS, STEPS, flat, grads_of
 from tfsparse import hierarchy
 from tfsparse.collectives import InProcessWorld
 from tfsparse.exchange import GradientExchange
 from tfsparse.settings import Settings
 
-LAYOUTS = {"2x2": [0, 0, 1, 1], "3x2": [0, 0, 1, 1, 2, 2], "uneven": [0, 0, 0, 1, 2, 2]}
+LAYOUTS = {"2x2": [0, 0, 1, 1], "3x2": [0, 0, 1, 1, 2, 2], "uneven": [0, 0, 0, 1, 2, 2],
+           "5+1": [0, 0, 0, 0, 0, 1]}
 
 
 def host_sums(hosts, step):
-    """Each host's sum of its ranks' flat gradients, in rank order, in float32 (the leader's)."""
-    out = []
-    for h in dict.fromkeys(hosts):
-        ranks = [r for r, x in enumerate(hosts) if x == h]
-        total = flat(grads_of(ranks[0], step)).astype(np.float32)
-        for r in ranks[1:]:
-            total += flat(grads_of(r, step))
-        out.append(total)
-    return out
+    """Each host's sum of its ranks' flat gradients in float32, up the binomial tree (the leader's)."""
+    return [tree_sum([flat(grads_of(r, step)) for r, x in enumerate(hosts) if x == h]) for h in dict.fromkeys(hosts)]
 
 
 def run(monkeypatch, hosts, algorithm, wire="float32", plan="fused", **kwargs):
@@ -121,38 +115,68 @@ def test_split_groups_ranks_in_order():
     assert got == [(0, 2, [0, 2]), (0, 2, [1, 3]), (1, 2, [0, 2]), (1, 2, [1, 3]), None]
 
 
-@pytest.mark.parametrize("hosts, two_level", [([0, 0, 1, 1], True), ([0, 1, 2, 3], False), ([0, 0, 0, 0], False)])
-def test_auto_goes_two_level_with_several_hosts_of_several_ranks(monkeypatch, capsys, hosts, two_level):
-    """algorithm="auto": two-level where some host holds several ranks and there are several
-    hosts; it measures and chooses as the hosts' leaders will run (the algorithm among the hosts:
-    here gTop-k forced at the decision), every rank with the same sums throughout; its line says
-    so and how to pin it."""
+@pytest.mark.parametrize("hosts, two_level", [([0, 0, 1, 1], True), ([0, 0, 1, 1], False), ([0, 1, 2, 3], False),
+                                              ([0, 0, 0, 0], False)])
+def test_auto_switches_to_two_levels_when_it_chooses_them(monkeypatch, capsys, hosts, two_level):
+    """algorithm="auto": the measured rounds run flat; at the decision (here gTop-k forced, in two
+    levels or not as the case says) every rank switches to the same setting -- forming the hosts'
+    groups then -- and gets the same sums throughout; its line says which and how to pin it."""
+    import dataclasses
+
     from tfsparse import auto, exchange
 
-    monkeypatch.setattr(hierarchy, "host_ids", lambda comm: list(hosts))
-    monkeypatch.setattr(exchange, "host_ids", lambda comm: list(hosts))
+    for module in (hierarchy, exchange, auto):
+        monkeypatch.setattr(module, "host_ids", lambda comm: list(hosts))
     real, index = auto.decide, next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
-    workers = []
+    offered = []
 
     def decide(*args, **kwargs):
-        workers.append(kwargs.get("workers"))
         d = real(*args, **kwargs)
-        return auto.Decision(index, d.compute_s, d.link, d.predictions)
+        offered.append((kwargs.get("two_level"), args[-1].hosts))
+        return dataclasses.replace(d, index=index, two_level=two_level and len(set(hosts)) > 1)
     monkeypatch.setattr(auto, "decide", decide)
 
     def fn(comm):
         rng = np.random.default_rng(comm.rank)
         ex = GradientExchange("auto", communicator=comm)
-        out = [flat(ex.exchange_numpy([rng.standard_normal(300).astype(np.float32)])) for _ in range(9)]
+        out = []
+        for _ in range(9):
+            out.append(flat(ex.exchange_numpy([rng.standard_normal(300).astype(np.float32)])))
+            if len(out) == auto.MEASURE_ROUNDS:
+                measured_flat = ex._two is None
+        state = ex.get_state()
         ex.close()
-        return out, ex.settings.hierarchical, ex.settings.algorithm
+        return out, ex.settings.hierarchical, ex.settings.algorithm, measured_flat, int(state["auto_two_level"][0])
 
     results = InProcessWorld(4).run(fn)
-    assert {(h, a) for _, h, a in results} == {(two_level, "gtopk")}
-    assert workers == [2 if two_level else 4] * 4
-    for out, _, _ in results:
+    expect = two_level and len(set(hosts)) > 1
+    assert {r[1:] for r in results} == {(expect, "gtopk", True, int(expect))}
+    layout = (len(set(hosts)), max(hosts.count(h) for h in hosts))
+    assert offered == [(True, layout)] * 4
+    for out, *_ in results:
         for a, ref in zip(out, results[0][0]):
             np.testing.assert_array_equal(a, ref)
     line = [x for x in capsys.readouterr().out.splitlines() if "algorithm='auto' chose" in x]
     assert len(line) == 1
-    assert ("4 ranks on 2 hosts (two-level)" in line[0] and line[0].endswith("hierarchical=True")) == two_level
+    assert ("4 ranks on 2 hosts (two-level)" in line[0] and line[0].endswith("hierarchical=True")) == expect
+
+
+def test_auto_prices_each_candidate_flat_and_in_two_levels():
+    """Two levels where they are predicted shorter: a host's ranks share its link in the flat
+    exchange, the hosts' leaders have it whole in two levels, which cost the sums and broadcasts
+    inside the hosts."""
+    from tfsparse import auto
+    from tfsparse.collectives import AlphaBeta
+
+    link, n = AlphaBeta.from_strings("1gbit", "50us"), 17_000_000
+    local = np.zeros(len(auto.CANDIDATES))
+    dense = auto.choose(n, 4, link, 0.17, local, sparse=False, hosts=(2, 2), two_level_s=0.06)
+    assert dense.two_level and dense.candidate.algorithm == "dense"  # 34 MB across once, not 51 MB
+    costly = auto.choose(n, 4, link, 0.17, local, sparse=False, hosts=(2, 2), two_level_s=5.0)
+    assert not costly.two_level
+    big = auto.choose(n, 1024, link, 0.17, local, hosts=(128, 8), two_level_s=0.2)
+    assert big.two_level and big.predictions[big.index].comm_s < 0.5 * auto.choose(
+        n, 1024, link, 0.17, local, hosts=(128, 8), two_level_s=100.0).predictions[0].comm_s
+    one_host = auto.choose(n, 4, link, 0.17, local, hosts=(1, 4), two_level_s=0.0)
+    assert not one_host.two_level
+    assert auto.two_level_costs(n, 1) == 0.0 and auto.two_level_costs(n, 3) > auto.two_level_costs(n, 2) > 0

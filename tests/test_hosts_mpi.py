@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exchange_ref import reference_run
+from exchange_ref import reference_run, tree_sum
 from mpi_harness import REPO, job_env, load_result, run_job
 from mpi_jobs import mpi_lock
 from tfsparse import network
@@ -73,22 +73,15 @@ def test_ranks_on_emulated_hosts_started_over_ssh_train_to_identical_weights(tmp
 
 def check_two_level(results):
     """tests/workers/two_level.py's rounds: bit-identical on every rank, equal to the flat
-    reference run over the hosts' sums (each host's ranks added in rank order), residuals on the
+    reference run over the hosts' sums (each host's ranks added up a binomial tree), residuals on the
     hosts' leaders, no bytes across hosts from the other ranks."""
     from test_exchange_pipeline import DENSITY, OPTIONS, STEPS, flat, grads_of
     from workers.two_level import CASES
 
     hosts = [res["host"] for res in results]
     leaders = [hosts.index(h) for h in dict.fromkeys(hosts)]
-    sums = []
-    for s in range(STEPS):
-        sums.append([])
-        for h in dict.fromkeys(hosts):
-            ranks = [r for r, x in enumerate(hosts) if x == h]
-            total = flat(grads_of(ranks[0], s)).astype(np.float32)
-            for r in ranks[1:]:
-                total += flat(grads_of(r, s))
-            sums[-1].append(total)
+    sums = [[tree_sum([flat(grads_of(r, s)) for r, x in enumerate(hosts) if x == h]) for h in dict.fromkeys(hosts)]
+            for s in range(STEPS)]
     for name, (algorithm, wire) in CASES.items():
         buckets = [tuple(b) for b in results[0][f"{name}/buckets"]]
         want = reference_run(algorithm, wire, buckets, sums, DENSITY, None, OPTIONS.get(algorithm))

@@ -55,6 +55,8 @@ TOLERANCE = 0.03
 PROBES = (((8, 3), (1 << 20, 3)), ((4 << 20, 1),), ((4 << 20, 1),), ((4 << 20, 1),), ((4 << 20, 1),), None)
 #: the local work is timed on at most this many elements and scaled
 PROFILE_ELEMENTS = 1 << 20
+#: the two-level exchange's copies and adds are timed on this many elements (32 MB: beyond the caches)
+TWO_LEVEL_PROFILE = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -119,17 +121,18 @@ class Decision:
     compute_s: float
     link: AlphaBeta | None
     predictions: tuple[Prediction, ...]
+    two_level: bool = False  # the chosen candidate in two levels (hosts' sums across hosts)
 
     @property
     def candidate(self) -> Candidate:
         return CANDIDATES[self.index]
 
     def describe(self, workers: int, hosts: int | None = None) -> str:
-        """The line rank 0 prints; ``hosts``: a two-level exchange's hosts (None: flat)."""
-        if hosts is not None:
+        """The line rank 0 prints; ``hosts``: the hosts, where two levels were an option."""
+        if hosts is not None and self.two_level:
             workers, two = f"{workers} ranks on {hosts} hosts (two-level)", ", hierarchical=True"
         else:
-            workers, two = f"{workers} ranks", ""
+            workers, two = f"{workers} ranks" + (f" on {hosts} hosts (flat)" if hosts else ""), ""
         if not self.predictions:
             verb = "kept" if self.index == MEASURING else "chose"
             return (f"tfsparse: algorithm='auto' {verb} {self.candidate.label} for {workers} (the link could "
@@ -147,27 +150,62 @@ class Decision:
 
 
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
-            local_s: float) -> Prediction:
-    """The predicted step and score of ``candidate`` for a gradient of ``n`` elements."""
+            local_s: float, hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Prediction:
+    """The predicted step and score of ``candidate`` for a gradient of ``n`` elements.
+    ``hosts``: ``(hosts, ranks per host)`` where the ranks share their host's link (the flat
+    exchange's ranks of one host send across the network together: each gets a share of its
+    bandwidth); with ``two_level_s`` > 0, the two-level exchange instead: the algorithm among the
+    hosts over the whole link, plus ``two_level_s`` for the hosts' sums and broadcasts."""
     comm_s = 0.0
+    if hosts is not None and two_level_s > 0:
+        workers = hosts[0]
+    elif hosts is not None and link is not None:
+        link = AlphaBeta(alpha=link.alpha, beta=link.beta / hosts[1], burst=link.burst / hosts[1])
     if link is not None and workers > 1:
         value_bytes = get_wire(candidate.wire_dtype).value_bytes
         comm_s = simulate(candidate.algorithm, workers, n, candidate.density, link, value_bytes=value_bytes).seconds
+    comm_s += two_level_s
     step = compute_s + comm_s + local_s
     return Prediction(candidate, comm_s, local_s, step, step * candidate.epochs)
 
 
-def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True) -> Decision:
+def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
+           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Decision:
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
     smallest (dense float32 first: where the predictions differ by less than their noise, the
     simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
     in :data:`CANDIDATES` order; ``sparse``: whether the sparse candidates take part (False: the
-    dense ones alone)."""
-    predictions = tuple(predict(c, n, workers, link, compute_s, float(t)) for c, t in zip(CANDIDATES, local_s))
+    dense ones alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
+    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
+    each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
+    flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter."""
+    flat = tuple(predict(c, n, workers, link, compute_s, float(t), hosts) for c, t in zip(CANDIDATES, local_s))
     allowed = [i for i, c in enumerate(CANDIDATES) if sparse or c.algorithm == "dense"]
-    best = min(predictions[i].score for i in allowed)
-    index = next(i for i in allowed if predictions[i].score <= best * (1.0 + TOLERANCE))
-    return Decision(index, compute_s, link, predictions)
+    best = min(flat[i].score for i in allowed)
+    index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
+    if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
+        return Decision(index, compute_s, link, flat)
+    two = tuple(predict(c, n, workers, link, compute_s, float(t), hosts, max(two_level_s, 1e-9))
+                for c, t in zip(CANDIDATES, local_s))
+    best_two = min(two[i].score for i in allowed)
+    if best_two * (1.0 + TOLERANCE) >= flat[index].score:
+        return Decision(index, compute_s, link, flat)
+    index = next(i for i in allowed if two[i].score <= best_two * (1.0 + TOLERANCE))
+    return Decision(index, compute_s, link, two, two_level=True)
+
+
+def two_level_costs(n: int, per_host: int) -> float:
+    """The two-level exchange's work inside a host for a gradient of ``n`` float32 elements,
+    seconds: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector received and added
+    at each) and as many down (the result broadcast) -- a copy and an add timed here on
+    :data:`TWO_LEVEL_PROFILE` elements (beyond the caches, as the gradient is) and scaled to ``n``."""
+    if per_host < 2:
+        return 0.0
+    m = int(min(n, TWO_LEVEL_PROFILE))
+    a, b = np.ones(m, np.float32), np.full(m, 0.5, np.float32)
+    copy = _best_seconds(lambda: np.copyto(a, b))
+    add = _best_seconds(lambda: np.add(a, b, out=a))
+    return (per_host - 1).bit_length() * (2 * copy + add) * n / m
 
 
 def _best_seconds(fn, repeats: int = 2) -> float:
@@ -208,11 +246,13 @@ def local_costs(n: int, workers: int) -> np.ndarray:
     return out
 
 
-def _peer(comm) -> int:
+def _peer(comm) -> tuple[int, tuple[int, int]]:
     """The rank whose link to rank 0 auto measures: the first rank on another host than rank 0
-    (the network, where there is one), else rank 1 (collective: one allgather of a hostname hash)."""
+    (the network, where there is one), else rank 1; and ``(hosts, most ranks on one host)``
+    (collective: one allgather of a hostname hash)."""
     hosts = host_ids(comm)
-    return next((r for r, h in enumerate(hosts) if h != hosts[0]), 1)
+    peer = next((r for r, h in enumerate(hosts) if h != hosts[0]), 1)
+    return peer, (len(set(hosts)), max(hosts.count(h) for h in set(hosts)))
 
 
 class Probe:
@@ -231,18 +271,22 @@ class Probe:
         self.link = None  # the duplicate communicator the round trips use
         self.times: dict[int, list[float]] = {}  # rank 0: one-way seconds per message size
         self.local = np.zeros(len(CANDIDATES))  # rank 0: each candidate's local work, seconds
+        self.hosts = (1, 1)  # (hosts, most ranks on one host)
+        self.two_level_s = 0.0  # rank 0: the two-level exchange's work inside a host, seconds
 
     def run(self, comm, index: int) -> None:
         """Piece ``index`` of :data:`PROBES` (collective; every rank, in order)."""
         if index != self.done:
             raise RuntimeError(f"auto's measurement {index} ran after {self.done} of {len(PROBES)}")
         if index == 0 and comm.size > 1:
-            self.peer = _peer(comm)
+            self.peer, self.hosts = _peer(comm)
             self.link = comm.duplicate()
         piece = PROBES[index]
         if piece is None:
             if comm.rank == 0 and comm.size > 1:  # one rank: nothing to send, dense float32 costs nothing more
                 self.local = local_costs(self.n, comm.size)
+                if self.hosts[0] > 1:
+                    self.two_level_s = two_level_costs(self.n, self.hosts[1])
         elif self.link is not None:
             for nbytes, count in piece:
                 self.times.setdefault(nbytes, []).extend(round_trips(self.link, nbytes, count, self.peer))
@@ -266,13 +310,15 @@ class Probe:
 
 
 def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None,
-           workers: int | None = None) -> Decision:
+           workers: int | None = None, two_level: bool = True) -> Decision:
     """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
     elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
     ``rounds`` (the earlier round's exchange, seconds) and ``probe``'s measurements (the pieces
     not yet run are run now; None: all of them).  ``sparse``: whether the sparse candidates may be
     chosen (their epochs are measured with momentum correction only); ``workers``: how many run
-    the algorithm (default every rank of ``comm``; a two-level exchange: the hosts).  Every rank returns the
+    the algorithm (default every rank of ``comm``; a two-level exchange the user asked for: the
+    hosts); ``two_level``: whether the two-level exchange may be chosen (on several hosts, some of
+    several ranks; :func:`choose`).  Every rank returns the
     same decision.  A link whose round-trip times cannot be fitted (noise on a busy node) leaves
     the measured setting, dense over float16, on every rank, with a warning."""
     probe = Probe(n) if probe is None else probe
@@ -296,5 +342,9 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
                           f"float16", RuntimeWarning, stacklevel=2)
             return Decision(MEASURING, float(compute[0]), None, ())
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
-    local = comm.bcast(probe.local, root=0)  # rank 0's timing of the local work
-    return choose(n, comm.size if workers is None else int(workers), link, float(compute[0]), local, sparse)
+    # rank 0's timing of the local work, and of the two-level exchange's inside a host
+    local = comm.bcast(np.append(probe.local, probe.two_level_s), root=0)
+    if workers is not None:
+        return choose(n, int(workers), link, float(compute[0]), local[:-1], sparse)
+    return choose(n, comm.size, link, float(compute[0]), local[:-1], sparse,
+                  probe.hosts if two_level else None, float(local[-1]))

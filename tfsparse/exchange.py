@@ -41,6 +41,7 @@ counter -- is explicit: :meth:`~GradientExchange.get_state` / :meth:`~GradientEx
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -79,15 +80,9 @@ COMPILE_NOTICE_S = 2.0
 
 
 @functools.lru_cache(maxsize=None)
-def _two_level_pays(comm) -> bool:
-    """``algorithm="auto"``: whether to exchange in two levels -- several hosts, some with
-    several ranks, over a transport that forms groups (collective where ``comm`` has several
-    ranks: one allgather of the hosts).  Then only one rank per host sends across the network,
-    the host's sum, instead of every rank its own."""
-    if comm.size == 1 or type(comm)._split is Communicator._split:
-        return False
-    hosts = len(set(host_ids(comm)))
-    return 1 < hosts < comm.size
+def _forms_groups(comm) -> bool:
+    """Whether ``comm``'s transport can form the two-level exchange's groups (``split``)."""
+    return type(comm)._split is not Communicator._split
 
 
 def _warm_kernels(announce: bool = False) -> None:
@@ -166,20 +161,20 @@ class _Auto:
         self.last_round_s: float | None = None
         self.index = -1
         self.inherited = -1  # a choice taken from another exchange (inherit_choice)
+        self.two_level = False  # the choice runs in two levels (auto's own choice)
         self.prepared = -1  # the last round prepare_round saw
         self.decision = None
 
 
 class _Sent:
-    """A two-level round's job on a rank that is not its host's leader: the send of its
-    gradient to the leader (its :meth:`result` waits for it); the result is the leader's."""
-
-    def __init__(self, request):
-        self._request = request
+    """A two-level round's job on a rank that is not its host's leader: its gradient went to the
+    leader; the result is the leader's (:meth:`GradientExchange.finish` receives it)."""
 
     def result(self):
-        self._request.wait()
         return self
+
+
+_SENT = _Sent()
 
 
 class Round:
@@ -357,8 +352,6 @@ class GradientExchange:
     def _build(self, layout: Layout) -> None:
         comm = self.comm
         self.settings = self.settings.resolved()  # "auto" undecided (no optimizer known): error feedback
-        if self._auto is not None and not self.settings.hierarchical and _two_level_pays(comm):
-            self.settings = self.settings.replace(hierarchical=True)
         if self._auto is not None:  # measured rounds first (a restored decision replaces them)
             self._auto.base = self.settings
             self._auto.probe = auto.Probe(layout.n)
@@ -392,7 +385,7 @@ class GradientExchange:
         self.layout = layout
         self.bucket_states = buckets
         if self._auto is not None and self._auto.inherited >= 0:
-            self._replan(self._auto.inherited)
+            self._replan(self._auto.inherited, self._auto.two_level)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
@@ -426,6 +419,7 @@ class GradientExchange:
         unfrozen, compiled again) on the same ranks and link."""
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
+            self._auto.two_level = other._auto.two_level
 
     def _make_buckets(self, layout: Layout, replacing=None) -> list:
         """The plan's buckets for ``layout`` with the stages of :attr:`settings`; ``replacing``:
@@ -458,7 +452,7 @@ class GradientExchange:
         (and for a pinned algorithm)."""
         return None if self._auto is None or self._auto.index < 0 else auto.CANDIDATES[self._auto.index]
 
-    def _replan(self, index: int) -> None:
+    def _replan(self, index: int, two_level: bool = False) -> None:
         """Runs candidate ``index`` of :data:`tfsparse.auto.CANDIDATES` from the next round: new
         buckets with its stages over the same plan (the traced graph, one op per bucket, stays
         valid), taking over the memory (residual, velocity) of the ones they replace -- the memory
@@ -466,7 +460,12 @@ class GradientExchange:
         round, with no round in flight."""
         self.check_idle("the switch to the setting auto chose")
         self._auto.index = index
-        self._use(self._candidate_settings(index))
+        settings = self._candidate_settings(index)
+        if two_level and self._two is None and self.comm.size > 1:  # auto's own: the groups now (collective)
+            self._auto.two_level = True
+            settings = settings.replace(hierarchical=True)
+            self._two = self._runner.run(TwoLevel.of, self._xcomm)
+        self._use(settings)
         old = self.bucket_states
         self.bucket_states = self._make_buckets(self.layout, replacing=old)
         for new, before in zip(self.bucket_states, old):
@@ -495,13 +494,17 @@ class GradientExchange:
         n, sparse = int(self.layout.n), self.settings.memory == "momentum"
         for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
             piece.result()
-        workers = self.comm.size if self._two is None else self._two.hosts  # who runs the algorithm
+        pinned = None if self._two is None else self._two.hosts  # hierarchical=True: the hosts run the algorithm
+        two_level = pinned is None and _forms_groups(self._xcomm)
         decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe,
-                                                             workers=workers), self._xcomm)
+                                                             workers=pinned, two_level=two_level), self._xcomm)
+        if pinned is not None:
+            decision = dataclasses.replace(decision, two_level=True)
         a.decision = decision
         if self.comm.rank == 0:
-            print(decision.describe(self.comm.size, hosts=None if self._two is None else self._two.hosts), flush=True)
-        self._replan(decision.index)
+            hosts = a.probe.hosts[0] if a.probe is not None and a.probe.hosts[0] > 1 else None
+            print(decision.describe(self.comm.size, hosts=hosts), flush=True)
+        self._replan(decision.index, decision.two_level)
 
     def _agree(self, layout: Layout, buckets) -> None:
         """Every rank has the same settings, transport, layout and buckets (:func:`agreement`),
@@ -585,15 +588,15 @@ class GradientExchange:
             self._next_round += 1
         density = self.density if b.density is None else b.density
         if self._two is not None:
-            arrays, sending = self._two.host_sum(self.space, arrays, b.spec.index)
-            if sending is not None:  # not its host's leader: the leader exchanges the host's sum
+            total = self._two.host_sum(self.space, arrays, b.spec.index)
+            if total is None:  # not its host's leader: the leader exchanges the host's sum
                 b.rounds += 1
                 b.expect_settlement(index)
                 b.settled.add(index)
                 b.settlements[index].set()
-                b.futures[index] = _Sent(sending)
+                b.futures[index] = _SENT
                 return index
-            arrays = [arrays]
+            arrays = [total]
         aggregator, payload, finite = b.encode(self._algorithm_comm, self.space, arrays, density, dsync)
         dt = time.perf_counter() - t0
         with self._stats_lock:
@@ -603,6 +606,13 @@ class GradientExchange:
         b.expect_settlement(index)
         b.futures[index] = self._runner.submit(self._communicate, b, aggregator, payload, finite, index)
         return index
+
+    @property
+    def two_level(self):
+        """The two-level exchange's groups of this rank (:class:`tfsparse.hierarchy.TwoLevel`:
+        ``leader``, ``hosts``, ``local_size``, ``sum_seconds``, ``share_seconds``), None while the
+        exchange is flat."""
+        return self._two
 
     @property
     def _algorithm_comm(self):
@@ -630,7 +640,8 @@ class GradientExchange:
             del b.futures[index]
             b.forget(index)
             if isinstance(received, _Sent):  # the host's leader exchanged it: its result, shared
-                out = Outcome(self._two.share(None, b.spec.size), 0, 0, time.perf_counter() - t0, 0.0)
+                dense = self._two.share(None, b.spec.size, b.outputs.take() if b.outputs is not None else None)
+                out = Outcome(dense, 0, 0, time.perf_counter() - t0, 0.0)
             else:
                 with self.space.active():
                     out = b.complete(self.space, received)
@@ -737,7 +748,8 @@ class GradientExchange:
         self.check_idle("get_state()")
         state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
                  # the index into tfsparse.auto.CANDIDATES (-1: undecided): their order is part of the format
-                 **({} if self._auto is None else {"auto": np.array([self._auto.index], np.int64)}),
+                 **({} if self._auto is None else {"auto": np.array([self._auto.index], np.int64),
+                                                   "auto_two_level": np.array([int(self._auto.two_level)], np.int64)}),
                  "buckets": np.array([[b.spec.start, b.spec.stop] for b in self.bucket_states], np.int64)}
         for b in self.bucket_states:
             for key, value in b.memory.get_state().items():
@@ -763,7 +775,8 @@ class GradientExchange:
                 raise ValueError(f"the saved state's auto choice {chosen} is not one of tfsparse.auto.CANDIDATES "
                                  f"(0 to {len(auto.CANDIDATES) - 1}, or -1: undecided): saved by another version?")
             if chosen >= 0 and chosen != self._auto.index:
-                self._replan(chosen)  # the decision the saved run made, without measuring again
+                two = bool(int(state.get("auto_two_level", np.zeros(1)).reshape(-1)[0]))
+                self._replan(chosen, two)  # the decision the saved run made, without measuring again
         for b in self.bucket_states:
             b.set_state(state)
 

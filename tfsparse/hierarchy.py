@@ -1,9 +1,10 @@
 """The two-level exchange's groups (``hierarchical=True``, :mod:`tfsparse.settings`): the ranks
 of each host, and the host leaders that talk across hosts.
 
-* **Inside a host**, every rank but the first (the host's *leader*) sends its bucket's gradient
-  to the leader, which adds them to its own in rank order: one fixed order, so the host's sum is
-  the same bits on every run (:meth:`TwoLevel.host_sum`).
+* **Inside a host**, the ranks add their bucket's gradients up a binomial tree to the first rank
+  (the host's *leader*): rank r + d sends its subtree's sum to rank r, which adds it to its own
+  (d = 1, 2, 4, ...: ``(g0 + g1) + (g2 + g3)`` on four ranks) -- one fixed order, so the host's
+  sum is the same bits on every run, in ``ceil(log2 L)`` steps for L ranks (:meth:`TwoLevel.host_sum`).
 * **Across hosts**, the leaders alone run the exchange's algorithm on their host's sum, over
   :attr:`TwoLevel.cross` (the communicator of the leaders, one per host).
 * **Back inside the host**, the leader broadcasts the dense result to its ranks
@@ -14,6 +15,8 @@ leader and compensates the host's sum -- BytePS' two-level compression: compress
 machine, on the sum of the machine's gradients, with error feedback per machine.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -28,6 +31,9 @@ class TwoLevel:
         self.down = down  # the host's ranks: the leader's result back (broadcasts, bucket order)
         self.cross = cross  # the leaders, one per host (None on the other ranks)
         self.hosts = int(hosts)
+        self._vectors: dict = {}  # the leader's: each bucket's host sum, one for the third and later ranks
+        #: seconds spent in :meth:`host_sum` and :meth:`share` (this rank, all rounds)
+        self.sum_seconds = self.share_seconds = 0.0
 
     @classmethod
     def of(cls, comm, ids=None) -> "TwoLevel":
@@ -49,22 +55,86 @@ class TwoLevel:
         return self.up.size
 
     def host_sum(self, space, arrays, tag: int):
-        """The leader: the flat float32 sum of its host's gradients (its own ``arrays`` first, then
-        each other rank's, in rank order) and None.  Another rank: None and the request of its
-        gradient's send to the leader (wait for it before the buffer is touched again)."""
-        own = np.concatenate([np.asarray(space.to_host(a), np.float32).reshape(-1) for a in arrays]) \
-            if len(arrays) != 1 else np.array(space.to_host(arrays[0]), np.float32, copy=True).reshape(-1)
-        if not self.leader:
-            return None, self.up.isend(own, 0, tag)
-        pending = [self.up.irecv(r, own.size, tag) for r in range(1, self.up.size)]
-        for request in pending:  # rank order: the same bits on every run
-            own += request.wait()
-        return own, None
+        """The leader: its host's sum of the gradients ``arrays`` (one bucket's tensors) as a flat
+        float32 vector, added up the binomial tree (module docstring; ``own + child`` is the same
+        bits as ``child + own``, so a child's sum arrives straight in the vector, reused round
+        after round per ``tag``, and the rank's own tensors are added to it).  Another rank: None,
+        once its subtree's sum has reached its parent (its own tensors sent as they are, no copy)."""
+        t0 = time.perf_counter()
+        try:
+            return self._host_sum(space, arrays, tag)
+        finally:
+            self.sum_seconds += time.perf_counter() - t0
 
-    def share(self, dense, n: int) -> np.ndarray:
+    def _host_sum(self, space, arrays, tag):
+        arrays = [np.asarray(space.to_host(a), np.float32).reshape(-1) for a in arrays]
+        bounds = list(zip(np.cumsum([0] + [a.size for a in arrays[:-1]]), np.cumsum([a.size for a in arrays])))
+        n = int(bounds[-1][1]) if bounds else 0
+        me, size = self.up.rank, self.up.size
+        partial = None  # this rank's subtree's sum once it has received one (else its own arrays)
+        d = 1
+        while d < size:
+            if me % (2 * d) == d:  # its subtree's sum to its parent, as slices of the tensors (no copy)
+                parts = arrays if partial is None else [partial[lo:hi] for lo, hi in bounds]
+                for request in [self.up.isend(p, me - d, tag) for p in parts]:
+                    request.wait()
+                return None
+            if me + d < size:
+                into = self._vector(("sum", tag), n) if partial is None else self._vector("child", n)
+                self._receive(me + d, tag, into, bounds)
+                if partial is None:  # own + child's is the same bits as child's + own: added in place
+                    for a, (lo, hi) in zip(arrays, bounds):
+                        np.add(into[lo:hi], a, out=into[lo:hi])
+                    partial = into
+                else:
+                    partial += into
+            d *= 2
+        if partial is None:  # alone on its host
+            partial = self._vector(("sum", tag), n)
+            for a, (lo, hi) in zip(arrays, bounds):
+                partial[lo:hi] = a
+        return partial
+
+    def _receive(self, source: int, tag: int, into: np.ndarray, bounds) -> None:
+        pending = [(self.up.irecv(source, hi - lo, tag, buffers=_Into(into[lo:hi])), into[lo:hi]) for lo, hi in bounds]
+        for request, part in pending:
+            got = request.wait()
+            if got is not part:  # a transport that received elsewhere
+                part[...] = got
+
+    def _vector(self, key, n: int) -> np.ndarray:
+        """A float32 vector of ``n`` elements kept under ``key`` and reused."""
+        v = self._vectors.get(key)
+        if v is None or v.size < n:
+            v = self._vectors[key] = np.empty(n, np.float32)
+        return v[:n]
+
+    def share(self, dense, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The leader's dense result of ``n`` elements on every rank of its host (collective over
-        the host: each rank calls it for the same bucket, in bucket order)."""
-        x = np.ascontiguousarray(dense, np.float32).reshape(-1) if self.leader else None
-        if self.down.size == 1:
+        the host: each rank calls it for the same bucket, in bucket order); ``out``: where the
+        other ranks receive it (default: a new vector)."""
+        t0 = time.perf_counter()
+        try:
+            return self._share(dense, n, out)
+        finally:
+            self.share_seconds += time.perf_counter() - t0
+
+    def _share(self, dense, n, out):
+        if self.leader:
+            x = np.ascontiguousarray(dense, np.float32).reshape(-1)
+            if self.down.size > 1:
+                self.down.bcast(x, root=0)
             return x
-        return self.down.bcast(x, root=0, shape=(n,), dtype=np.float32)
+        if out is None:
+            return self.down.bcast(None, root=0, shape=(n,), dtype=np.float32)
+        return self.down.bcast(None, root=0, out=out)
+
+
+class _Into:
+    """A :class:`tfsparse.buffers.Reusable` stand-in that hands out one given vector."""
+
+    def __init__(self, vector):
+        self.vector = vector
+
+    def take(self, count, dtype):
+        return self.vector

@@ -25,7 +25,7 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
                    previous step's aggregate, :class:`tfsparse.pipelined.Pipelined`; see below)
 ``clip_norm``      DGC's local gradient clipping (None: off)
 ``hierarchical``   the two-level exchange (default False): the ranks of a host sum their gradients
-                   over shared memory (exact, in rank order), one rank per host runs the algorithm
+                   over shared memory (exact, in a fixed order), one rank per host runs the algorithm
                    across hosts, and it shares the result inside its host (see below)
 ``options``        the algorithm's own options (``tau=`` for Ok-Topk, ...)
 =================  ===============================================================================
@@ -48,16 +48,16 @@ keeps its meaning; every other case gets ``"residual"`` (error feedback; nothing
 lossless exchange).  Plain error feedback under an optimizer's momentum plateaus below dense
 (``docs/choosing.md``).
 
-``hierarchical=True`` (BytePS' two-level compression; Horovod's hierarchical allreduce for
-``algorithm="dense"``): the first rank of each host (its leader) receives the gradients of the
-host's other ranks and adds them in rank order; the leaders run the settings' algorithm among
-themselves on that sum -- error feedback (residual, or momentum correction's velocity) is kept
-per host, on its leader, as if each host were one worker whose gradient is its ranks' sum; the
-density is the fraction each host sends -- and each leader broadcasts the summed result to its
-host's ranks, so every rank applies the same bits.  Only the leaders' traffic crosses the
-network (counted in the exchange's bytes; the shared-memory traffic is not).  With one rank per
-host, or one host, it is the flat exchange.  ``algorithm="auto"`` turns it on by itself where
-some host holds several ranks and there are several hosts.
+``hierarchical=True`` (the two-level exchange, as BytePS compresses once per machine): the ranks
+of each host add their gradients up a binomial tree to the host's first rank, its leader (a
+fixed order: the same bits every run); the leaders run the settings' algorithm among themselves
+on that sum -- error feedback (residual, or momentum correction's velocity) is kept per host, on
+its leader, as if each host were one worker whose gradient is its ranks' sum; the density is the
+fraction each host sends -- and each leader broadcasts the summed result to its host's ranks, so
+every rank applies the same bits.  Only the leaders' traffic crosses the network (counted in the
+exchange's bytes; the shared-memory traffic is not).  With one rank per host it is the flat
+exchange.  ``algorithm="auto"`` prices each candidate flat and in two levels from its
+measurements and runs two levels where they are predicted shorter (``docs/cluster.md``).
 
 The old spellings of the grouping, ``bucket_bytes=θ`` and ``selection=...``, are deprecated
 aliases of ``plan=θ`` and ``plan=...``: they still work and warn (``DeprecationWarning``).

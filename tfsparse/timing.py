@@ -104,14 +104,15 @@ SHARED_MEMORY = AlphaBeta(alpha=1e-6, beta=4e9)
 
 
 def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, density: float, ab: AlphaBeta,
-                       gamma: float = 0.0, *, local: AlphaBeta = SHARED_MEMORY, step: int | None = None,
-                       value_bytes: int = VALUE_BYTES, **options) -> dict:
+                       gamma: float = 0.0, *, local: AlphaBeta = SHARED_MEMORY, add_s: float | None = None,
+                       level_s: float | None = None, step: int | None = None, value_bytes: int = VALUE_BYTES,
+                       **options) -> dict:
     """Predicted time of one step of the two-level exchange (``hierarchical=True``) on ``hosts``
     hosts of ``per_host`` ranks, and of the flat exchange on the same ranks, for a bucket of ``n``
     elements at ``density``: ``{"two_level_s", "flat_s", "phases_s", "cross_bytes", "flat_bytes"}``.
 
-    * Two-level: the host's sum (the leader receives ``per_host - 1`` float32 vectors of ``n``
-      over ``local`` one after another, and adds each: ``gamma`` per element), then the algorithm
+    * Two-level: the host's sum up a binomial tree (``ceil(log2 per_host)`` levels, each a float32
+      vector of ``n`` over ``local`` and its addition: ``gamma`` per element), then the algorithm
       among the ``hosts`` leaders over ``ab`` (:func:`simulate`), then the leader's broadcast of
       the float32 result inside the host (a binomial tree over ``local``).
     * Flat: the algorithm among all ``hosts · per_host`` ranks, whose ``per_host`` ranks share
@@ -119,15 +120,19 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
       the network in the same rounds) -- one host: shared memory alone (``local``).
 
     Both are the α-β(-γ) model of :mod:`tfsparse.collectives.simulate`; the network part of the
-    two-level step is exactly :func:`simulate` over the hosts."""
+    two-level step is exactly :func:`simulate` over the hosts.  ``add_s`` and ``level_s``: the
+    host's parts measured instead (seconds to receive and add one rank's vector, and per level
+    of the broadcast -- ``tools/bench_two_level.py`` measures both), for a machine whose memory
+    traffic the α-β model of ``local`` does not describe."""
     hosts = _checks.integer("hosts", hosts, 1)
     per_host = _checks.integer("per_host", per_host, 1)
     n = _checks.integer("n", n, 1)
     check_model(local, gamma, None)
     cross = simulate(algorithm, hosts, n, density, ab, gamma, step=step, value_bytes=value_bytes, **options)
     vector = 4 * n
-    gather = (per_host - 1) * (local.time(vector) + gamma * n)
-    share = (per_host - 1).bit_length() * local.time(vector) if per_host > 1 else 0.0
+    levels = (per_host - 1).bit_length()  # the binomial tree's, up and down
+    gather = levels * (local.time(vector) + gamma * n if add_s is None else float(add_s))
+    share = levels * (local.time(vector) if level_s is None else float(level_s))
     if hosts == 1:
         shared_link = local
     else:

@@ -70,6 +70,15 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
  {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
  {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
 
+TWO_LEVEL='[{"label":"dense f16 flat","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense f16 two-level","algorithm":"dense","wire_dtype":"float16","hierarchical":true},
+ {"label":"gtopk 0.01 flat","algorithm":"gtopk","density":0.01},
+ {"label":"gtopk 0.01 two-level","algorithm":"gtopk","density":0.01,"hierarchical":true},
+ {"label":"oktopk 0.01 flat","algorithm":"oktopk","density":0.01},
+ {"label":"oktopk 0.01 two-level","algorithm":"oktopk","density":0.01,"hierarchical":true},
+ {"label":"topk 0.01 flat","algorithm":"topk","density":0.01},
+ {"label":"topk 0.01 two-level","algorithm":"topk","density":0.01,"hierarchical":true}]'
+
 declare -A STEP
 STEP[fit17m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '[${HOROVOD}${FIT17M#[}' --model mlp17m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp17m_1gbit"
 STEP[fit25m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$SPARSE25M' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp25m_1gbit"
@@ -80,6 +89,8 @@ STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
 STEP[tta_1gbit]="for seed in 0 1 2; do $RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 10 --seed \$seed --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_1gbit $OUT/time_to_accuracy_1gbit_s0.json $OUT/time_to_accuracy_1gbit_s1.json $OUT/time_to_accuracy_1gbit_s2.json"
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
+STEP[two_level_fit]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_fit_step.py '$TWO_LEVEL' --model mlp17m --network '1 Gbit/s between 2 emulated hosts' --out $OUT/two_level_fit_1gbit"
+STEP[two_level_exchange]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_two_level.py --out $OUT/two_level_exchange_1gbit"
 STEP[demo]="flock $LOCK make demo"  # writes results/demo.{json,png}
 STEP[encode]="$PYTHON tools/bench_encode.py --out $OUT/bench_encode"
 STEP[exchange]="$PYTHON tools/bench_exchange.py --wires float32,float16,bfloat16,int8 --label 'shared memory' --out $OUT/bench_exchange.json"
@@ -93,7 +104,8 @@ STEP[accuracy]="$PYTHON -m pytest -s -q tests/test_algorithms_fit.py -k 'accurac
 STEP[simulate]="$PYTHON tools/simulate_network.py --sweep --out $OUT/simulate_network"
 STEP[validate_100mbit]="$PYTHON tools/validate_network_model.py --rates 100mbit --n 4000000 --density 0.01 --repeats 3 --out $OUT/validate_network_model_100mbit.json"
 STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out $OUT/validate_network_model.json"
-ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 tta_conv encode exchange traffic
+ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
+ two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
  tta_1gbit demo"
 

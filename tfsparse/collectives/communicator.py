@@ -153,9 +153,11 @@ class Communicator(ABC):
         return parts
 
     @tracked
-    def bcast(self, x: np.ndarray | None, root: int = 0, *, shape=None, dtype=None) -> np.ndarray:
+    def bcast(self, x: np.ndarray | None, root: int = 0, *, shape=None, dtype=None,
+              out: np.ndarray | None = None) -> np.ndarray:
         """Broadcast from ``root``.  Non-root ranks may pass ``None`` with ``shape``/``dtype``,
-        or pass an array of the right shape and dtype (its content is ignored)."""
+        or pass an array of the right shape and dtype (its content is ignored); ``out``: a
+        contiguous array of that shape and dtype to receive into (non-root ranks; returned)."""
         if not 0 <= root < self.size:
             raise ValueError(f"root={root} is out of range for a world of size {self.size}")
         if self.rank == root:
@@ -164,12 +166,19 @@ class Communicator(ABC):
             dtype = x.dtype
         elif x is not None:
             shape, dtype = np.shape(x), np.asarray(x).dtype
+        elif out is not None:
+            if not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
+                raise ValueError("bcast's out= must be a writeable C-contiguous numpy array")
+            shape, dtype = out.shape, out.dtype
         elif shape is None or dtype is None:
             raise ValueError("bcast on a non-root rank needs an array or shape= and dtype=")
         if self.size == 1:
             return np.array(x, copy=True)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         self._count(nbytes * binomial_children(self.rank, self.size, root))
+        if out is not None and self.rank != root:
+            got = self._bcast_into(out, root)
+            return got.reshape(shape)
         out = self._bcast(x if self.rank == root else None, root, tuple(shape), np.dtype(dtype))
         return np.asarray(out).reshape(shape)
 
@@ -302,6 +311,11 @@ class Communicator(ABC):
     @abstractmethod
     def _irecv(self, source, count, tag, dtype, exact=True):
         """Transport primitive, implemented by each backend."""
+
+    def _bcast_into(self, out, root):
+        """:meth:`_bcast` received into ``out`` (a non-root rank); this default copies it there."""
+        np.copyto(out, np.asarray(self._bcast(None, root, out.shape, out.dtype)).reshape(out.shape))
+        return out
 
     def _split(self, color):
         """Transport primitive; a transport without it cannot form groups of ranks."""

@@ -88,6 +88,10 @@ class MPICommunicator(Communicator):
         self.comm.Bcast(buf, root=root)
         return buf
 
+    def _bcast_into(self, out, root):
+        self.comm.Bcast(out, root=root)
+        return out
+
     def _alltoall(self, blocks):
         send_counts = np.array([b.size for b in blocks], dtype=np.int64)
         recv_counts = np.empty(self.size, dtype=np.int64)
