@@ -65,8 +65,10 @@ def test_ranks_on_emulated_hosts_started_over_ssh_train_to_identical_weights(tmp
         assert res["probe"] == "forwarded"
         np.testing.assert_array_equal(res["weights"], results[0]["weights"])
         assert res["losses"][-1] < res["losses"][0]
-        np.testing.assert_array_equal(res["two_level_weights"], results[0]["two_level_weights"])
-        assert res["two_level_losses"][-1] < res["two_level_losses"][0]
+        for case in ("two_level", "two_level_pipelined", "auto"):
+            np.testing.assert_array_equal(res[f"{case}_weights"], results[0][f"{case}_weights"], err_msg=case)
+            assert res[f"{case}_losses"][-1] < res[f"{case}_losses"][0], case
+        assert res["auto_two_level"]  # the hosts' groups formed at the (forced) decision, mid-fit
     check_two_level(results)
     assert not leftovers()
 

@@ -79,12 +79,12 @@ _AGREE_HINT = "Every rank must build the same model and the same SparseStrategy 
 COMPILE_NOTICE_S = 2.0
 
 
-@functools.lru_cache(maxsize=None)
 def _forms_groups(comm) -> bool:
     """Whether ``comm``'s transport can form the two-level exchange's groups (``split``)."""
     return type(comm)._split is not Communicator._split
 
 
+@functools.lru_cache(maxsize=None)
 def _warm_kernels(announce: bool = False) -> None:
     """Once per process, before the first step: every Numba CPU kernel compiled, or loaded from
     its on-disk cache (< 1 s when ``tools/install.sh`` or ``tfsparse warmup`` filled it; ~30 s to
@@ -461,10 +461,23 @@ class GradientExchange:
         self.check_idle("the switch to the setting auto chose")
         self._auto.index = index
         settings = self._candidate_settings(index)
-        if two_level and self._two is None and self.comm.size > 1:  # auto's own: the groups now (collective)
-            self._auto.two_level = True
+        # auto's own two levels (a restored or inherited choice too): the groups now, collectively --
+        # where they can be formed (several ranks, a transport that forms groups, host memory);
+        # a flat choice drops auto's groups (not the ones hierarchical=True asked for)
+        two_level = two_level and self.comm.size > 1 and _forms_groups(self._xcomm) and not self.space.on_device
+        if two_level and self._two is None:
+            self._two = two = self._runner.run(TwoLevel.of, self._xcomm)
+            # the memory of the flat measured rounds (residual, velocity: sums of what each rank
+            # kept) becomes the host's, on its leader: the sum of its ranks'; the others keep none
+            for b in self.bucket_states:
+                held = {k: np.ascontiguousarray(v, np.float32) for k, v in b.memory.get_state().items()}
+                summed = {k: self._runner.run(two.up.allreduce, v) for k, v in held.items()}
+                b.memory.set_state(summed if two.leader else {k: np.zeros_like(v) for k, v in held.items()})
+        elif not two_level and self._auto.two_level:
+            self._two = None
+        self._auto.two_level = two_level
+        if self._two is not None:
             settings = settings.replace(hierarchical=True)
-            self._two = self._runner.run(TwoLevel.of, self._xcomm)
         self._use(settings)
         old = self.bucket_states
         self.bucket_states = self._make_buckets(self.layout, replacing=old)
@@ -495,7 +508,7 @@ class GradientExchange:
         for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
             piece.result()
         pinned = None if self._two is None else self._two.hosts  # hierarchical=True: the hosts run the algorithm
-        two_level = pinned is None and _forms_groups(self._xcomm)
+        two_level = pinned is None and _forms_groups(self._xcomm) and not self.space.on_device
         decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe,
                                                              workers=pinned, two_level=two_level), self._xcomm)
         if pinned is not None:
@@ -774,8 +787,8 @@ class GradientExchange:
             if not -1 <= chosen < len(auto.CANDIDATES):
                 raise ValueError(f"the saved state's auto choice {chosen} is not one of tfsparse.auto.CANDIDATES "
                                  f"(0 to {len(auto.CANDIDATES) - 1}, or -1: undecided): saved by another version?")
-            if chosen >= 0 and chosen != self._auto.index:
-                two = bool(int(state.get("auto_two_level", np.zeros(1)).reshape(-1)[0]))
+            two = bool(int(np.asarray(state.get("auto_two_level", np.zeros(1))).reshape(-1)[0]))
+            if chosen >= 0 and (chosen != self._auto.index or two != self._auto.two_level):
                 self._replan(chosen, two)  # the decision the saved run made, without measuring again
         for b in self.bucket_states:
             b.set_state(state)

@@ -108,7 +108,9 @@ class Pipelined:
             self._pipelined = self.depth > 1 and not self.dsync
         carry = None
         previous = self._next_owed.get(i)
-        if self._pipelined and previous is not None and b.wait_settled(previous):
+        # (not in two levels: there a host's ranks must finish and start alike, and only its leader
+        # has the memory whose settlement would decide it)
+        if self._pipelined and previous is not None and self.engine.two_level is None and b.wait_settled(previous):
             # the previous round's memory is updated already (a dense exchange over a lossy wire,
             # once its residual was whole): this round's error feedback starts while that round's
             # last messages travel; its result, still owed, is taken after
