@@ -180,3 +180,41 @@ def test_auto_prices_each_candidate_flat_and_in_two_levels():
     one_host = auto.choose(n, 4, link, 0.17, local, hosts=(1, 4), two_level_s=0.0)
     assert not one_host.two_level
     assert auto.two_level_costs(n, 1) == 0.0 and auto.two_level_costs(n, 3) > auto.two_level_costs(n, 2) > 0
+
+
+def test_a_restored_two_level_choice_continues_bit_for_bit(monkeypatch):
+    """auto's two-level choice is part of the state: an exchange restored from it (before its
+    first round) forms the hosts' groups without measuring again and continues exactly as the
+    saved one does; the measured rounds' memory became the host's, on its leader."""
+    import dataclasses
+
+    from tfsparse import auto, exchange
+
+    hosts = [0, 0, 1, 1]
+    for module in (hierarchy, exchange, auto):
+        monkeypatch.setattr(module, "host_ids", lambda comm: list(hosts))
+    real, index = auto.decide, next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "topk")
+    monkeypatch.setattr(auto, "decide", lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True))
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        grads = [[rng.standard_normal(300).astype(np.float32)] for _ in range(10)]
+        ex = GradientExchange("auto", communicator=comm, memory="residual")
+        for g in grads[:8]:
+            ex.exchange_numpy(g)
+        state, residual = ex.get_state(), ex.residual
+        after = flat(ex.exchange_numpy(grads[8]))
+        ex.close()
+        again = GradientExchange("auto", communicator=comm, memory="residual")
+        again.set_state(state)
+        restored = flat(again.exchange_numpy(grads[8]))
+        grouped = again.two_level is not None and again.settings.algorithm == "topk"
+        again.close()
+        return after, restored, grouped, residual
+
+    results = InProcessWorld(4).run(fn)
+    for after, restored, grouped, residual in results:
+        assert grouped
+        np.testing.assert_array_equal(restored, after)
+        np.testing.assert_array_equal(after, results[0][0])
+    assert not results[1][3].any() and not results[3][3].any() and results[0][3].any()  # leaders 0 and 2
