@@ -124,6 +124,40 @@ def save_result(rank: int, **values) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(plain))
 
 
+def interrupt_when_up(cmd, marker, ranks: int, check=None, timeout: float = 60) -> tuple[int, int]:
+    """Starts launcher command ``cmd`` (holding the MPI lock) whose ranks each touch
+    ``<marker><rank>`` once up, then wait; once all ``ranks`` have, runs ``check(pid)`` (the
+    launcher's pid) and sends it SIGINT (Ctrl-C).  Returns ``(exit code, pid)``; a job that ends
+    or does not come up within ``timeout`` seconds fails the test with its output."""
+    import signal
+
+    with mpi_lock():
+        proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not all(Path(f"{marker}{r}").exists() for r in range(ranks)):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise MPIJobError(f"the job did not come up:\n{_tail(proc.communicate(timeout=30)[0])}")
+                time.sleep(0.2)
+            if check is not None:
+                check(proc.pid)
+            proc.send_signal(signal.SIGINT)
+            return proc.wait(timeout=timeout), proc.pid
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def error_of(fn) -> str:
+    """For workers: ``"Type: message"`` of the ValueError or AttributeError ``fn()`` raises, or ""."""
+    try:
+        fn()
+    except (ValueError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 def load_result(out, rank: int):
     out = Path(out)
     res = {}

@@ -58,15 +58,21 @@ def test_horovod_api_under_mpirun(P):
 
 
 @pytest.mark.horovod
-def test_horovod_api_under_horovodrun(tmp_path):
+def under_horovodrun(tmp_path, worker: str, P: int, timeout: float) -> list:
+    """``horovodrun -np P`` of ``tests/workers/<worker>``; the ranks' results (skipped without a
+    Horovod built with MPI)."""
     from tfsparse.collectives import horovod_available
 
     if not horovod_available():
         pytest.skip("Horovod is not installed with MPI (bash tools/install.sh --horovod builds it)")
-    run_locked([launcher("horovodrun"), "-np", "3", "-H", "localhost:3", sys.executable,
-                str(REPO / "tests" / "workers" / "horovod_api.py")], timeout=300,
+    run_locked([launcher("horovodrun"), "-np", str(P), "-H", f"localhost:{P}", sys.executable,
+                str(REPO / "tests" / "workers" / worker)], timeout=timeout,
                env={"TFSPARSE_TEST_OUT": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "3"})
-    _check([load_result(tmp_path, r) for r in range(3)], 3, "horovod")
+    return [load_result(tmp_path, r) for r in range(P)]
+
+
+def test_horovod_api_under_horovodrun(tmp_path):
+    _check(under_horovodrun(tmp_path, "horovod_api.py", 3, 300), 3, "horovod")
 
 
 def _check_keras(results, P, backend):
@@ -111,11 +117,4 @@ def test_horovod_keras_under_mpirun(P):
 
 @pytest.mark.horovod
 def test_horovod_keras_under_horovodrun(tmp_path):
-    from tfsparse.collectives import horovod_available
-
-    if not horovod_available():
-        pytest.skip("Horovod is not installed with MPI (bash tools/install.sh --horovod builds it)")
-    run_locked([launcher("horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable,
-                str(REPO / "tests" / "workers" / "horovod_keras.py")], timeout=400,
-               env={"TFSPARSE_TEST_OUT": str(tmp_path), "TF_CPP_MIN_LOG_LEVEL": "3"})
-    _check_keras([load_result(tmp_path, r) for r in range(2)], 2, "horovod")
+    _check_keras(under_horovodrun(tmp_path, "horovod_keras.py", 2, 400), 2, "horovod")

@@ -10,18 +10,15 @@ over the hosts' sums at 2x2, 3x1 and 3 hosts x 2 ranks; and the namespaces and d
 success, a failing rank and Ctrl-C.  Needs root and
 openssh-server (tools/install.sh installs it); skipped without them."""
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from exchange_ref import reference_run, tree_sum
-from mpi_harness import REPO, job_env, load_result, run_job
-from mpi_jobs import mpi_lock
+from mpi_harness import REPO, interrupt_when_up, load_result, run_job
 from tfsparse import network
 
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(
@@ -123,22 +120,10 @@ def test_ctrl_c_stops_the_remote_ranks_and_removes_the_hosts(tmp_path):
     marker = tmp_path / "up"
     script = ("import os, time; from pathlib import Path; "
               f"Path('{marker}' + os.environ['OMPI_COMM_WORLD_RANK']).touch(); time.sleep(300)")
-    with mpi_lock():
-        proc = subprocess.Popen(launcher(4, 2, sys.executable, "-c", script), env=job_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while not all(Path(f"{marker}{r}").exists() for r in range(4)):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    proc.kill()
-                    pytest.fail(proc.communicate(timeout=30)[0][-3000:])
-                time.sleep(0.2)
-            assert len(leftovers(proc.pid)) >= 3  # two hosts and the switch (and the sshds)
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    def hosts_up(pid):
+        assert len(leftovers(pid)) >= 3  # two hosts and the switch (and the sshds)
+
+    code, _ = interrupt_when_up(launcher(4, 2, sys.executable, "-c", script), marker, 4, hosts_up)
     assert code != 0
     assert not leftovers()
     assert subprocess.run(["pgrep", "-f", f"{marker}"], capture_output=True).returncode != 0  # no rank left

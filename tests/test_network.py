@@ -5,17 +5,14 @@ everywhere.
 """
 import ipaddress
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from mpi_harness import job_env, load_result, run_job
-from mpi_jobs import mpi_lock
+from mpi_harness import interrupt_when_up, job_env, load_result, run_job
 from tfsparse import network
 from tfsparse.network import EmulatedNetwork, NetSpec
 
@@ -119,23 +116,13 @@ def test_ctrl_c_stops_the_ranks_and_removes_the_network(tmp_path):
     marker = tmp_path / "up"
     script = ("import os, sys, time; from pathlib import Path; "
               f"Path('{marker}' + os.environ['OMPI_COMM_WORLD_RANK']).touch(); time.sleep(300)")
-    with mpi_lock():
-        proc = subprocess.Popen(launcher(2, "100mbit", sys.executable, "-c", script), env=job_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while not all(Path(f"{marker}{r}").exists() for r in range(2)):
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
-                time.sleep(0.2)
-            assert len(our_namespaces(proc.pid)) == 3          # two ranks and the switch
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    def network_up(pid):
+        assert len(our_namespaces(pid)) == 3  # two ranks and the switch
+
+    code, pid = interrupt_when_up(launcher(2, "100mbit", sys.executable, "-c", script), marker, 2, network_up)
     assert code != 0
-    assert not our_namespaces(proc.pid)
-    assert not Path(f"/sys/class/net/tn{proc.pid}x").exists()
+    assert not our_namespaces(pid)
+    assert not Path(f"/sys/class/net/tn{pid}x").exists()
 
 
 @needs_net_admin

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 import tfsparse.horovod.tensorflow as hvd
-from mpi_harness import save_result
+from mpi_harness import error_of, save_result
 
 failures = []
 
@@ -17,14 +17,6 @@ def check(name, got, want):
     if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(got, want):
         failures.append(f"{name}: got {got.dtype}{list(got.shape)} {got.tolist()}, want {want.dtype}{list(want.shape)} "
                         f"{want.tolist()}")
-
-
-def error_of(fn):
-    try:
-        fn()
-    except (ValueError, AttributeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 before_init = error_of(hvd.rank)

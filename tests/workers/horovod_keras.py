@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfsparse.horovod.tensorflow as hvd_tf
 import tfsparse.horovod.tensorflow.keras as hvd
-from mpi_harness import save_result
+from mpi_harness import error_of, save_result
 
 hvd.init()
 r, P = hvd.rank(), hvd.size()
@@ -162,14 +162,6 @@ sparse_losses = net.fit(dataset, steps_per_epoch=STEPS, epochs=4, verbose=0,
                         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                    hvd.callbacks.MetricAverageCallback()]).history["loss"]
 sparse_weights = flat(net.variables)
-
-
-def error_of(fn):
-    try:
-        fn()
-    except (ValueError, AttributeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 sgd = keras.optimizers.SGD(0.1)
