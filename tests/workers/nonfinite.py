@@ -1,6 +1,6 @@
 """Worker: a non-finite gradient on one rank (fp16 overflow under loss scaling, or NaN input
-without).  argv: case algorithm [route: strategy | optimizer | strategy_optimizer].  Rank 1's
-batch 2 of 4 is poisoned."""
+without).  argv: case algorithm [route: strategy | optimizer | strategy_optimizer] [row].  Rank 1's
+row ``row`` (default 20: batch 2 of 4; 0: the first batch, the exchange's first round) is poisoned."""
 import sys
 import warnings
 
@@ -17,9 +17,10 @@ if case == "fp16_overflow":
     keras.mixed_precision.set_global_policy("mixed_float16")
 rng = np.random.default_rng(rank)
 x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 4, 64)
-if rank == 1:
-    x[20] = 1e30 if case == "fp16_overflow" else np.nan  # inside batch 2 of 4 (batch size 16)
 route = sys.argv[3] if len(sys.argv) > 3 else "strategy"
+row = int(sys.argv[4]) if len(sys.argv) > 4 else 20  # 20: inside batch 2 of 4 (batch size 16)
+if rank == 1:
+    x[row] = 1e30 if case == "fp16_overflow" else np.nan
 
 
 def build():
