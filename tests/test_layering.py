@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "tfsparse"
 
 # bottom to top; a module may import anything in its own layer or below
 LAYERS = [
-    {"_checks", "_version", "traffic", "buffers", "files"},
+    {"_checks", "_version", "traffic", "buffers", "files", "banner"},
     {"_tf_private", "ops", "state", "schedules", "space"},
     {"wire"},
     {"collectives"},

@@ -362,3 +362,41 @@ def test_the_launcher_stops_before_mpirun_when_a_host_cannot_start_its_ranks(fak
     from tfsparse import cluster
     here = socket.gethostbyname(socket.gethostname())
     assert cluster.remote_hosts([(here, 1), ("127.0.1.1", 1), ("me@localhost", 1), ("me@n2", 1)]) == ["me@n2"]
+
+
+BANNER = [b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+          b"I0000 00:00:1795900094.722911    3428 port.cc:153] oneDNN custom operations are on. You may see ...\n"]
+
+
+def test_tensorflows_start_up_notices_pass_once_and_everything_else_as_it_came():
+    from tfsparse.banner import BannerFilter
+
+    again = [b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+             b"I0000 00:00:1795900097.214427    3429 port.cc:153] oneDNN custom operations are on. You may see ...\n"]
+    other = [b"I0000 00:00:1795900097.3    3429 other.cc:1] an INFO line of another file\n", b"rank 1: epoch 1\n"]
+    banner = BannerFilter()
+    stream = b"".join(BANNER + again + other + BANNER + other)
+    # in pieces cut anywhere, even inside a line: the same result
+    out = b"".join(banner.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + banner.flush()
+    assert out == b"".join(BANNER + other + other)
+    # an unfinished line is held until its newline or a flush, and then shown unless a repeat
+    assert banner.feed(b"Password:") == b"" and banner.flush() == b"Password:"
+    assert banner.feed(BANNER[1][:-1]) == b"" and banner.flush() == b""
+
+
+def test_the_pump_filters_a_pipe_to_its_end(tmp_path):
+    import os
+
+    from tfsparse.banner import filtered_stderr, start_pump
+
+    read, write = os.pipe()
+    with open(tmp_path / "err", "wb") as sink:
+        thread = start_pump(read, sink.fileno())
+        for piece in [*BANNER, b"epoch 1\n", *BANNER, b"no newline"]:
+            os.write(write, piece)
+        os.close(write)
+        thread.join(timeout=10)
+    os.close(read)
+    assert not thread.is_alive()
+    assert (tmp_path / "err").read_bytes() == b"".join(BANNER) + b"epoch 1\nno newline"
+    assert filtered_stderr({}) and not filtered_stderr({"TFSPARSE_TF_BANNER": "all"})

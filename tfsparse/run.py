@@ -49,6 +49,10 @@ tfsparse-run stays in the foreground and watches mpirun (:class:`LauncherWatch`)
 ``ORTE_ERROR_LOG: Data unpack would read past end of buffer in file .../show_help.c`` and then
 waits forever), so an mpirun that is still there :data:`LINGER_S` seconds after its last rank
 ended is ended, with a line on stderr, and the job's exit status is 1.
+
+The job's standard error passes through :class:`tfsparse.banner.BannerFilter`: TensorFlow's
+start-up notices (oneDNN, absl's logging notice), which every rank prints twice, are shown once
+per job (``TFSPARSE_TF_BANNER=all`` shows every rank's).
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ import sys
 import time
 from pathlib import Path
 
+from .banner import filtered_stderr, start_pump
 from .cluster import check_hosts, parse_host_list, read_hostfile, remote_hosts, total_slots
 from .network import EmulatedHosts, EmulatedNetwork, NetSpec
 
@@ -453,8 +458,22 @@ class _Launcher:
         running it once interrupted)."""
         if self.interrupted:
             return 130
-        self.child = subprocess.Popen(cmd, env=env)
-        code = wait_for_launcher(self.child)
+        if not filtered_stderr(env):
+            self.child = subprocess.Popen(cmd, env=env)
+            code = wait_for_launcher(self.child)
+            return 128 - code if code < 0 else code
+        read, write = os.pipe()
+        try:
+            self.child = subprocess.Popen(cmd, env=env, stderr=write)
+        finally:
+            os.close(write)
+        thread = start_pump(read, 2)  # where the job's standard error went before
+        try:
+            code = wait_for_launcher(self.child)
+        finally:
+            thread.join(timeout=2)  # a process left holding the pipe cannot keep the launcher
+            if not thread.is_alive():
+                os.close(read)
         return 128 - code if code < 0 else code
 
 
