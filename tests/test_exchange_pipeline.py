@@ -42,10 +42,12 @@ def flat(arrays):
     return np.concatenate([np.asarray(a).ravel() for a in arrays])
 
 
-def run(P, algorithm, wire, plan):
+def run(P, algorithm, wire, plan, **kwargs):
+    """Each of ``P`` in-process ranks' results of :data:`STEPS` exchanges (``kwargs`` go to the
+    exchange), and the buckets."""
     def fn(comm):
         ex = GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm, **PLANS[plan],
-                              **OPTIONS.get(algorithm, {}))
+                              **OPTIONS.get(algorithm, {}), **kwargs)
         steps = []
         for s in range(STEPS):
             before = ex.total.bytes_sent

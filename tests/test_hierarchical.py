@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from exchange_ref import reference_run, tree_sum
-from test_exchange_pipeline import DENSITY, OPTIONS, PLANS, STEPS, flat, grads_of
+from test_exchange_pipeline import DENSITY, OPTIONS, STEPS, flat, grads_of
+from test_exchange_pipeline import run as run_exchange
 from tfsparse import hierarchy
 from tfsparse.collectives import InProcessWorld
 from tfsparse.exchange import GradientExchange
@@ -25,21 +26,10 @@ def host_sums(hosts, step):
 
 
 def run(monkeypatch, hosts, algorithm, wire="float32", plan="fused", **kwargs):
+    """The flat suite's in-process run (tests/test_exchange_pipeline.py) in two levels, the ranks
+    on ``hosts`` (a host id per rank)."""
     monkeypatch.setattr(hierarchy, "host_ids", lambda comm: list(hosts))
-
-    def fn(comm):
-        ex = GradientExchange(algorithm, DENSITY, wire_dtype=wire, communicator=comm, hierarchical=True,
-                              **PLANS[plan], **OPTIONS.get(algorithm, {}), **kwargs)
-        steps = []
-        for s in range(STEPS):
-            before = ex.total.bytes_sent
-            out = ex.exchange_numpy(grads_of(comm.rank, s))
-            steps.append({"out": flat(out), "residual": ex.residual, "bytes": ex.total.bytes_sent - before,
-                          "infos": [dict(getattr(a, "last_info", {})) for a in ex.aggregators]})
-        ex.close()
-        return steps, [(b.start, b.stop) for b in ex.buckets]
-
-    return InProcessWorld(len(hosts), timeout=60).run(fn)
+    return run_exchange(len(hosts), algorithm, wire, plan, hierarchical=True, **kwargs)
 
 
 @pytest.mark.parametrize("plan", ["fused", "buckets"])
