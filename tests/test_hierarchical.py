@@ -103,6 +103,13 @@ def test_split_groups_ranks_in_order():
 
     got = InProcessWorld(5).run(fn)
     assert got == [(0, 2, [0, 2]), (0, 2, [1, 3]), (1, 2, [0, 2]), (1, 2, [1, 3]), None]
+    # which transports say they form groups: MPI's and the in-process one, not Horovod's
+    from tfsparse.collectives.horovod import HorovodCommunicator
+    from tfsparse.collectives.mpi import MPICommunicator
+    from tfsparse.collectives.inprocess import InProcessCommunicator
+
+    assert MPICommunicator.forms_groups and InProcessCommunicator.forms_groups
+    assert not HorovodCommunicator.forms_groups
 
 
 @pytest.mark.parametrize("hosts, two_level", [([0, 0, 1, 1], True), ([0, 0, 1, 1], False), ([0, 1, 2, 3], False),

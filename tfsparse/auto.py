@@ -40,7 +40,7 @@ import numpy as np
 from .collectives.alphabeta import AlphaBeta, fit_alpha_beta, round_trips
 from .collectives.hosts import host_ids
 from .schedules import k_from_density
-from .timing import simulate
+from .timing import shared_link, simulate
 from .wire import get_wire
 
 #: rounds run dense over float16 (and measured) before the choice
@@ -160,7 +160,7 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
     if hosts is not None and two_level_s > 0:
         workers = hosts[0]
     elif hosts is not None and link is not None:
-        link = AlphaBeta(alpha=link.alpha, beta=link.beta / hosts[1], burst=link.burst / hosts[1])
+        link = shared_link(link, hosts[1])
     if link is not None and workers > 1:
         value_bytes = get_wire(candidate.wire_dtype).value_bytes
         comm_s = simulate(candidate.algorithm, workers, n, candidate.density, link, value_bytes=value_bytes).seconds

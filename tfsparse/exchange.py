@@ -54,7 +54,6 @@ import numpy as np
 from . import auto
 from .bucket import Bucket, ExchangeStats, Outcome, agreement, assemble, check_saved_layout, make_bucket
 from .collectives.agreement import check_agreement
-from .collectives.communicator import Communicator
 from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
 from .collectives.watchdog import note_round
@@ -77,11 +76,6 @@ _AGREE_HINT = "Every rank must build the same model and the same SparseStrategy 
 
 #: seconds the kernels' warm-up may take, silently, before rank 0 says that it compiles them
 COMPILE_NOTICE_S = 2.0
-
-
-def _forms_groups(comm) -> bool:
-    """Whether ``comm``'s transport can form the two-level exchange's groups (``split``)."""
-    return type(comm)._split is not Communicator._split
 
 
 @functools.lru_cache(maxsize=None)
@@ -464,7 +458,7 @@ class GradientExchange:
         # auto's own two levels (a restored or inherited choice too): the groups now, collectively --
         # where they can be formed (several ranks, a transport that forms groups, host memory);
         # a flat choice drops auto's groups (not the ones hierarchical=True asked for)
-        two_level = two_level and self.comm.size > 1 and _forms_groups(self._xcomm) and not self.space.on_device
+        two_level = two_level and self.comm.size > 1 and self._xcomm.forms_groups and not self.space.on_device
         if two_level and self._two is None:
             self._two = two = self._runner.run(TwoLevel.of, self._xcomm)
             # the memory of the flat measured rounds (residual, velocity: sums of what each rank
@@ -508,7 +502,7 @@ class GradientExchange:
         for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
             piece.result()
         pinned = None if self._two is None else self._two.hosts  # hierarchical=True: the hosts run the algorithm
-        two_level = pinned is None and _forms_groups(self._xcomm) and not self.space.on_device
+        two_level = pinned is None and self._xcomm.forms_groups and not self.space.on_device
         decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe,
                                                              workers=pinned, two_level=two_level), self._xcomm)
         if pinned is not None:

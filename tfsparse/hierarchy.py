@@ -16,11 +16,26 @@ machine, on the sum of the machine's gradients, with error feedback per machine.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 
 from .collectives.hosts import host_ids
+
+
+def _timed(counter: str):
+    """Adds each call's seconds (also one that raises) to the instance's attribute ``counter``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+        return timed
+    return wrap
 
 
 class TwoLevel:
@@ -54,19 +69,13 @@ class TwoLevel:
     def local_size(self) -> int:
         return self.up.size
 
+    @_timed("sum_seconds")
     def host_sum(self, space, arrays, tag: int):
         """The leader: its host's sum of the gradients ``arrays`` (one bucket's tensors) as a flat
         float32 vector, added up the binomial tree (module docstring; ``own + child`` is the same
         bits as ``child + own``, so a child's sum arrives straight in the vector, reused round
         after round per ``tag``, and the rank's own tensors are added to it).  Another rank: None,
         once its subtree's sum has reached its parent (its own tensors sent as they are, no copy)."""
-        t0 = time.perf_counter()
-        try:
-            return self._host_sum(space, arrays, tag)
-        finally:
-            self.sum_seconds += time.perf_counter() - t0
-
-    def _host_sum(self, space, arrays, tag):
         arrays = [np.asarray(space.to_host(a), np.float32).reshape(-1) for a in arrays]
         bounds = list(zip(np.cumsum([0] + [a.size for a in arrays[:-1]]), np.cumsum([a.size for a in arrays])))
         n = int(bounds[-1][1]) if bounds else 0
@@ -109,17 +118,11 @@ class TwoLevel:
             v = self._vectors[key] = np.empty(n, np.float32)
         return v[:n]
 
+    @_timed("share_seconds")
     def share(self, dense, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """The leader's dense result of ``n`` elements on every rank of its host (collective over
         the host: each rank calls it for the same bucket, in bucket order); ``out``: where the
         other ranks receive it (default: a new vector)."""
-        t0 = time.perf_counter()
-        try:
-            return self._share(dense, n, out)
-        finally:
-            self.share_seconds += time.perf_counter() - t0
-
-    def _share(self, dense, n, out):
         if self.leader:
             x = np.ascontiguousarray(dense, np.float32).reshape(-1)
             if self.down.size > 1:

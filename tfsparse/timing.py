@@ -103,6 +103,13 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
 SHARED_MEMORY = AlphaBeta(alpha=1e-6, beta=4e9)
 
 
+def shared_link(ab: AlphaBeta, per_host: int) -> AlphaBeta:
+    """The link each of a host's ``per_host`` ranks sees in the flat exchange: the host's link
+    ``ab`` with its bandwidth (and burst) divided among them -- every rank of a host sends across
+    the network in the same rounds; the latency stays."""
+    return AlphaBeta(alpha=ab.alpha, beta=ab.beta / per_host, burst=ab.burst / per_host)
+
+
 def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, density: float, ab: AlphaBeta,
                        gamma: float = 0.0, *, local: AlphaBeta = SHARED_MEMORY, add_s: float | None = None,
                        level_s: float | None = None, step: int | None = None, value_bytes: int = VALUE_BYTES,
@@ -133,11 +140,8 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
     levels = (per_host - 1).bit_length()  # the binomial tree's, up and down
     gather = levels * (local.time(vector) + gamma * n if add_s is None else float(add_s))
     share = levels * (local.time(vector) if level_s is None else float(level_s))
-    if hosts == 1:
-        shared_link = local
-    else:
-        shared_link = AlphaBeta(alpha=ab.alpha, beta=ab.beta / per_host, burst=ab.burst / per_host)
-    flat = simulate(algorithm, hosts * per_host, n, density, shared_link, gamma, step=step, value_bytes=value_bytes,
+    link = local if hosts == 1 else shared_link(ab, per_host)
+    flat = simulate(algorithm, hosts * per_host, n, density, link, gamma, step=step, value_bytes=value_bytes,
                     **options)
     return {"two_level_s": gather + cross.seconds + share, "flat_s": flat.seconds,
             "phases_s": {"host sum": gather, "across hosts": cross.seconds, "host broadcast": share},

@@ -97,6 +97,8 @@ class Communicator(ABC):
     #: runs no progress thread): a long computation meant to overlap them calls
     #: :meth:`progress` now and then
     manual_progress = False
+    #: whether :meth:`split` can form groups of ranks (the two-level exchange's host groups)
+    forms_groups = False
 
     def __init__(self, rank: int, size: int):
         self.rank = int(rank)

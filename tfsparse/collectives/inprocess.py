@@ -70,6 +70,7 @@ class InProcessWorld:
 
 class InProcessCommunicator(Communicator):
     name = "inprocess"
+    forms_groups = True
 
     def __init__(self, world: InProcessWorld, rank: int, channel: tuple = ()):
         super().__init__(rank, world.size)

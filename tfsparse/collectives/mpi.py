@@ -35,6 +35,7 @@ class MPICommunicator(Communicator):
     """
 
     name = "mpi"
+    forms_groups = True
     manual_progress = True
 
     def __init__(self, comm=None):
