@@ -1,5 +1,5 @@
 """``tfsparse.horovod.tensorflow`` -- Horovod's names and meaning for scripts moved from Horovod --
-on real ranks under ``mpirun`` (P = 2 and the non-power-of-two 3) and ``horovodrun``: the
+on real ranks under ``mpirun`` and ``horovodrun`` (P = 2 and the non-power-of-two 3): the
 process queries, ``allreduce`` (every op, the scale factors, fp16 compression, integers,
 IndexedSlices), ``allgather`` (ranks of different lengths), ``broadcast``, ``broadcast_variables``
 (eagerly and in a ``tf.function``), Horovod's gradients of the three collectives, collectives of a
@@ -57,7 +57,6 @@ def test_horovod_api_under_mpirun(P):
     _check(results, P, "mpi")
 
 
-@pytest.mark.horovod
 def under_horovodrun(tmp_path, worker: str, P: int, timeout: float) -> list:
     """``horovodrun -np P`` of ``tests/workers/<worker>``; the ranks' results (skipped without a
     Horovod built with MPI)."""
@@ -71,8 +70,10 @@ def under_horovodrun(tmp_path, worker: str, P: int, timeout: float) -> list:
     return [load_result(tmp_path, r) for r in range(P)]
 
 
-def test_horovod_api_under_horovodrun(tmp_path):
-    _check(under_horovodrun(tmp_path, "horovod_api.py", 3, 300), 3, "horovod")
+@pytest.mark.horovod
+@pytest.mark.parametrize("P", [2, 3])
+def test_horovod_api_under_horovodrun(tmp_path, P):
+    _check(under_horovodrun(tmp_path, "horovod_api.py", P, 300), P, "horovod")
 
 
 def _check_keras(results, P, backend):
@@ -116,5 +117,6 @@ def test_horovod_keras_under_mpirun(P):
 
 
 @pytest.mark.horovod
-def test_horovod_keras_under_horovodrun(tmp_path):
-    _check_keras(under_horovodrun(tmp_path, "horovod_keras.py", 2, 400), 2, "horovod")
+@pytest.mark.parametrize("P", [2, 3])
+def test_horovod_keras_under_horovodrun(tmp_path, P):
+    _check_keras(under_horovodrun(tmp_path, "horovod_keras.py", P, 400), P, "horovod")
