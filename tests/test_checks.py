@@ -46,6 +46,20 @@ def test_integer_accepts_numpy_integers():
     assert got == 3 and type(got) is int
 
 
+@pytest.mark.parametrize("value", ["c", ["a"], True, None, np.zeros(3), 1.0])
+def test_choice_refuses_with_name_value_and_the_choices(value):
+    with pytest.raises(ValueError) as info:
+        _checks.choice("x", value, ("a", "b", 1))
+    assert str(info.value) == f"x={value!r} is not supported; accepted: 'a', 'b', 1"
+    with pytest.raises(ValueError, match=r"^x='c' is not supported; accepted: a or b$"):
+        _checks.choice("x", "c", ("a", "b"), accepted="a or b")
+
+
+def test_choice_returns_the_value_a_subclass_included():
+    assert _checks.choice("x", np.str_("a"), ("a", "b")) == "a" and _checks.choice("x", None, ("a", None)) is None
+    assert _checks.choice("x", 1, ("a", 1)) == 1
+
+
 @pytest.mark.parametrize("bad", ["malloc", "BFC", True, 0])
 def test_init_refuses_an_unknown_cpu_allocator_before_anything(bad):
     import tfsparse

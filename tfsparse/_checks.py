@@ -1,9 +1,12 @@
-"""Argument checks shared by every public constructor: one message format for bad numbers.
+"""Argument checks shared by every public constructor: one message format for bad numbers, one
+for a value outside a set of choices.
 
-Each raises ``ValueError("<name>=<value!r> is not valid; accepted: <what>")`` -- naming the
-argument, the value and the accepted values -- before any communication, and returns the value
-as a Python ``float``/``int``.  bools are refused (``True`` is not a density), and so are NaN and
-infinities.  Imports nothing from the package, so every module may use it.
+:func:`real` and :func:`integer` raise ``ValueError("<name>=<value!r> is not valid; accepted:
+<what>")`` -- naming the argument, the value and the accepted values -- before any communication,
+and return the value as a Python ``float``/``int``.  bools are refused (``True`` is not a
+density), and so are NaN and infinities.  :func:`choice` raises ``ValueError("<name>=<value!r>
+is not supported; accepted: <choices>")``.  Imports nothing from the package, so every module may
+use it.
 """
 from __future__ import annotations
 
@@ -46,3 +49,21 @@ def integer(name: str, value, minimum: int | None = None, maximum: int | None = 
             accepted = f"an integer in [{'-inf' if minimum is None else minimum}, {maximum}]"
         _reject(name, value, accepted, hint)
     return int(value)
+
+
+def choice(name: str, value, choices, *, accepted: str | None = None):
+    """``value`` if it equals one of ``choices`` and is of its type (or a subclass: a numpy
+    string is a string; but ``True`` is not 1); else ``ValueError`` naming ``name``, the value and
+    ``accepted`` (default: the choices' reprs joined by commas)."""
+    def same(c) -> bool:
+        try:
+            equal = bool(c == value)
+        except (TypeError, ValueError):  # an array, or a value that cannot compare
+            return False
+        return equal and (type(value) is type(c) or (not isinstance(value, bool) and isinstance(value, type(c))))
+
+    ok = any(same(c) for c in choices)
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not supported; accepted: "
+                         f"{', '.join(repr(c) for c in choices) if accepted is None else accepted}")
+    return value

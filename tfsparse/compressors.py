@@ -306,9 +306,7 @@ class DGCSampledThreshold(Compressor):
         self.lower = _checks.real("lower", lower, 0.0, lo_open=True)
         self.upper = _checks.real("upper", upper, self.lower, lo_open=True)
         self.adapt_factor = _checks.real("adapt_factor", adapt_factor, 0.0, 1.0, lo_open=True, hi_open=True)
-        if truncate not in self.TRUNCATE:
-            raise ValueError(f"truncate={truncate!r} is not supported; accepted: 'largest', 'first', None")
-        self.truncate = truncate
+        self.truncate = _checks.choice("truncate", truncate, self.TRUNCATE)
         self.exact_below = _checks.integer("exact_below", exact_below, 0)
         self._rng = np.random.default_rng(seed)
         self.last_threshold = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import runtime
+from . import _checks, runtime
 
 
 def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_seed: int | None = None):
@@ -62,11 +62,10 @@ UNEVEN_POLICIES = ("end", "join", "error")
 
 
 def check_uneven_policy(uneven_data) -> str:
-    if not isinstance(uneven_data, str) or uneven_data not in UNEVEN_POLICIES:
-        raise ValueError(f"uneven_data={uneven_data!r} is not supported; accepted: 'end' (when one rank's data runs "
-                         f"out, every rank ends the epoch at that step), 'join' (ranks that ran out contribute "
-                         f"zero-weighted batches until every rank is done, as Horovod's join) or 'error' (raise "
-                         f"StepCountMismatch)")
+    _checks.choice("uneven_data", uneven_data, UNEVEN_POLICIES, accepted=(
+        "'end' (when one rank's data runs out, every rank ends the epoch at that step), 'join' (ranks that ran "
+        "out contribute zero-weighted batches until every rank is done, as Horovod's join) or 'error' (raise "
+        "StepCountMismatch)"))
     return uneven_data
 
 

@@ -46,10 +46,7 @@ def available_memories() -> tuple[str, ...]:
 
 def check_memory(memory, momentum=None) -> dict:
     """Validates ``memory`` and its options; returns the options (ValueError otherwise)."""
-    if not isinstance(memory, str) or memory not in _MEMORIES:
-        raise ValueError(f"memory={memory!r} is not supported; accepted: "
-                         f"{', '.join(repr(m) for m in available_memories())}")
-    return _MEMORIES[memory].check_options(momentum)
+    return _MEMORIES[_checks.choice("memory", memory, available_memories())].check_options(momentum)
 
 
 def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST, reuse=None):

@@ -269,9 +269,8 @@ def make_plan(plan=None, bucket_bytes=None) -> Plan:
         return plan
     if plan is None:
         return FusedPlan() if bucket_bytes is None else BucketPlan(bucket_bytes)
-    if not isinstance(plan, str) or plan not in _PLANS:
-        raise ValueError(f"plan={plan!r} is not supported; accepted: "
-                         f"{', '.join(repr(p) for p in _PLANS)} or a tfsparse.plan.Plan instance")
+    _checks.choice("plan", plan, tuple(_PLANS),
+                   accepted=f"{', '.join(repr(p) for p in _PLANS)} or a tfsparse.plan.Plan instance")
     if plan == "buckets":
         return BucketPlan(bucket_bytes)
     if bucket_bytes is not None:

@@ -78,8 +78,7 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     if backend is None:
         backend = os.environ.get("TFSPARSE_BACKEND", "auto")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; accepted: {', '.join(_BACKENDS)}")
+    _checks.choice("backend", backend, _BACKENDS, accepted=", ".join(_BACKENDS))
     from .collectives.horovod import HorovodCommunicator, horovod_available
 
     if backend == "auto":
@@ -210,9 +209,8 @@ _ALLOCATORS = ("bfc", None)
 
 
 def _check_allocator(cpu_allocator) -> None:
-    if cpu_allocator not in _ALLOCATORS:
-        raise ValueError(f"cpu_allocator={cpu_allocator!r} is not supported; accepted: 'bfc' (TensorFlow's "
-                         f"reusing allocator for host memory) or None (TensorFlow's default)")
+    _checks.choice("cpu_allocator", cpu_allocator, _ALLOCATORS, accepted=(
+        "'bfc' (TensorFlow's reusing allocator for host memory) or None (TensorFlow's default)"))
 
 
 def _share_cores(cores_per_rank, backend: str) -> None:

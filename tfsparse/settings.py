@@ -130,11 +130,7 @@ def check_option_names(algorithm: str, options: Mapping) -> None:
 
 
 def check_algorithm(algorithm) -> str:
-    names = (AUTO, *available_aggregators())
-    if not isinstance(algorithm, str) or algorithm not in names:
-        raise ValueError(f"algorithm={algorithm!r} is not supported; accepted: "
-                         f"{', '.join(repr(a) for a in names)}")
-    return algorithm
+    return _checks.choice("algorithm", algorithm, (AUTO, *available_aggregators()))
 
 
 def _check_auto(settings) -> None:
@@ -232,9 +228,7 @@ class Settings:
             check_option_names(self.algorithm, self.options)
             get_aggregator(self.algorithm, **self.options)  # validates the options
         self.plan = make_grouping(self.plan, self.algorithm)
-        if not isinstance(self.memory, str) or self.memory not in (AUTO, *available_memories()):
-            raise ValueError(f"memory={self.memory!r} is not supported; accepted: "
-                             f"{', '.join(repr(m) for m in (AUTO, *available_memories()))}")
+        _checks.choice("memory", self.memory, (AUTO, *available_memories()))
         if self.memory == AUTO:
             if self.momentum is not None:
                 raise ValueError(f"momentum={self.momentum!r} needs memory='momentum' (momentum correction); with "

@@ -62,7 +62,7 @@ import math
 
 import numpy as np
 
-from . import traffic
+from . import _checks, traffic
 from .space import HOST
 
 INT8_CHUNK = 4096
@@ -91,10 +91,7 @@ def get_wire(name) -> "Wire":
     """The wire registered as ``name``; ValueError naming the accepted values otherwise."""
     if isinstance(name, Wire):
         return name
-    if not isinstance(name, str) or name not in _WIRES:
-        raise ValueError(f"wire_dtype={name!r} is not supported; accepted: "
-                         f"{', '.join(repr(w) for w in _WIRES)}")
-    return _WIRES[name]
+    return _WIRES[_checks.choice("wire_dtype", name, tuple(_WIRES))]
 
 
 def _f32(values) -> np.ndarray:

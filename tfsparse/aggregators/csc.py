@@ -100,10 +100,7 @@ class CoarseSparseAllreduce(Aggregator):
 
     def __init__(self, chunk_size: int = 32768, chunk_selection: str = "current"):
         self.chunk_size = check_chunk_size(chunk_size)
-        if chunk_selection not in SELECTIONS:
-            raise ValueError(f"chunk_selection={chunk_selection!r} is not supported; accepted: "
-                             f"{', '.join(repr(s) for s in SELECTIONS)}")
-        self.selection = chunk_selection
+        self.selection = _checks.choice("chunk_selection", chunk_selection, SELECTIONS)
         self._dense = DenseAllreduce()
         self._next = np.empty(0, np.int64)  # "previous": the set chosen by the last step
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _checks
 from ..buffers import Reusable
 from ..collectives.communicator import split_counts
 from ..wire import FLOAT32, Wire, WireLoss
@@ -77,10 +78,7 @@ class DenseAllreduce(Aggregator):
     REDUCE_SCATTERS = ("direct", "ring")
 
     def __init__(self, reduce_scatter: str = "direct"):
-        if reduce_scatter not in self.REDUCE_SCATTERS:
-            raise ValueError(f"reduce_scatter={reduce_scatter!r} is not supported; accepted: "
-                             f"{', '.join(repr(r) for r in self.REDUCE_SCATTERS)}")
-        self.reduce_scatter = reduce_scatter
+        self.reduce_scatter = _checks.choice("reduce_scatter", reduce_scatter, self.REDUCE_SCATTERS)
         #: the 16/8-bit exchange's messages, receive buffers and block sums, reused round after round
         self.buffers = Reusable(keep=32)
 

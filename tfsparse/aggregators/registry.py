@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import inspect
 
+from .. import _checks
+
 _REGISTRY: dict = {}
 
 
@@ -30,10 +32,7 @@ def aggregator_options(name: str) -> tuple[str, ...]:
 
 def get_aggregator(name: str, **options):
     """Instantiates the aggregator registered as ``name`` with ``options``."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"algorithm={name!r} is not supported; accepted: "
-                         f"{', '.join(repr(a) for a in available_aggregators())}")
-    cls = _REGISTRY[name]
+    cls = _REGISTRY[_checks.choice("algorithm", name, available_aggregators())]
     try:
         return cls(**options)
     except TypeError as e:

@@ -37,14 +37,14 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .. import _checks
 from .watchdog import tracked
 
 _OPS = ("sum", "max", "min")
 
 
 def _check_op(op: str) -> None:
-    if op not in _OPS:
-        raise ValueError(f"op={op!r} is not supported; accepted: {', '.join(_OPS)}")
+    _checks.choice("op", op, _OPS, accepted=", ".join(_OPS))
 
 
 def binomial_children(rank: int, size: int, root: int = 0) -> int:
