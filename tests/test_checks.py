@@ -95,3 +95,30 @@ def test_stall_settings_come_from_the_environment_when_auto(monkeypatch):
     assert _stall_seconds("stall_timeout", "auto", "TFSPARSE_STALL_TIMEOUT", None) is None
     assert _stall_seconds("stall_timeout", 0, "TFSPARSE_STALL_TIMEOUT", None) is None
     assert _stall_seconds("stall_timeout", 30, "TFSPARSE_STALL_TIMEOUT", None) == 30.0
+
+
+def test_one_registry_for_every_family_of_named_stages():
+    from tfsparse._registry import Registry
+    from tfsparse.compressors import ReusedThreshold, check_compressor, compressors_by_name
+
+    reg = Registry("thing", "thing_kind")
+
+    @reg.register("b")
+    class B:
+        pass
+
+    @reg.register
+    class A:
+        name = "a"
+
+    assert reg.names() == ("a", "b") and reg.get("b") is B and B.name == "b" and "a" in reg and ["a"] not in reg
+    with pytest.raises(ValueError, match=r"^thing_kind='c' is not supported; accepted: 'a', 'b'$"):
+        reg.get("c")
+    with pytest.raises(ValueError, match="thing 'a' is registered twice"):
+        reg.register(A)
+    ordered = Registry("wire", "wire_dtype", ordered=True, make=lambda cls: cls())
+    ordered.register(B)
+    ordered.register(A)
+    assert ordered.names() == ("b", "a") and isinstance(ordered.get("a"), A)
+    # every compressor is registered, Ok-Topk's reused threshold too
+    assert compressors_by_name()["oktopk"] is ReusedThreshold and isinstance(check_compressor("oktopk"), ReusedThreshold)

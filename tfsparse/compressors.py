@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from . import _checks, traffic
+from ._registry import Registry
 from .schedules import small_tensor_k
 from .state import Stateful
 
@@ -51,6 +52,10 @@ class Prefilter:
 
     def __init__(self, key: int, threshold: float | None = None):
         self.key, self.threshold = int(key), threshold
+
+
+#: every compressor class by its ``name`` (``compressor=`` may name one)
+COMPRESSORS = Registry("compressor", "compressor")
 
 
 class Compressor(Stateful):
@@ -159,6 +164,7 @@ def topk_of(acc, k: int, candidates: Candidates | None):
     return topk_with_values(acc, k)
 
 
+@COMPRESSORS.register
 class TopK(Compressor):
     """Exact local top-k by magnitude (gtopk-ssgd-shi2019 Alg. 1 lines 5-7).  Fused with error
     feedback (:meth:`prefilter`): the top-k's sample is read from gradient + residual before the
@@ -176,6 +182,7 @@ class TopK(Compressor):
         return topk_prefilter(n, k, peek)
 
 
+@COMPRESSORS.register
 class Identity(Compressor):
     """Sends everything (dense)."""
 
@@ -245,6 +252,7 @@ def threshold_select(acc: np.ndarray, threshold: float, strict: bool = True, mag
     return np.flatnonzero(mask).astype(np.int64, copy=False)
 
 
+@COMPRESSORS.register
 class DGCSampledThreshold(Compressor):
     """Deep Gradient Compression's sampled threshold (approximate top-k), as described in
     dragonn-wang2022 §2.3 and App. B (Alg. 3 "Existing approximate TopK GS"), with the
@@ -400,6 +408,7 @@ class DGCSampledThreshold(Compressor):
 _SMALLEST_POSITIVE = float(np.nextafter(np.float32(0.0), np.float32(1.0)))
 
 
+@COMPRESSORS.register
 class HashedThreshold(Compressor):
     """DRAGONN's hashing-based index extraction (dragonn-wang2022 §3.2, Alg. 1), per step:
 
@@ -549,6 +558,7 @@ def _mean_std(acc: np.ndarray, chunk: int = 1 << 20) -> tuple[float, float]:
     return mu, float(np.sqrt(sq / n))
 
 
+@COMPRESSORS.register
 class GaussianKThreshold(Compressor):
     """Gaussian-k threshold (Gaussiank, as described in oktopk-li2022 §2 and §5.4).
 
@@ -673,6 +683,7 @@ def adjusted_threshold(threshold, count, k, high, factor):
     return threshold
 
 
+@COMPRESSORS.register
 class ReusedThreshold(Compressor):
     """Ok-Topk's local selection (oktopk-li2022 §3.1.3; Alg. 1 lines 2-4): the entries with
     ``|acc| >= threshold``, where the threshold is re-evaluated -- the exact k-th largest
@@ -755,8 +766,8 @@ class ReusedThreshold(Compressor):
 
 
 def compressors_by_name() -> dict:
-    """The compressors a ``compressor=`` option may name, by their ``name``."""
-    return {cls.name: cls for cls in (TopK, Identity, DGCSampledThreshold, GaussianKThreshold, HashedThreshold)}
+    """The compressors a ``compressor=`` option may name, by their ``name`` (every registered one)."""
+    return dict(COMPRESSORS.items())
 
 
 def check_compressor(compressor) -> Compressor:

@@ -29,24 +29,21 @@ from __future__ import annotations
 import numpy as np
 
 from . import _checks, traffic
+from ._registry import Registry
 from .space import HOST
 from .state import Stateful
 
-_MEMORIES: dict = {}
-
-
-def register_memory(cls):
-    _MEMORIES[cls.name] = cls
-    return cls
+MEMORIES = Registry("memory", "memory")
+register_memory = MEMORIES.register  # class decorator: the class under its name
 
 
 def available_memories() -> tuple[str, ...]:
-    return tuple(sorted(_MEMORIES))
+    return MEMORIES.names()
 
 
 def check_memory(memory, momentum=None) -> dict:
     """Validates ``memory`` and its options; returns the options (ValueError otherwise)."""
-    return _MEMORIES[_checks.choice("memory", memory, available_memories())].check_options(momentum)
+    return MEMORIES.get(memory).check_options(momentum)
 
 
 def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST, reuse=None):
@@ -57,7 +54,7 @@ def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST, 
     vectors kept -- when it is what this call would build (the same kind, options, size and
     space): a bucket rebuilt with other stages (``algorithm="auto"``'s switch) keeps its memory
     without copying or allocating."""
-    cls = _MEMORIES[memory]
+    cls = MEMORIES.get(memory)
     if not needed and not cls.always:
         cls, options = NoMemory, {}
     if (type(reuse) is cls and reuse.space is space and reuse.acc.shape[0] == size

@@ -3,7 +3,7 @@
 The exchange captures a :class:`Layout` when it first sees the gradients (at trace time in
 TensorFlow): each gradient's name, shape and dtype, in the optimizer's variable order, and the
 offsets of a fused float32 vector holding them all.  A **plan** maps the layout to
-:class:`Bucket` s -- contiguous runs of tensors, each exchanged with its own aggregator
+:class:`BucketSpec` s -- contiguous runs of tensors, each exchanged with its own aggregator
 instance (its own state), its own ``k = ceil(density * bucket size)`` and its own slice of
 the residual.  Buckets are exchanged one after another, in bucket order, on the exchange's
 communication thread.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _checks
+from ._registry import Registry
 
 _FLOAT32_BYTES = 4
 
@@ -99,8 +100,10 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """Tensors ``[first, last)`` of a layout, elements ``[start, stop)`` of its fused vector.
+class BucketSpec:
+    """Tensors ``[first, last)`` of a layout, elements ``[start, stop)`` of its fused vector: a
+    plan's entry (its run-time counterpart, with memory, aggregator and rounds in flight, is
+    :class:`tfsparse.bucket.Bucket`, whose ``spec`` this is).
 
     ``algorithm``, ``density``, ``wire_dtype`` and ``options`` override the exchange's
     settings for this bucket (``None``: the exchange's)."""
@@ -120,8 +123,12 @@ class Bucket:
         return self.stop - self.start
 
 
-def _bucket(layout: Layout, index: int, first: int, last: int, **overrides) -> Bucket:
-    return Bucket(index, first, last, int(layout.offsets[first]), int(layout.offsets[last]), **overrides)
+def _bucket(layout: Layout, index: int, first: int, last: int, **overrides) -> BucketSpec:
+    return BucketSpec(index, first, last, int(layout.offsets[first]), int(layout.offsets[last]), **overrides)
+
+
+#: the plans a name selects (``plan="fused"``), in the order registered
+PLANS = Registry("plan", "plan", ordered=True)
 
 
 class Plan:
@@ -136,7 +143,7 @@ class Plan:
         :attr:`prepares` is set (e.g. the cost model of :mod:`tfsparse.selection` measures the
         network there)."""
 
-    def buckets(self, layout: Layout) -> list[Bucket]:
+    def buckets(self, layout: Layout) -> list[BucketSpec]:
         raise TypeError(f"{type(self).__name__} does not define buckets()")
 
     def config(self) -> dict:
@@ -154,6 +161,7 @@ class Plan:
         return f"{type(self).__name__}({args})"
 
 
+@PLANS.register
 class FusedPlan(Plan):
     """Every gradient in one bucket (today's behaviour of most systems, and the default)."""
 
@@ -163,6 +171,7 @@ class FusedPlan(Plan):
         return [_bucket(layout, 0, 0, len(layout))]
 
 
+@PLANS.register
 class BucketPlan(Plan):
     """GradientFlow's lazy allreduce (gradientflow-sun2019 §3.1) with threshold θ = ``bucket_bytes``.
 
@@ -192,6 +201,7 @@ class BucketPlan(Plan):
         return out
 
 
+@PLANS.register
 class PerTensorPlan(Plan):
     """One bucket per tensor, last tensor first.
 
@@ -244,11 +254,8 @@ class PerTensorPlan(Plan):
                 for b, i in enumerate(range(len(layout) - 1, -1, -1))]
 
 
-_PLANS = {"fused": FusedPlan, "buckets": BucketPlan, "per_tensor": PerTensorPlan}
-
-
 def available_plans() -> tuple[str, ...]:
-    return tuple(_PLANS)
+    return PLANS.names()
 
 
 def check_bucket_bytes(bucket_bytes):
@@ -269,10 +276,10 @@ def make_plan(plan=None, bucket_bytes=None) -> Plan:
         return plan
     if plan is None:
         return FusedPlan() if bucket_bytes is None else BucketPlan(bucket_bytes)
-    _checks.choice("plan", plan, tuple(_PLANS),
-                   accepted=f"{', '.join(repr(p) for p in _PLANS)} or a tfsparse.plan.Plan instance")
+    _checks.choice("plan", plan, PLANS.names(),
+                   accepted=f"{', '.join(repr(p) for p in PLANS.names())} or a tfsparse.plan.Plan instance")
     if plan == "buckets":
         return BucketPlan(bucket_bytes)
     if bucket_bytes is not None:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} only applies to plan='buckets' (got plan={plan!r})")
-    return _PLANS[plan]()
+    return PLANS.get(plan)()

@@ -63,7 +63,7 @@ from . import _checks
 from .aggregators import Aggregator, get_aggregator
 from .collectives.alphabeta import AlphaBeta, format_rate, format_time, measure_alpha_beta
 from .collectives.simulate import Builder
-from .plan import Bucket, Layout, Plan, _bucket
+from .plan import BucketSpec, Layout, Plan, _bucket
 from .schedules import k_from_density
 
 #: algorithms whose exchange is an allgather of the compressed tensors (what Eq. 1 prices)
@@ -260,7 +260,7 @@ class CostModelPlan(Plan):
         self._context = (model, comm.size, exchange.density, exchange.wire.value_bytes, comm.rank,
                          exchange.algorithm, exchange.options)
 
-    def buckets(self, layout: Layout) -> list[Bucket]:
+    def buckets(self, layout: Layout) -> list[BucketSpec]:
         if self._context is None:
             raise RuntimeError("CostModelPlan.buckets() before prepare(): the exchange prepares the plan")
         model, workers, density, value_bytes, rank, algorithm, options = self._context

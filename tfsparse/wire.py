@@ -62,7 +62,8 @@ import math
 
 import numpy as np
 
-from . import _checks, traffic
+from . import traffic
+from ._registry import Registry
 from .space import HOST
 
 INT8_CHUNK = 4096
@@ -72,26 +73,20 @@ INT8_CHUNK = 4096
 #: in pieces of 64Ki (each call has its overhead)
 DECODE_PIECE = 64 * INT8_CHUNK
 _F16_MAX = np.float32(65504.0)
-_WIRES: dict = {}
-
-
-def register_wire(cls):
-    """Class decorator: makes ``cls`` available as ``wire_dtype=cls.name``."""
-    if cls.name in _WIRES:
-        raise ValueError(f"wire {cls.name!r} is registered twice")
-    _WIRES[cls.name] = cls()
-    return cls
+#: the wires by name, one instance each, in the order registered
+WIRES = Registry("wire", "wire_dtype", ordered=True, make=lambda cls: cls())
+register_wire = WIRES.register  # class decorator: makes ``cls`` available as ``wire_dtype=cls.name``
 
 
 def available_wires() -> tuple[str, ...]:
-    return tuple(_WIRES)
+    return WIRES.names()
 
 
 def get_wire(name) -> "Wire":
     """The wire registered as ``name``; ValueError naming the accepted values otherwise."""
     if isinstance(name, Wire):
         return name
-    return _WIRES[_checks.choice("wire_dtype", name, tuple(_WIRES))]
+    return WIRES.get(name)
 
 
 def _f32(values) -> np.ndarray:
