@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "tfsparse"
 
 # bottom to top; a module may import anything in its own layer or below
 LAYERS = [
-    {"_checks", "_version", "traffic", "buffers", "files", "banner"},
+    {"_checks", "_registry", "_version", "traffic", "buffers", "files", "banner"},
     {"_tf_private", "ops", "state", "schedules", "space"},
     {"wire"},
     {"collectives"},
@@ -67,6 +67,74 @@ def test_imports_point_downward(path):
             continue
         assert other in LEVEL, f"{path} imports {target}: unknown layer"
         assert LEVEL[other] <= LEVEL[own], f"{path.relative_to(PKG)} ({own}) imports {target} ({other}), a layer above"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    """Each tfsparse module's tfsparse imports (module level or lazy), as the modules they name
+    (``from .a import b`` names ``a`` unless ``a.b`` is a module); a package's own
+    ``__init__`` left out of its submodules' edges (importing ``x.y`` runs ``x`` first anyway)."""
+    names = {_module_name(p) for p in PKG.rglob("*.py")}
+
+    def module(target: str) -> str | None:
+        parts = target.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in names), None)
+
+    graph = {}
+    for path in PKG.rglob("*.py"):
+        me = _module_name(path)
+        graph[me] = {m for t in imports_of(path) if t and t.startswith("tfsparse")
+                     for m in [module(t)] if m and m != me and not me.startswith(m + ".")}
+    return graph
+
+
+def circles(graph: dict) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_inside_a_layer():
+    """The layers allow imports within a layer; no set of modules may import each other in a
+    circle (lazy imports included), which a lazy import would otherwise hide."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check itself
+    assert circles(import_graph()) == []
+
+
+def test_private_tensorflow_and_keras_only_in_tf_private():
+    """``tensorflow.python`` and ``keras.src`` (private) are imported by ``_tf_private`` alone;
+    every other module uses the public API or a named function of that module."""
+    for path in MODULES:
+        if path.name == "_tf_private.py":
+            continue
+        private = [t for t in imports_of(path) if t and t.startswith(("tensorflow.python", "keras.src"))]
+        assert private == [], f"{path.relative_to(PKG)} imports {private}; put it behind a function in _tf_private.py"
 
 
 @pytest.mark.parametrize("statement", ["import tfsparse", "from tfsparse import collectives, aggregators, exchange"])

@@ -6,8 +6,12 @@ custom gradient registered for ever where none can be asked for); it is a Keras 
 Keras model files hold the exchange's state; the exchange refuses XLA; and when Keras
 distributes a dataset, the strategy reads how many steps its epoch iterator will run and for
 which model method; ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
-to resume from, as Keras' own callback does.  Those are private APIs, so they are used here alone,
-behind a version check.
+to resume from, as Keras' own callback does; the strategy knows Keras' steps and its loss-scale
+optimizer's finiteness check by their method names (:func:`keras_replica_call`) and TensorFlow's
+error for mixed strategies by its text (:func:`mixes_strategies`).  Those are private APIs, so they
+are used here alone, behind a version check (and the hooks the strategy overrides,
+:data:`EXTENDED_HOOKS`, are checked to exist); ``tests/test_layering.py`` fails on a
+``tensorflow.python`` or ``keras.src`` import anywhere else.
 """
 from __future__ import annotations
 
@@ -33,6 +37,17 @@ from tensorflow.python.distribute import one_device_strategy as _one_device  # n
 
 OneDeviceStrategy = _one_device.OneDeviceStrategy
 OneDeviceExtended = _one_device.OneDeviceExtended
+
+#: the private hooks of ``OneDeviceExtended`` that ``SparseExtended`` overrides
+#: (tfsparse/strategies/sparse_strategy.py); a TensorFlow without one of them is refused here,
+#: at import, rather than running a strategy whose override is never called
+EXTENDED_HOOKS = ("_create_variable", "_experimental_distribute_dataset", "_batch_reduce_to", "_reduce_to",
+                  "_call_for_each_replica", "_num_replicas_in_sync", "_in_multi_worker_mode")
+_missing = [h for h in EXTENDED_HOOKS if not hasattr(OneDeviceExtended, h)]
+if _missing:
+    raise ImportError(f"tfsparse.SparseStrategy needs TensorFlow's OneDeviceExtended.{', '.join(_missing)}, which "
+                      f"TensorFlow {tf.__version__} does not have; tested with TensorFlow "
+                      f"{TESTED[0][0]}.{TESTED[0][1]}-{TESTED[1][0]}.{TESTED[1][1]}")
 
 from tensorflow.python.distribute import distribute_lib as _distribute_lib  # noqa: E402
 from tensorflow.python.eager import record as _record  # noqa: E402
@@ -176,3 +191,25 @@ def set_initial_epoch(model, epoch: int | None) -> None:
     ``BackupAndRestore`` sets the model's private ``_initial_epoch``, which ``fit`` reads after
     ``on_train_begin``."""
     model._initial_epoch = epoch
+
+
+def mixes_strategies(exc) -> bool:
+    """Whether ``exc`` is TensorFlow's error for variables of one strategy used under another
+    (it has no class of its own: TensorFlow raises a ``RuntimeError`` whose text says so)."""
+    return isinstance(exc, RuntimeError) and "Mixing different tf.distribute.Strategy" in str(exc)
+
+
+def keras_replica_call(fn) -> tuple[str | None, object]:
+    """What Keras runs through the strategy's ``call_for_each_replica``, known by the method's
+    name (Keras 3 passes bound methods; autograph may wrap them): ``("train_step", model)``,
+    ``("test_step", model)``, ``("check_finite", loss_scale_optimizer)`` -- Keras'
+    ``LossScaleOptimizer`` asks the strategy whether every gradient is finite -- or
+    ``(None, None)`` for anything else.  A step that is no bound method comes with owner None."""
+    owner = fn
+    while owner is not None and getattr(owner, "__self__", None) is None:
+        owner = getattr(owner, "__wrapped__", None)
+    owner = None if owner is None else owner.__self__
+    name = getattr(fn, "__name__", "")
+    if name == "check_finite":
+        return (name, owner) if hasattr(owner, "dynamic_scale") else (None, None)
+    return (name, owner) if name in ("train_step", "test_step") else (None, None)

@@ -14,7 +14,8 @@
   relaunched job (``tfsparse-run --max-restarts``) starts ``fit`` again.
 * :func:`rank_zero_only` — run a callback (ModelCheckpoint, TensorBoard, ...) on rank 0 only.
 * :func:`average_moving_statistics` — BatchNorm's moving statistics averaged over the ranks (the
-  call for custom training loops).
+  call for custom training loops), and :func:`broadcast_variables`; both live in
+  :mod:`tfsparse.keras.sync` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -32,77 +33,7 @@ from ..collectives.agreement import ConfigurationMismatch, check_agreement
 from ..wire import get_wire
 from .ownership import checkpointer_of, exchange_of, require_exchange
 from .replicas import check_replicas
-
-
-def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
-    """Overwrites ``variables`` on every rank with ``root_rank``'s values (one broadcast per dtype)."""
-    comm = communicator or runtime.communicator()
-    variables = list(variables)
-    if comm.size == 1 or not variables:
-        return
-    by_dtype: dict = {}
-    for v in variables:
-        by_dtype.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)), []).append(v)
-    check_agreement(comm, "the variables to broadcast",
-                    [[list(v.shape), np.dtype(dt).name] for dt, vs in by_dtype.items() for v in vs],
-                    "Every rank must build the same model (layer sizes, dtypes) and optimizer.")
-    for dtype, vs in sorted(by_dtype.items(), key=lambda kv: kv[0].str):
-        flat = np.concatenate([np.asarray(keras.ops.convert_to_numpy(v), dtype=dtype).reshape(-1) for v in vs])
-        flat = comm.bcast(flat, root=root_rank)
-        off = 0
-        for v in vs:
-            n = int(np.prod(v.shape, dtype=np.int64))
-            v.assign(flat[off:off + n].reshape(v.shape))
-            off += n
-
-
-def average_moving_statistics(model, communicator=None) -> int:
-    """Replaces the model's moving statistics -- the non-trainable float weights of its trainable
-    layers that training updates, BatchNormalization's moving mean and variance -- by their mean
-    over the ranks (one allreduce, in float64); returns how many variables it averaged.
-
-    Each rank computes them from its own batches, so they drift apart while the trainable
-    weights stay identical.  ``fit`` averages them for you (under ``SparseStrategy`` after every
-    step; with ``MetricAverage`` at each epoch's end); in a custom training loop call this once
-    per epoch (or before saving or evaluating) on every rank:
-
-    >>> for epoch in range(epochs):
-    ...     for x, y in dataset:
-    ...         train_step(x, y)          # with tfsparse.keras.DistributedOptimizer
-    ...     tfsparse.keras.callbacks.average_moving_statistics(model)
-
-    The collective runs over the model's exchange (after its rounds in flight) when it has one,
-    else over ``communicator`` (default: the world).
-    """
-    from ..strategies.sparse_strategy import moving_statistics
-
-    weights = moving_statistics(model)
-    comm = communicator or runtime.communicator()
-    if comm.size > 1 and weights:
-        values = _float64(weights)
-        flat = np.concatenate([x.reshape(-1) for x in values])
-        _assign(weights, values, _collective(model, lambda c: c.allreduce(flat), comm) / comm.size)
-    return len(weights)
-
-
-def _collective(model, fn, communicator=None):
-    """``fn(comm)`` over the model's exchange (on its communication thread, after its rounds in
-    flight) when the model has one, else over ``communicator`` (default: the world)."""
-    exchange = exchange_of(model)
-    return exchange.run_collective(fn) if exchange is not None else fn(communicator or runtime.communicator())
-
-
-def _float64(variables) -> list:
-    return [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-
-
-def _assign(variables, values, flat) -> None:
-    """Each of ``variables`` (shaped as ``values``, their float64 copies) takes its part of the
-    concatenated ``flat``, cast to its own dtype."""
-    off = 0
-    for v, x in zip(variables, values):
-        v.assign(flat[off:off + x.size].reshape(x.shape).astype(keras.backend.standardize_dtype(v.dtype)))
-        off += x.size
+from .sync import _assign, _float64, average_moving_statistics, broadcast_variables, run_on_model  # noqa: F401
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -235,7 +166,7 @@ class MetricAverage(keras.callbacks.Callback):
         """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training
         (``None``: nothing to agree on)."""
         flat = np.concatenate([np.asarray(values, np.float64).reshape(-1), [1.0 if stop else 0.0]])
-        total = _collective(self.model, lambda c: c.allreduce(flat))
+        total = run_on_model(self.model, lambda c: c.allreduce(flat))
         if stop is not None and total[-1] > 0:
             self.model.stop_training = True
         return total[:-1] / runtime.communicator().size
@@ -585,7 +516,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         ConfigurationMismatch when they differ, or the same error when the backup is unreadable."""
         text = np.frombuffer(json.dumps(view, sort_keys=True).encode(), np.uint8)
         if runtime.communicator().size > 1:
-            parts = _collective(self.model, lambda c: c.allgather(text))
+            parts = run_on_model(self.model, lambda c: c.allgather(text))
             views = [json.loads(bytes(np.asarray(p, np.uint8)).decode()) for p in parts]
         else:
             views = [view]
@@ -670,7 +601,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         if runtime.communicator().size > 1:  # every rank finished fit before the backup goes
             done = np.ones(1, np.float64)
-            _collective(self.model, lambda c: c.allreduce(done))
+            run_on_model(self.model, lambda c: c.allreduce(done))
         if runtime.rank() == 0:
             for name in (self.LATEST, self.PREVIOUS):
                 for path in (self._path(name), files.partial_path(self._path(name))):
@@ -679,4 +610,4 @@ class BackupAndRestore(keras.callbacks.Callback):
             with contextlib.suppress(OSError):  # kept when it holds anything else
                 os.rmdir(self.backup_dir)
         if runtime.communicator().size > 1:  # and no rank's fit returns before it is gone
-            _collective(self.model, lambda c: c.allreduce(np.ones(1, np.float64)))
+            run_on_model(self.model, lambda c: c.allreduce(np.ones(1, np.float64)))

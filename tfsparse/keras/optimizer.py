@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 
 from .._tf_private import keras_model_running
 from ..checkpoint import Checkpointer, is_entry
@@ -37,7 +36,7 @@ from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import ALIASES, NAMES, Settings
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
-from .callbacks import average_moving_statistics, broadcast_variables
+from .sync import average_moving_statistics, broadcast_variables
 from .ownership import fit_optimizer
 from .replicas import check_replicas
 
@@ -264,13 +263,12 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         """The settings' serialisation (:meth:`tfsparse.settings.Settings.config`, with the current
         density) and the wrapper's own arguments."""
         return {"name": self.name,
-                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+                "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 **self.exchange.config(), "loss_scale": self.loss_scale, "initial_scale": self.initial_scale,
                 "dynamic_growth_steps": self.dynamic_growth_steps}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                           custom_objects=custom_objects)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)

@@ -87,13 +87,13 @@ def check_replicas(model, optimizers=(), communicator=None, what: str = "") -> i
     flight) when it has one, else over ``communicator`` (default: the world)."""
     import keras
 
-    from .callbacks import _collective
+    from .sync import run_on_model
 
     variables = variables_of(model, optimizers)
     comm = communicator or runtime.communicator()
     if comm.size == 1:
         return len(variables)
     mine = digests([keras.ops.convert_to_numpy(v) for v in variables])
-    gathered = _collective(model, lambda c: c.allgather(mine), comm)
+    gathered = run_on_model(model, lambda c: c.allgather(mine), comm)
     compare([name_of(v) for v in variables], gathered, what)
     return len(variables)

@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
-                           keras_epoch_steps, keras_optimizer_applying, keras_running, optimizer_variables,
-                           reject_xla)
+                           keras_epoch_steps, keras_optimizer_applying, keras_replica_call, keras_running,
+                           mixes_strategies, optimizer_variables, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
@@ -45,10 +45,10 @@ from ..pipelined import Pipelined
 from ..settings import Settings
 from ..keras.ownership import check_optimizer, fit_optimizer
 from ..keras.replicas import compare, digests, name_of, variables_of
+from ..keras.sync import moving_statistics
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (StepCountMismatch: public here too)
 
-_SYNCED_STEPS = ("train_step", "test_step")
 
 
 class SparseExtended(OneDeviceExtended):
@@ -256,13 +256,13 @@ class SparseExtended(OneDeviceExtended):
 
     # -- per-step metric agreement ----------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
-        owner, name = _bound_to(fn), getattr(fn, "__name__", "")
-        if name == "check_finite" and hasattr(owner, "dynamic_scale"):
+        name, owner = keras_replica_call(fn)
+        if name == "check_finite":
             return self._agreed_finite(owner, *args, **(kwargs or {}))
         if name == "train_step" and owner is not None:
             self._trace_train_step(owner)
         outputs = call_for_each_replica(self, fn, args, kwargs)
-        if name in _SYNCED_STEPS and self.exchange.comm.size > 1:
+        if name in ("train_step", "test_step") and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
             outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [], model)
         return outputs
@@ -349,35 +349,6 @@ def _carry(exchange, previous) -> None:
         with tf.init_scope():
             previous.flush()
             exchange.engine.carry_memory(previous.engine)
-
-
-def _bound_to(fn):
-    """The object a (possibly wrapped, e.g. by autograph) bound method belongs to, or None."""
-    while fn is not None:
-        owner = getattr(fn, "__self__", None)
-        if owner is not None:
-            return owner
-        fn = getattr(fn, "__wrapped__", None)
-    return None
-
-
-def moving_statistics(model) -> list:
-    """The non-trainable float weights of the model's trainable leaf layers -- what a train step
-    updates besides the trainable weights (BatchNormalization's moving mean and variance); each
-    rank computes them from its own batches, so they are averaged with the step's metrics.  A
-    frozen layer (``trainable=False``) is left out: its weights do not change."""
-    out, seen, stack = [], set(), [model]
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        children = list(getattr(layer, "layers", None) or [])
-        if children:
-            stack.extend(reversed(children))
-        elif getattr(layer, "trainable", False):
-            out += [w for w in layer.non_trainable_weights if tf.as_dtype(w.dtype).is_floating]
-    return out
 
 
 def _broadcast_initial_value(comm, kwargs):
@@ -521,7 +492,7 @@ class _Scope:
         return self._inner.__enter__()
 
     def __exit__(self, exc_type, exc, tb):
-        if isinstance(exc, RuntimeError) and "Mixing different tf.distribute.Strategy" in str(exc):
+        if mixes_strategies(exc):
             self._inner.__exit__(None, None, None)
             raise RuntimeError(
                 "the optimizer was created outside the SparseStrategy scope, so its variables belong to "

@@ -341,7 +341,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     root = _check_root(root_rank)
     variables = list(variables)
     if tf.executing_eagerly():
-        from ...keras.callbacks import broadcast_variables as fused
+        from ...keras.sync import broadcast_variables as fused
 
         fused(variables, root_rank=root, communicator=_comm())
         return None
