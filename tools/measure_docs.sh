@@ -70,6 +70,10 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
  {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},{"label":"oktopk 0.01","algorithm":"oktopk","density":0.01},
  {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
 
+# auto against the dense rows where the network is fast: it must not lose (issue: within 5 % of the best)
+TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"auto","algorithm":"auto"}]'
+
 TWO_LEVEL='[{"label":"dense f16 flat","algorithm":"dense","wire_dtype":"float16"},
  {"label":"dense f16 two-level","algorithm":"dense","wire_dtype":"float16","hierarchical":true},
  {"label":"gtopk 0.01 flat","algorithm":"gtopk","density":0.01},
@@ -88,6 +92,8 @@ STEP[pipe_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$PIPE' --mo
 STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/dragonn_1gbit"
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
 STEP[tta_1gbit]="for seed in 0 1 2; do $RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 10 --seed \$seed --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_1gbit $OUT/time_to_accuracy_1gbit_s0.json $OUT/time_to_accuracy_1gbit_s1.json $OUT/time_to_accuracy_1gbit_s2.json"
+STEP[tta_shm]="for seed in 0 1 2; do $RUN -np 4 $PYTHON tools/bench_time_to_accuracy.py '$TTA_FAST' --epochs 10 --seed \$seed --network 'shared memory' --out $OUT/time_to_accuracy_shm_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_shm $OUT/time_to_accuracy_shm_s0.json $OUT/time_to_accuracy_shm_s1.json $OUT/time_to_accuracy_shm_s2.json"
+STEP[tta_10gbit]="for seed in 0 1 2; do $RUN -np 4 --net 10gbit $PYTHON tools/bench_time_to_accuracy.py '$TTA_FAST' --epochs 10 --seed \$seed --network '10 Gbit/s (tfsparse-run --net 10gbit)' --out $OUT/time_to_accuracy_10gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_10gbit $OUT/time_to_accuracy_10gbit_s0.json $OUT/time_to_accuracy_10gbit_s1.json $OUT/time_to_accuracy_10gbit_s2.json"
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
 STEP[two_level_fit]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_fit_step.py '$TWO_LEVEL' --model mlp17m --network '1 Gbit/s between 2 emulated hosts' --out $OUT/two_level_fit_1gbit"
 STEP[two_level_exchange]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_two_level.py --out $OUT/two_level_exchange_1gbit"
@@ -107,7 +113,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit demo"
+ tta_1gbit tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
