@@ -120,5 +120,11 @@ def test_one_registry_for_every_family_of_named_stages():
     ordered.register(B)
     ordered.register(A)
     assert ordered.names() == ("b", "a") and isinstance(ordered.get("a"), A)
-    # every compressor is registered, Ok-Topk's reused threshold too
-    assert compressors_by_name()["oktopk"] is ReusedThreshold and isinstance(check_compressor("oktopk"), ReusedThreshold)
+    # every compressor is registered, Ok-Topk's reused threshold too; compressor= names only those
+    # that work under any aggregator (Ok-Topk's threshold is re-evaluated by its own aggregator alone)
+    from tfsparse.compressors import COMPRESSORS
+
+    assert COMPRESSORS.get("oktopk") is ReusedThreshold and "oktopk" not in compressors_by_name()
+    assert sorted(compressors_by_name()) == ["dgc", "dragonn", "gaussiank", "identity", "topk"]
+    with pytest.raises(ValueError, match="compressor='oktopk' is not supported"):
+        check_compressor("oktopk")

@@ -379,9 +379,13 @@ def test_tensorflows_start_up_notices_pass_once_and_everything_else_as_it_came()
     # in pieces cut anywhere, even inside a line: the same result
     out = b"".join(banner.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + banner.flush()
     assert out == b"".join(BANNER + other + other)
-    # an unfinished line is held until its newline or a flush, and then shown unless a repeat
-    assert banner.feed(b"Password:") == b"" and banner.flush() == b"Password:"
-    assert banner.feed(BANNER[1][:-1]) == b"" and banner.flush() == b""
+    # an unfinished line passes at once -- a prompt, a progress bar redrawn after a carriage
+    # return -- unless it could still become a notice: that is held until its newline or a flush
+    assert banner.feed(b"Password:") == b"Password:" and banner.flush() == b""
+    assert banner.feed(b" 10%|#    |\r 20%|##") == b" 10%|#    |\r 20%|##"
+    assert banner.feed(b"\n" + BANNER[1][:-1]) == b"\n" and banner.flush() == b""  # a repeat, held
+    assert banner.feed(b"WARNING: All log") == b"" and banner.feed(b" messages are off\n") == \
+        b"WARNING: All log messages are off\n"
 
 
 def test_the_pump_filters_a_pipe_to_its_end(tmp_path):
@@ -396,7 +400,20 @@ def test_the_pump_filters_a_pipe_to_its_end(tmp_path):
             os.write(write, piece)
         os.close(write)
         thread.join(timeout=10)
-    os.close(read)
     assert not thread.is_alive()
     assert (tmp_path / "err").read_bytes() == b"".join(BANNER) + b"epoch 1\nno newline"
     assert filtered_stderr({}) and not filtered_stderr({"TFSPARSE_TF_BANNER": "all"})
+    # a reader that went away (tfsparse-run ... | head): the pump reads on to the end, so no rank
+    # blocks on a full pipe, and closes its end
+    read, write = os.pipe()
+    gone_r, gone_w = os.pipe()
+    os.close(gone_r)
+    thread = start_pump(read, gone_w)
+    for _ in range(64):
+        os.write(write, b"x" * 4095 + b"\n")  # 256 KiB: more than a pipe holds
+    os.close(write)
+    thread.join(timeout=10)
+    os.close(gone_w)
+    assert not thread.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(read)  # closed by the pump

@@ -39,15 +39,21 @@ OneDeviceStrategy = _one_device.OneDeviceStrategy
 OneDeviceExtended = _one_device.OneDeviceExtended
 
 #: the private hooks of ``OneDeviceExtended`` that ``SparseExtended`` overrides
-#: (tfsparse/strategies/sparse_strategy.py); a TensorFlow without one of them is refused here,
-#: at import, rather than running a strategy whose override is never called
+#: (tfsparse/strategies/sparse_strategy.py, which calls :func:`check_extended_hooks` as it is
+#: imported: a strategy whose override would never be called is refused, while the optimizer
+#: route, which needs none of them, keeps working)
 EXTENDED_HOOKS = ("_create_variable", "_experimental_distribute_dataset", "_batch_reduce_to", "_reduce_to",
                   "_call_for_each_replica", "_num_replicas_in_sync", "_in_multi_worker_mode")
-_missing = [h for h in EXTENDED_HOOKS if not hasattr(OneDeviceExtended, h)]
-if _missing:
-    raise ImportError(f"tfsparse.SparseStrategy needs TensorFlow's OneDeviceExtended.{', '.join(_missing)}, which "
-                      f"TensorFlow {tf.__version__} does not have; tested with TensorFlow "
-                      f"{TESTED[0][0]}.{TESTED[0][1]}-{TESTED[1][0]}.{TESTED[1][1]}")
+
+
+def check_extended_hooks() -> None:
+    """ImportError naming the :data:`EXTENDED_HOOKS` this TensorFlow lacks, if any."""
+    missing = [h for h in EXTENDED_HOOKS if not hasattr(OneDeviceExtended, h)]
+    if missing:
+        raise ImportError(f"tfsparse.SparseStrategy needs TensorFlow's OneDeviceExtended.{', '.join(missing)}, "
+                          f"which TensorFlow {tf.__version__} does not have (tested with TensorFlow "
+                          f"{TESTED[0][0]}.{TESTED[0][1]}-{TESTED[1][0]}.{TESTED[1][1]}); "
+                          f"tfsparse.keras.DistributedOptimizer does not need them")
 
 from tensorflow.python.distribute import distribute_lib as _distribute_lib  # noqa: E402
 from tensorflow.python.eager import record as _record  # noqa: E402

@@ -24,12 +24,19 @@ ABSL_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called 
 _NOTICE = re.compile(r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ ((?:port|cpu_feature_guard)\.cc:\d+\] .*)")
 
 
+def _may_become_notice(partial: bytes) -> bool:
+    """Whether an unfinished line could still turn out to be one of the notices."""
+    text = partial.decode("utf-8", "replace")
+    return ABSL_NOTICE.startswith(text) or re.fullmatch(r"I\d{0,4}( .*)?", text, re.S) is not None
+
+
 class BannerFilter:
     """Feed bytes in, get the same bytes back less the repeated start-up notices.
 
-    A line is held until its newline arrives (:meth:`feed`) or :meth:`flush` is called -- the
-    pump calls it when no output has come for a moment, so a prompt without a newline is not
-    kept back."""
+    An unfinished line passes at once unless it could still become one of the notices (it starts
+    as absl's notice or an absl INFO line does); such a line is held until its newline arrives
+    (:meth:`feed`) or :meth:`flush` is called -- the pump calls it when no output has come for a
+    moment.  A carriage return ends a line too (progress bars redraw one line with it)."""
 
     def __init__(self):
         self._seen: set[str] = set()
@@ -50,11 +57,13 @@ class BannerFilter:
         return True
 
     def feed(self, data: bytes) -> bytes:
-        """The complete lines of what came so far (``data`` after what was held), less the
-        repeats; an unfinished last line is held."""
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        return b"".join(line + b"\n" for line in lines if self._keep(line + b"\n"))
+        """What came so far (``data`` after what was held), less the repeats; an unfinished last
+        line that could become a notice is held."""
+        lines = re.split(b"(?<=[\n\r])", self._partial + data)
+        last = lines.pop()
+        self._partial = last if _may_become_notice(last) else b""
+        out = b"".join(line for line in lines if self._keep(line))
+        return out if self._partial or not last else out + last
 
     def flush(self) -> bytes:
         """The held unfinished line, if it is not a repeat."""
@@ -64,23 +73,34 @@ class BannerFilter:
 
 def pump(source: int, sink: int, idle: float = 0.1) -> None:
     """Copies the file descriptor ``source`` to ``sink`` through a :class:`BannerFilter` until
-    ``source`` ends; an unfinished line goes out after ``idle`` seconds without output."""
+    ``source`` ends, then closes ``source``; a held unfinished line goes out after ``idle``
+    seconds without output.  When ``sink`` can no longer be written (its reader is gone), the
+    rest is read and dropped, so the job never blocks on a full pipe."""
     banner = BannerFilter()
 
-    def write(data: bytes) -> None:
-        while data:
-            data = data[os.write(sink, data):]
+    broken = False
 
-    while True:
-        ready, _, _ = select.select([source], [], [], idle)
-        if not ready:
-            write(banner.flush())
-            continue
-        data = os.read(source, 65536)
-        if not data:
-            break
-        write(banner.feed(data))
-    write(banner.flush())
+    def write(data: bytes) -> None:
+        nonlocal broken
+        while data and not broken:
+            try:
+                data = data[os.write(sink, data):]
+            except OSError:  # the reader went away (a closed pipe): go on reading, so no rank blocks
+                broken = True
+
+    try:
+        while True:
+            ready, _, _ = select.select([source], [], [], idle)
+            if not ready:
+                write(banner.flush())
+                continue
+            data = os.read(source, 65536)
+            if not data:
+                break
+            write(banner.feed(data))
+        write(banner.flush())
+    finally:
+        os.close(source)
 
 
 def filtered_stderr(env: dict) -> bool:

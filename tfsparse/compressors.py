@@ -63,6 +63,9 @@ class Compressor(Stateful):
     selection can be fused with error feedback."""
 
     name = "base"
+    #: whether any aggregator that selects locally may use it (``compressor=``); False for a
+    #: compressor that needs its own aggregator to drive it
+    standalone = True
     #: whether :meth:`compress` takes a CUDA device vector (and returns host arrays)
     on_device = False
     #: whether :meth:`compress` returns strictly ascending indices: then they travel blocked
@@ -704,6 +707,7 @@ class ReusedThreshold(Compressor):
 
     name = "oktopk"
     ascending = True
+    standalone = False  # only Ok-Topk's aggregator clears the threshold for re-evaluation
 
     def __init__(self, local_raise: float = 1.03, local_adjust: float = 1.012):
         self.local_raise = check_factor("local_raise", local_raise, 1.03)
@@ -766,8 +770,10 @@ class ReusedThreshold(Compressor):
 
 
 def compressors_by_name() -> dict:
-    """The compressors a ``compressor=`` option may name, by their ``name`` (every registered one)."""
-    return dict(COMPRESSORS.items())
+    """The compressors a ``compressor=`` option may name, by their ``name``: every registered one
+    that works without its own aggregator (not Ok-Topk's reused threshold, whose re-evaluations
+    only :class:`~tfsparse.aggregators.oktopk.OkTopkAllreduce` schedules)."""
+    return {name: cls for name, cls in COMPRESSORS.items() if cls.standalone}
 
 
 def check_compressor(compressor) -> Compressor:

@@ -465,15 +465,16 @@ class _Launcher:
         read, write = os.pipe()
         try:
             self.child = subprocess.Popen(cmd, env=env, stderr=write)
+        except BaseException:
+            os.close(read)
+            raise
         finally:
             os.close(write)
-        thread = start_pump(read, 2)  # where the job's standard error went before
+        thread = start_pump(read, 2)  # where the job's standard error went before; it closes read
         try:
             code = wait_for_launcher(self.child)
         finally:
             thread.join(timeout=2)  # a process left holding the pipe cannot keep the launcher
-            if not thread.is_alive():
-                os.close(read)
         return 128 - code if code < 0 else code
 
 

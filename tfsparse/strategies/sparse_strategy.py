@@ -35,8 +35,8 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
-                           keras_epoch_steps, keras_optimizer_applying, keras_replica_call, keras_running,
-                           mixes_strategies, optimizer_variables, reject_xla)
+                           check_extended_hooks, keras_epoch_steps, keras_optimizer_applying, keras_replica_call,
+                           keras_running, mixes_strategies, optimizer_variables, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
@@ -49,6 +49,7 @@ from ..keras.sync import moving_statistics
 from ..tf_glue import check_float_variables, exchange_tensors, loss_scaled
 from ..runtime import StepCountMismatch, check_step_counts, raise_on_uneven_counts  # noqa: F401  (StepCountMismatch: public here too)
 
+check_extended_hooks()  # the OneDeviceExtended hooks SparseExtended overrides exist in this TensorFlow
 
 
 class SparseExtended(OneDeviceExtended):
