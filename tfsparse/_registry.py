@@ -43,11 +43,9 @@ class Registry:
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries) if self.ordered else tuple(sorted(self._entries))
 
-    def get(self, name):
-        return self._entries[_checks.choice(self.argument, name, self.names())]
-
-    def __contains__(self, name) -> bool:
-        return isinstance(name, str) and name in self._entries
+    def get(self, name, accepted: str | None = None):
+        """``accepted``: what the error lists as accepted (default: the names)."""
+        return self._entries[_checks.choice(self.argument, name, self.names(), accepted=accepted)]
 
     def items(self):
         """``(name, entry)`` pairs in :meth:`names` order."""

@@ -76,8 +76,6 @@ def pump(source: int, sink: int, idle: float = 0.1) -> None:
     ``source`` ends, then closes ``source``; a held unfinished line goes out after ``idle``
     seconds without output.  When ``sink`` can no longer be written (its reader is gone), the
     rest is read and dropped, so the job never blocks on a full pipe."""
-    banner = BannerFilter()
-
     broken = False
 
     def write(data: bytes) -> None:
@@ -88,6 +86,7 @@ def pump(source: int, sink: int, idle: float = 0.1) -> None:
             except OSError:  # the reader went away (a closed pipe): go on reading, so no rank blocks
                 broken = True
 
+    banner = BannerFilter()
     try:
         while True:
             ready, _, _ = select.select([source], [], [], idle)

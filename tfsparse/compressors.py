@@ -782,7 +782,6 @@ def check_compressor(compressor) -> Compressor:
     if isinstance(compressor, Compressor):
         return compressor
     names = compressors_by_name()
-    if isinstance(compressor, str) and compressor in names:
-        return names[compressor]()
-    raise ValueError(f"compressor={compressor!r} is not supported; accepted: a tfsparse.compressors.Compressor "
-                     f"instance or one of {', '.join(repr(n) for n in names)}")
+    _checks.choice("compressor", compressor, tuple(names), accepted="a tfsparse.compressors.Compressor instance or "
+                   f"one of {', '.join(repr(n) for n in names)}")
+    return names[compressor]()

@@ -276,10 +276,9 @@ def make_plan(plan=None, bucket_bytes=None) -> Plan:
         return plan
     if plan is None:
         return FusedPlan() if bucket_bytes is None else BucketPlan(bucket_bytes)
-    _checks.choice("plan", plan, PLANS.names(),
-                   accepted=f"{', '.join(repr(p) for p in PLANS.names())} or a tfsparse.plan.Plan instance")
+    cls = PLANS.get(plan, accepted=f"{', '.join(repr(p) for p in PLANS.names())} or a tfsparse.plan.Plan instance")
     if plan == "buckets":
         return BucketPlan(bucket_bytes)
     if bucket_bytes is not None:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} only applies to plan='buckets' (got plan={plan!r})")
-    return PLANS.get(plan)()
+    return cls()

@@ -83,6 +83,15 @@ TWO_LEVEL='[{"label":"dense f16 flat","algorithm":"dense","wire_dtype":"float16"
  {"label":"topk 0.01 flat","algorithm":"topk","density":0.01},
  {"label":"topk 0.01 two-level","algorithm":"topk","density":0.01,"hierarchical":true}]'
 
+# three seeds of tools/bench_time_to_accuracy.py on 4 ranks, 10 epochs, and their summary:
+# tta_seeds NAME ROWS RUN_FLAGS NETWORK writes $OUT/NAME_s{0,1,2}.json and $OUT/NAME.{json,png}
+tta_seeds() {
+    local name=$1 rows=$2 flags=$3 network=$4
+    echo "for seed in 0 1 2; do $RUN -np 4 ${flags:+$flags }$PYTHON tools/bench_time_to_accuracy.py '$rows' --epochs 10" \
+         "--seed \$seed --network '$network' --out $OUT/${name}_s\$seed || exit 1; done &&" \
+         "$PYTHON tools/time_to_accuracy_summary.py $OUT/$name $OUT/${name}_s0.json $OUT/${name}_s1.json $OUT/${name}_s2.json"
+}
+
 declare -A STEP
 STEP[fit17m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '[${HOROVOD}${FIT17M#[}' --model mlp17m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp17m_1gbit"
 STEP[fit25m_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$SPARSE25M' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/fit_step_mlp25m_1gbit"
@@ -91,9 +100,9 @@ STEP[gf_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$GF' --model 
 STEP[pipe_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$PIPE' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/pipe_1gbit && $PYTHON tools/pipe_sgd_timing.py $OUT/pipe_1gbit.json --bandwidth 1gbit --latency 0 --out $OUT/pipe_timing"
 STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN' --model mlp25m --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/dragonn_1gbit"
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
-STEP[tta_1gbit]="for seed in 0 1 2; do $RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA' --epochs 10 --seed \$seed --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_1gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_1gbit $OUT/time_to_accuracy_1gbit_s0.json $OUT/time_to_accuracy_1gbit_s1.json $OUT/time_to_accuracy_1gbit_s2.json"
-STEP[tta_shm]="for seed in 0 1 2; do $RUN -np 4 $PYTHON tools/bench_time_to_accuracy.py '$TTA_FAST' --epochs 10 --seed \$seed --network 'shared memory' --out $OUT/time_to_accuracy_shm_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_shm $OUT/time_to_accuracy_shm_s0.json $OUT/time_to_accuracy_shm_s1.json $OUT/time_to_accuracy_shm_s2.json"
-STEP[tta_10gbit]="for seed in 0 1 2; do $RUN -np 4 --net 10gbit $PYTHON tools/bench_time_to_accuracy.py '$TTA_FAST' --epochs 10 --seed \$seed --network '10 Gbit/s (tfsparse-run --net 10gbit)' --out $OUT/time_to_accuracy_10gbit_s\$seed || exit 1; done && $PYTHON tools/time_to_accuracy_summary.py $OUT/time_to_accuracy_10gbit $OUT/time_to_accuracy_10gbit_s0.json $OUT/time_to_accuracy_10gbit_s1.json $OUT/time_to_accuracy_10gbit_s2.json"
+STEP[tta_1gbit]=$(tta_seeds time_to_accuracy_1gbit "$TTA" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
+STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
+STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
 STEP[two_level_fit]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_fit_step.py '$TWO_LEVEL' --model mlp17m --network '1 Gbit/s between 2 emulated hosts' --out $OUT/two_level_fit_1gbit"
 STEP[two_level_exchange]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_two_level.py --out $OUT/two_level_exchange_1gbit"
