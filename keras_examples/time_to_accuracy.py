@@ -19,7 +19,7 @@ compute-only run, target 0.3 -- about half a minute at P = 2.
 
 ``--demo`` is ``make demo``: 4 ranks, the 17.1M-parameter MLP, four epochs, dense float32 against
 top-k at density 0.01 (exact top-k; the SGD's momentum taken over by the exchange: momentum
-correction) and against ``algorithm="auto"``, the default (seven measured dense rounds, then its
+correction) and against ``algorithm="auto"``, the default (ten measured dense rounds, then its
 choice), target 0.94, on an
 emulated 1 Gbit/s link when the machine can make one (root, ``ip``, ``tc``) and on shared memory
 otherwise; rank 0 writes ``results/demo.json`` and ``results/demo.png``.

@@ -116,8 +116,8 @@ def _forced(monkeypatch, algorithm):
 @pytest.mark.parametrize("api", ["step", "start"])
 @pytest.mark.parametrize("choice", ["measured", "gtopk"])
 def test_the_numpy_api_switches_at_the_decision(monkeypatch, api, choice):
-    """``Pipelined.step`` and ``GradientExchange.start`` over two buckets: seven rounds dense over
-    float16, then (at round 7, every rank) the choice, whose buckets replace the measured ones
+    """``Pipelined.step`` and ``GradientExchange.start`` over two buckets: ten rounds dense over
+    float16, then (at round 10, every rank) the choice, whose buckets replace the measured ones
     mid-run; every rank gets the same sums throughout and ends with the same settings."""
     from tfsparse.collectives import InProcessWorld
     from tfsparse.exchange import GradientExchange
@@ -131,7 +131,7 @@ def test_the_numpy_api_switches_at_the_decision(monkeypatch, api, choice):
         engine = GradientExchange("auto", plan=0, communicator=comm)  # a bucket per tensor
         ex = Pipelined(engine)
         out, densities = [], []
-        for step in range(10):
+        for step in range(auto.MEASURE_ROUNDS + 3):
             grads = [rng.standard_normal(300).astype(np.float32), rng.standard_normal(200).astype(np.float32)]
             summed = ex.step(grads) if api == "step" else engine.start(grads).wait()
             out.append(np.concatenate(summed))
@@ -145,11 +145,12 @@ def test_the_numpy_api_switches_at_the_decision(monkeypatch, api, choice):
 
     results = InProcessWorld(3).run(fn)
     out0, densities, settings, buckets, chosen, measured = results[0]
-    assert densities[:7] == [1.0] * 7 and settings["algorithm"] != "auto" and buckets == 2
+    m = auto.MEASURE_ROUNDS
+    assert densities[:m] == [1.0] * m and settings["algorithm"] != "auto" and buckets == 2
     assert measured == (len(auto.PROBES), [8, 1 << 20, 4 << 20], [3, 3, 4])  # rank 0's round trips
     assert [r[-1][0] for r in results] == [len(auto.PROBES)] * 3
     if choice != "measured":
-        assert settings["algorithm"] == "gtopk" and densities[7:] == [0.01] * 3
+        assert settings["algorithm"] == "gtopk" and densities[m:] == [0.01] * 3
     for out, d, s, b, c, _ in results:
         assert s == settings and c == chosen and b == buckets and d == densities
         for a, ref in zip(out, out0):
@@ -227,3 +228,113 @@ def test_a_decision_without_a_link_says_what_it_runs():
     assert "algorithm='auto' kept " in kept.describe(2) and "could not be measured" in kept.describe(2)
     other = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
     assert "algorithm='auto' chose " in auto.Decision(other, 0.1, None, ()).describe(2)
+
+
+def test_a_trial_keeps_a_sparse_choice_only_where_its_measured_step_pays():
+    """The trial's end (collective): the slowest rank's median step on trial times the
+    candidate's epochs against dense over float16's measured step; ties (within the tolerance)
+    go to dense; every rank returns the same verdict, whatever its own periods."""
+    from tfsparse.collectives import InProcessWorld
+
+    gtopk = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    epochs = auto.CANDIDATES[gtopk].epochs
+
+    def fn(comm, reference):
+        periods = [0.30, 0.31, 0.29, 0.30] if comm.rank != 2 else [0.40, 0.40, 0.41, 0.39]  # rank 2 the slowest
+        return auto.confirm(comm, gtopk, reference, periods)
+
+    world = InProcessWorld(3)
+    slow = world.run(fn, 0.40 * epochs * 1.2)  # dense 20 % slower than the slowest rank's sparse score
+    assert {v.index for v in slow} == {gtopk} and {v.step_s for v in slow} == {0.40}
+    tie = world.run(fn, 0.40 * epochs * 1.02)
+    assert {v.index for v in tie} == {auto.MEASURING}
+    text = tie[0].describe()
+    assert text.startswith("tfsparse: algorithm='auto' switches to dense over float16 -- gtopk at density 0.01 "
+                           "measured 400 ms a step") and "Pin it with algorithm='dense', wire_dtype='float16'" in text
+    assert slow[0].describe().startswith("tfsparse: algorithm='auto' keeps gtopk at density 0.01 --")
+    assert "hierarchical=True" in tie[0].describe(two_level=True)
+
+
+def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_rounds(monkeypatch):
+    """``decide``: a sparse choice carries its trial and, as its reference, the slowest rank's
+    median over the measured rounds after the probe's last piece (not the disturbed ones); a dense
+    choice has no trial."""
+    from tfsparse.collectives import InProcessWorld
+
+    link = AlphaBeta.from_strings("1gbit", "50us")
+    probe = auto.Probe(N)
+    probe.done = len(auto.PROBES)  # measured already: the link 1 Gbit/s, the local work local()
+    probe.local = local()
+    monkeypatch.setattr(auto.Probe, "fit", lambda self: link)
+    disturbed = [0.9] * (len(auto.PROBES) + 1)
+
+    def fn(comm, clean):
+        periods = disturbed + [c + 0.01 * comm.rank for c in clean]
+        return auto.decide(comm, N, periods, [0.05] * len(periods), probe=probe, two_level=False)
+
+    sparse = InProcessWorld(3).run(fn, [0.50, 0.60, 0.70])
+    assert all(d == sparse[0] for d in sparse) and sparse[0].candidate.algorithm != "dense"
+    assert sparse[0].trial_rounds == auto.TRIAL_ROUNDS and sparse[0].reference_s == pytest.approx(0.62)
+    assert "on trial for 5 rounds against dense over float16's measured step (620 ms)" in sparse[0].describe(3)
+    # a compute step far longer than the exchange: dense, and no trial
+    dense = InProcessWorld(2).run(lambda comm: auto.decide(comm, N, [20.0] * auto.MEASURE_ROUNDS,
+                                                          [0.05] * auto.MEASURE_ROUNDS, probe=probe, two_level=False))
+    assert dense[0].candidate.algorithm == "dense" and dense[0].trial_rounds == 0
+
+
+@pytest.mark.parametrize("verdict", ["keeps", "switches"])
+def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
+    """A sparse choice on trial: :data:`TRIAL_ROUNDS` rounds of it, then at the same round on every
+    rank the verdict -- it runs on, or dense over float16 takes over (with the residual, so what
+    the sparse rounds held back is sent).  The sums stay bit-identical across ranks; a state saved
+    on trial carries it, and a new exchange given that state runs the trial anew against the
+    saved reference."""
+    from tfsparse.collectives import InProcessWorld
+    from tfsparse.exchange import GradientExchange
+
+    gtopk = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    real = auto.decide
+    monkeypatch.setattr(auto, "decide", lambda *a, **k: __import__("dataclasses").replace(
+        real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25))
+    ends = []
+
+    def confirm(comm, tried, reference, periods):
+        ends.append((comm.rank, len(periods), reference))
+        v = auto.Verdict(tried if verdict == "keeps" else auto.MEASURING, tried, 0.2, reference)
+        return v
+    monkeypatch.setattr(auto, "confirm", confirm)
+    m, t = auto.MEASURE_ROUNDS, auto.TRIAL_ROUNDS
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        engine = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        out, algos, saved, held = [], [], None, []
+        for step in range(m + t + 3):
+            grads = [rng.standard_normal(300).astype(np.float32), rng.standard_normal(200).astype(np.float32)]
+            out.append(np.concatenate(engine.start(grads).wait()))
+            algos.append((engine.settings.algorithm, engine.settings.wire_dtype))
+            if step == m + 1:
+                saved = engine.get_state()
+            if step in (m + t - 1, m + t):  # the last round on trial, the first after it
+                held.append(float(np.abs(engine.get_state()["residual"]).max()))
+        engine.close()
+        again = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        again.set_state(saved)
+        again.start([np.zeros(300, np.float32), np.zeros(200, np.float32)]).wait()
+        resumed = (again.settings.algorithm, again._auto.trial_from >= 0, again._auto.reference)
+        again.close()
+        return out, algos, saved["auto_trial"].tolist(), engine.auto_verdict, resumed, held
+
+    results = InProcessWorld(3).run(fn)
+    out0, algos, trial, v, resumed, held = results[0]
+    assert trial == [t, 0.25] and resumed == ("gtopk", True, 0.25)
+    assert sorted(ends) == [(r, t - 1, 0.25) for r in range(3)]  # the first round on trial not counted
+    assert algos[:m + t] == [("dense", "float16")] * m + [("gtopk", "float32")] * t
+    tail = ("gtopk", "float32") if verdict == "keeps" else ("dense", "float16")
+    assert algos[m + t:] == [tail] * 3 and v.index == (v.tried if verdict == "keeps" else auto.MEASURING)
+    if verdict == "switches":  # the residual the sparse rounds held back went out with the first dense round
+        assert held[1] < 0.01 * held[0], held
+    for out, a, _, _, _, _ in results[1:]:
+        assert a == algos
+        for x, ref in zip(out, out0):
+            np.testing.assert_array_equal(x, ref)

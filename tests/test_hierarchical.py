@@ -130,14 +130,14 @@ def test_auto_switches_to_two_levels_when_it_chooses_them(monkeypatch, capsys, h
     def decide(*args, **kwargs):
         d = real(*args, **kwargs)
         offered.append((kwargs.get("two_level"), args[-1].hosts))
-        return dataclasses.replace(d, index=index, two_level=two_level and len(set(hosts)) > 1)
+        return dataclasses.replace(d, index=index, two_level=two_level and len(set(hosts)) > 1, trial_rounds=0)
     monkeypatch.setattr(auto, "decide", decide)
 
     def fn(comm):
         rng = np.random.default_rng(comm.rank)
         ex = GradientExchange("auto", communicator=comm)
         out = []
-        for _ in range(9):
+        for _ in range(auto.MEASURE_ROUNDS + 2):
             out.append(flat(ex.exchange_numpy([rng.standard_normal(300).astype(np.float32)])))
             if len(out) == auto.MEASURE_ROUNDS:
                 measured_flat = ex._two is None
@@ -191,20 +191,22 @@ def test_a_restored_two_level_choice_continues_bit_for_bit(monkeypatch):
     for module in (hierarchy, exchange, auto):
         monkeypatch.setattr(module, "host_ids", lambda comm: list(hosts))
     real, index = auto.decide, next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "topk")
-    monkeypatch.setattr(auto, "decide", lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True))
+    monkeypatch.setattr(auto, "decide", lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True,
+                                                                                         trial_rounds=0))
 
     def fn(comm):
         rng = np.random.default_rng(comm.rank)
-        grads = [[rng.standard_normal(300).astype(np.float32)] for _ in range(10)]
+        m = auto.MEASURE_ROUNDS + 1  # the measured rounds and the chosen one's first
+        grads = [[rng.standard_normal(300).astype(np.float32)] for _ in range(m + 1)]
         ex = GradientExchange("auto", communicator=comm, memory="residual")
-        for g in grads[:8]:
+        for g in grads[:m]:
             ex.exchange_numpy(g)
         state, residual = ex.get_state(), ex.residual
-        after = flat(ex.exchange_numpy(grads[8]))
+        after = flat(ex.exchange_numpy(grads[m]))
         ex.close()
         again = GradientExchange("auto", communicator=comm, memory="residual")
         again.set_state(state)
-        restored = flat(again.exchange_numpy(grads[8]))
+        restored = flat(again.exchange_numpy(grads[m]))
         grouped = again.two_level is not None and again.settings.algorithm == "topk"
         again.close()
         return after, restored, grouped, residual

@@ -288,7 +288,7 @@ def test_an_exchange_used_without_an_optimizer_keeps_error_feedback():
 
 
 def test_auto_measures_then_runs_its_choice_and_a_refit_inherits_it(capsys):
-    """``algorithm="auto"`` in one process: seven measured rounds (dense over float16), then the
+    """``algorithm="auto"`` in one process: ten measured rounds (dense over float16), then the
     choice -- dense float32 for one rank, which has no link -- printed once; SGD's momentum is the
     exchange's (velocity kept).  A second fit with another trainable set runs the same choice
     without measuring again."""
@@ -317,7 +317,7 @@ def test_communication_stats_record_what_auto_runs_each_epoch(tmp_path):
     """CommunicationStats: ``wire_bits`` in the epoch logs (numbers: the progress bar and
     TensorBoard take them), the algorithm and wire of each epoch's end in the History fit returns,
     and both as TensorBoard text under ``log_dir/train`` -- here auto's measured rounds (dense over
-    float16) fill epoch 0, and its choice for one rank (dense over float32) runs from round 8."""
+    float16) fill epochs 0 and 1, and its choice for one rank (dense over float32) runs from round 10."""
     x, y = data(16)
     strategy = tfsparse.SparseStrategy("auto", communicator=solo())
     with strategy.scope():
@@ -326,8 +326,8 @@ def test_communication_stats_record_what_auto_runs_each_epoch(tmp_path):
     stats = tfsparse.keras.callbacks.CommunicationStats(log_dir=tmp_path)
     hist = model.fit(x, y, batch_size=4, epochs=3, verbose=2, callbacks=[stats, keras.callbacks.TensorBoard(tmp_path)])
     assert hist.history["comm_algorithm"] == ["dense"] * 3
-    assert hist.history["wire"] == ["float16", "float32", "float32"]
-    assert hist.history["wire_bits"] == [16.0, 32.0, 32.0]
+    assert hist.history["wire"] == ["float16", "float16", "float32"]
+    assert hist.history["wire_bits"] == [16.0, 16.0, 32.0]
     assert len(hist.history["loss"]) == 3
     events = list((tmp_path / "train").glob("events.out.tfevents.*"))
     assert len(events) >= 2 and all(e.stat().st_size > 0 for e in events)  # Keras' scalars and our text

@@ -78,7 +78,7 @@ AUTO = [(n, c) for n, cases in CASES.items() for c in cases if c.startswith("aut
 @pytest.mark.timeout(960)
 @pytest.mark.parametrize("nproc,case", AUTO, ids=[f"{n}-{c}" for n, c in AUTO])
 def test_auto_makes_one_choice_on_every_rank(nproc, case):
-    """``algorithm="auto"``: the first rounds run dense over float16 and are measured; at round 7
+    """``algorithm="auto"``: the first rounds run dense over float16 and are measured; at round 10
     every rank makes the same choice (measured, or a sparse one forced, so that the switch
     mid-epoch is exercised), rank 0 alone prints it once, and the ranks end bit-identical.  With
     SGD's momentum the exchange applies it (momentum correction) and the optimizer's own momentum
@@ -94,8 +94,8 @@ def test_auto_makes_one_choice_on_every_rank(nproc, case):
         assert info["velocity"] and info["sgd_momentum"] == [pytest.approx(0.9), False]
     assert len(infos[0]["printed"]) == 1 and all(not i["printed"] for i in infos[1:])
     assert f"chose " in infos[0]["printed"][0] and "Pin it with algorithm=" in infos[0]["printed"][0]
-    # 16 steps per epoch: the first 7 dense (density 1), then the choice
-    assert infos[0]["density"][0] > 7 / 16
+    # 16 steps per epoch: the first 10 dense (density 1), then the choice
+    assert infos[0]["density"][0] > 10 / 16
     if forced != "measured":
         assert infos[0]["density"][-1] <= 0.011 and infos[0]["comm_bytes"][-1] < 0.1 * infos[0]["comm_bytes"][0]
     same_bits(results, key)

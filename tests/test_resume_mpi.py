@@ -27,7 +27,7 @@ CASES += [{"algo": "topk", "route": "optimizer", "wire": "int8", "bucket_bytes":
           {"algo": "oktopk", "route": "strategy", "wire": "bfloat16", "bucket_bytes": 0, "options": OKTOPK},
           {"algo": "oktopk", "route": "strategy", "options": OKTOPK, "drop_state": True},
           {"algo": "dgc", "route": "optimizer", "options": DGC, "drop_state": True},
-          # algorithm="auto": 7 measured rounds, then gtopk (forced by the worker), before the checkpoint (after 12)
+          # algorithm="auto": 10 measured rounds, then gtopk (forced by the worker), before the checkpoint (after 12)
           {"algo": "auto", "route": "strategy"}, {"algo": "auto", "route": "optimizer"}]
 
 

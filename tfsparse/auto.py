@@ -24,13 +24,23 @@ and every rank computes it from the same numbers (the slowest rank's compute, ra
 local timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a
 candidate, so on a fast link auto picks dense.
 
+The timing model is a model: on a busy node, or a link as fast as the ranks' own memory, its
+step can be off by 2x either way.  So a sparse choice runs on trial first: for
+:data:`TRIAL_ROUNDS` rounds every rank times its steps, and then (:func:`confirm`, collective) the
+slowest rank's median step times the candidate's epochs is set against dense over float16's own
+measured step (the slowest rank's median over the measured rounds after the measurements'
+last piece): the sparse choice runs on only where it is more than
+:data:`TOLERANCE` sooner; else dense over float16 runs from the next round, taking over the
+memory.  Rank 0 prints a second line then: what it kept or switched to, and the two measured steps.
+
 The decision is part of the exchange's state (``auto`` in :meth:`GradientExchange.get_state`),
 saved in checkpoints: a run resumed after the decision runs the same choice without measuring
-again.  Rank 0 prints one line at the decision: the choice, the prediction it rests on, and the
+again (one resumed during a trial runs the trial anew, against the saved dense step).  Rank 0 prints one line at the decision: the choice, the prediction it rests on, and the
 arguments that pin it.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,8 +53,14 @@ from .schedules import k_from_density
 from .timing import shared_link, simulate
 from .wire import get_wire
 
-#: rounds run dense over float16 (and measured) before the choice
-MEASURE_ROUNDS = 7
+#: rounds run dense over float16 (and measured) before the choice: one, six with a piece of the
+#: measurements (:data:`PROBES`) each, then three undisturbed ones -- the step a sparse choice's
+#: trial is compared with
+MEASURE_ROUNDS = 10
+#: rounds a sparse choice runs on trial before its own measured step confirms it (the first of
+#: them, with the switch in it, not counted): the timing model's prediction of a step is only a
+#: prediction -- on a busy node or a fast link it can be off by 2x (docs/choosing.md)
+TRIAL_ROUNDS = 5
 #: a candidate is preferred to an earlier one only when predicted this much sooner (the
 #: measurements' noise: two settings closer than that are a tie, and the earlier one wins)
 TOLERANCE = 0.03
@@ -122,6 +138,10 @@ class Decision:
     link: AlphaBeta | None
     predictions: tuple[Prediction, ...]
     two_level: bool = False  # the chosen candidate in two levels (hosts' sums across hosts)
+    #: dense over float16's measured step: the slowest rank's median over the undisturbed measured rounds
+    reference_s: float = 0.0
+    #: rounds the choice runs on trial (a sparse choice: :data:`TRIAL_ROUNDS`; 0: none)
+    trial_rounds: int = 0
 
     @property
     def candidate(self) -> Candidate:
@@ -145,8 +165,44 @@ class Decision:
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
         if chosen is not f16:
             why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
+        trial = "" if not self.trial_rounds else (
+            f"; on trial for {self.trial_rounds} rounds against dense over float16's measured step "
+            f"({1e3 * self.reference_s:.0f} ms)")
         return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} -- {why}; "
-                f"{link}. Pin it with {chosen.candidate.pin()}{two}")
+                f"{link}{trial}. Pin it with {chosen.candidate.pin()}{two}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The end of a sparse choice's trial (:func:`confirm`): the candidate that runs on."""
+
+    index: int  # into CANDIDATES: the tried one, or MEASURING (dense over float16)
+    tried: int  # the candidate on trial
+    step_s: float  # its measured step, the slowest rank's median
+    reference_s: float  # dense over float16's measured step
+
+    def describe(self, two_level: bool = False) -> str:
+        tried, dense = CANDIDATES[self.tried], CANDIDATES[MEASURING]
+        measured = (f"{tried.label} measured {1e3 * self.step_s:.0f} ms a step, x{tried.epochs} epochs, against "
+                    f"dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}")
+        if self.index == self.tried:
+            return f"tfsparse: algorithm='auto' keeps {tried.label} -- {measured}"
+        return (f"tfsparse: algorithm='auto' switches to {dense.label} -- {measured}. Pin it with "
+                f"{dense.pin()}{', hierarchical=True' if two_level else ''}")
+
+
+def confirm(comm, tried: int, reference_s: float, periods) -> Verdict:
+    """Collective, every rank at the same round: the end of candidate ``tried``'s trial from this
+    rank's ``periods`` on trial (seconds between consecutive rounds' starts).  Its measured step
+    (the slowest rank's median) times its :attr:`Candidate.epochs` against dense over float16's
+    measured ``reference_s``: the tried candidate is kept only where it is more than
+    :data:`TOLERANCE` sooner (as :func:`choose` breaks ties: toward dense), else dense over float16
+    runs on.  Every rank returns the same verdict."""
+    own = np.array([float(np.median(periods)) if len(periods) else np.inf])
+    step = max(float(v[0]) for v in comm.allgather(own)) if comm.size > 1 else float(own[0])
+    score = step * CANDIDATES[tried].epochs
+    keep = reference_s * CANDIDATES[MEASURING].epochs > score * (1.0 + TOLERANCE)
+    return Verdict(tried if keep else MEASURING, tried, step, float(reference_s))
 
 
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
@@ -324,10 +380,12 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     probe = Probe(n) if probe is None else probe
     probe.finish(comm)
     own = [p - r for p, r in zip(periods, rounds)]
-    compute = np.array([max(0.0, float(np.median(own))) if own else 0.0])
+    clean = list(periods[len(PROBES) + 1:]) or list(periods)  # the rounds no piece of the probe ran in
+    compute = np.array([max(0.0, float(np.median(own))) if own else 0.0,
+                        float(np.median(clean)) if clean else 0.0])
     link = None
     if comm.size > 1:
-        compute = np.array([max(float(v[0]) for v in comm.allgather(compute))])
+        compute = np.max(np.array([np.asarray(v, np.float64) for v in comm.allgather(compute)]), axis=0)
         fitted, error = np.full(2, np.nan), ""
         if comm.rank == 0:
             try:
@@ -345,6 +403,9 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     # rank 0's timing of the local work, and of the two-level exchange's inside a host
     local = comm.bcast(np.append(probe.local, probe.two_level_s), root=0)
     if workers is not None:
-        return choose(n, int(workers), link, float(compute[0]), local[:-1], sparse)
-    return choose(n, comm.size, link, float(compute[0]), local[:-1], sparse,
-                  probe.hosts if two_level else None, float(local[-1]))
+        decision = choose(n, int(workers), link, float(compute[0]), local[:-1], sparse)
+    else:
+        decision = choose(n, comm.size, link, float(compute[0]), local[:-1], sparse,
+                          probe.hosts if two_level else None, float(local[-1]))
+    trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
+    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial)

@@ -154,7 +154,12 @@ class _Auto:
         self.last_start: float | None = None
         self.last_round_s: float | None = None
         self.index = -1
+        self.trial_from = -1  # on trial (a sparse choice): the periods recorded before it; -1: none
+        self.trial_rounds = 0
+        self.reference = 0.0  # the trial's reference: dense over float16's measured step, seconds
+        self.verdict = None  # the trial's end (tfsparse.auto.Verdict)
         self.inherited = -1  # a choice taken from another exchange (inherit_choice)
+        self.inherited_trial = (0, 0.0)  # its trial's rounds and reference, where it was on trial
         self.two_level = False  # the choice runs in two levels (auto's own choice)
         self.prepared = -1  # the last round prepare_round saw
         self.decision = None
@@ -380,6 +385,7 @@ class GradientExchange:
         self.bucket_states = buckets
         if self._auto is not None and self._auto.inherited >= 0:
             self._replan(self._auto.inherited, self._auto.two_level)
+            self._start_trial(*self._auto.inherited_trial)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.set_state(state)
@@ -414,6 +420,8 @@ class GradientExchange:
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
             self._auto.two_level = other._auto.two_level
+            if other._auto.trial_from >= 0:  # on trial there: the trial anew here
+                self._auto.inherited_trial = (other._auto.trial_rounds, other._auto.reference)
 
     def _make_buckets(self, layout: Layout, replacing=None) -> list:
         """The plan's buckets for ``layout`` with the stages of :attr:`settings`; ``replacing``:
@@ -439,6 +447,12 @@ class GradientExchange:
         """``algorithm="auto"``: the :class:`tfsparse.auto.Decision` (None while measuring, and
         after a restored decision); None for a pinned algorithm."""
         return None if self._auto is None else self._auto.decision
+
+    @property
+    def auto_verdict(self):
+        """``algorithm="auto"``: the end of a sparse choice's trial (:class:`tfsparse.auto.Verdict`:
+        kept, or switched to dense over float16), None before it and where there was none."""
+        return None if self._auto is None else self._auto.verdict
 
     @property
     def auto_choice(self):
@@ -485,10 +499,12 @@ class GradientExchange:
         """Before a round's buckets are taken (:meth:`start`, ``Pipelined.step``, or the start of
         bucket 0): for ``algorithm="auto"``, records the step that ended and, after
         :data:`tfsparse.auto.MEASURE_ROUNDS` measured rounds, decides -- collective, every rank at
-        the same round -- and switches the buckets (:meth:`_replan`).  Once per round; nothing
-        for a pinned algorithm."""
+        the same round -- and switches the buckets (:meth:`_replan`); a sparse choice then runs
+        :data:`tfsparse.auto.TRIAL_ROUNDS` rounds on trial, after which its measured step confirms
+        it or dense over float16 runs on (:meth:`_end_trial`).  Once per round; nothing for a
+        pinned algorithm."""
         a = self._auto
-        if a is None or a.index >= 0 or self.layout is None or a.prepared == self._next_round:
+        if a is None or (a.index >= 0 and a.trial_from < 0) or self.layout is None or a.prepared == self._next_round:
             return
         a.prepared = self._next_round
         t0 = time.perf_counter()
@@ -496,6 +512,10 @@ class GradientExchange:
             a.periods.append(t0 - a.last_start)
             a.rounds.append(a.last_round_s)
         a.last_start = t0
+        if a.index >= 0:
+            if len(a.periods) >= a.trial_from + a.trial_rounds:
+                self._end_trial()
+            return
         if len(a.periods) < auto.MEASURE_ROUNDS:
             return
         n, sparse = int(self.layout.n), self.settings.memory == "momentum"
@@ -512,6 +532,28 @@ class GradientExchange:
             hosts = a.probe.hosts[0] if a.probe is not None and a.probe.hosts[0] > 1 else None
             print(decision.describe(self.comm.size, hosts=hosts), flush=True)
         self._replan(decision.index, decision.two_level)
+        self._start_trial(decision.trial_rounds, decision.reference_s)
+
+    def _start_trial(self, rounds: int, reference_s: float) -> None:
+        """Runs the choice on trial for ``rounds`` rounds from now, against dense over float16's
+        measured step ``reference_s`` (:func:`tfsparse.auto.confirm`); nothing for 0 rounds."""
+        if rounds > 0:
+            a = self._auto
+            a.trial_from, a.trial_rounds, a.reference = len(a.periods), int(rounds), float(reference_s)
+
+    def _end_trial(self) -> None:
+        """The trial's end, every rank at the same round: the tried choice runs on, or dense over
+        float16 (flat, unless the user asked for two levels) from this round, taking over its memory."""
+        a = self._auto
+        timed = a.periods[a.trial_from + 1:]  # the first round on trial has the switch in it
+        tried, reference = a.index, a.reference
+        verdict = self._runner.run(lambda comm: auto.confirm(comm, tried, reference, timed), self._xcomm)
+        a.trial_from, a.verdict = -1, verdict
+        two_level = bool(self._auto.base.hierarchical)
+        if self.comm.rank == 0:
+            print(verdict.describe(two_level), flush=True)
+        if verdict.index != tried:
+            self._replan(verdict.index, two_level)
 
     def _agree(self, layout: Layout, buckets) -> None:
         """Every rank has the same settings, transport, layout and buckets (:func:`agreement`),
@@ -754,9 +796,7 @@ class GradientExchange:
             return dict(self._pending_state or {})
         self.check_idle("get_state()")
         state = {"round": np.array([self._round], np.int64), "sizes": self.layout.sizes.copy(),
-                 # the index into tfsparse.auto.CANDIDATES (-1: undecided): their order is part of the format
-                 **({} if self._auto is None else {"auto": np.array([self._auto.index], np.int64),
-                                                   "auto_two_level": np.array([int(self._auto.two_level)], np.int64)}),
+                 **({} if self._auto is None else self._auto_state()),
                  "buckets": np.array([[b.spec.start, b.spec.stop] for b in self.bucket_states], np.int64)}
         for b in self.bucket_states:
             for key, value in b.memory.get_state().items():
@@ -764,6 +804,14 @@ class GradientExchange:
         for b in self.bucket_states:
             state.update(b.aggregator_state())
         return state
+
+    def _auto_state(self) -> dict:
+        """``algorithm="auto"``'s part of :meth:`get_state`: the index into
+        :data:`tfsparse.auto.CANDIDATES` (-1: undecided; their order is part of the format), whether
+        it runs in two levels, and its trial (the rounds it has, 0: none; the reference step)."""
+        a = self._auto
+        return {"auto": np.array([a.index], np.int64), "auto_two_level": np.array([int(a.two_level)], np.int64),
+                "auto_trial": np.array([a.trial_rounds if a.trial_from >= 0 else 0, a.reference], np.float64)}
 
     @in_space
     def set_state(self, state: dict) -> None:
@@ -784,6 +832,10 @@ class GradientExchange:
             two = bool(int(np.asarray(state.get("auto_two_level", np.zeros(1))).reshape(-1)[0]))
             if chosen >= 0 and (chosen != self._auto.index or two != self._auto.two_level):
                 self._replan(chosen, two)  # the decision the saved run made, without measuring again
+            trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
+            self._auto.trial_from = -1
+            if chosen >= 0:  # saved on trial: the trial anew, against the saved reference
+                self._start_trial(int(trial[0]), float(trial[1]))
         for b in self.bucket_states:
             b.set_state(state)
 

@@ -45,7 +45,7 @@ def forced_two_level_auto():
 
     real = auto.decide
     index = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "dense" and c.wire_dtype == "float16")
-    auto.decide = lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True)
+    auto.decide = lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True, trial_rounds=0)
     try:
         return fit("auto")
     finally:
