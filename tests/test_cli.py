@@ -32,3 +32,27 @@ def test_a_slow_warmup_is_announced_on_rank_zero_only(monkeypatch, capsys):
     monkeypatch.setattr(exchange, "COMPILE_NOTICE_S", 5.0)
     exchange._warm_kernels.__wrapped__(True)
     assert capsys.readouterr().out == ""
+
+
+def test_the_start_up_line_names_what_applies(capsys):
+    """Rank 0's start-up line: the density only where something is left out, the memory only
+    where something is kept (dense float32 keeps nothing); auto says it measures first."""
+    import numpy as np
+
+    from tfsparse.collectives import InProcessWorld
+
+    def line(**kwargs):
+        def fn(comm):
+            ex = exchange.GradientExchange(communicator=comm, **kwargs)
+            ex.exchange_numpy([np.ones(10, np.float32)])
+            ex.close()
+        capsys.readouterr()
+        InProcessWorld(2).run(fn)
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("tfsparse 0.")]
+
+    dense = line(algorithm="dense")
+    assert len(dense) == 1 and "2 ranks on 1 host" in dense[0], dense
+    assert "algorithm='dense' wire=float32, plan=fused" in dense[0]
+    assert "algorithm='dense' wire=float16 memory=residual," in line(algorithm="dense", wire_dtype="float16")[0]
+    assert "algorithm='gtopk' density=0.05 wire=float32 memory=residual," in line(algorithm="gtopk", density=0.05)[0]
+    assert "algorithm='auto' (measures 10 rounds, then chooses)" in line(algorithm="auto")[0]

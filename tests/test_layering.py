@@ -17,7 +17,7 @@ LAYERS = [
     {"aggregators"},
     {"plan", "selection", "timing", "auto"},
     {"settings", "bucket"},
-    {"exchange"},
+    {"exchange", "exchange_auto"},
     {"pipelined", "checkpoint"},
     {"tf_glue"},
     {"strategies", "keras", "run", "network", "cluster", "cli"},
