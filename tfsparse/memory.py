@@ -283,6 +283,7 @@ class MomentumMemory(ResidualMemory):
         super().__init__(size, space)
         self.momentum = np.float32(momentum)
         self.velocity = space.zeros(int(size))
+        self._taken = None  # the velocity's pieces, where a fused pass took this round's gradient and must run again
 
     @staticmethod
     def check_options(momentum=None) -> dict:
@@ -297,9 +298,51 @@ class MomentumMemory(ResidualMemory):
         self.space.momentum(self.velocity[span], self.momentum, grad, self.residual[span], self.acc[span])
         return self.acc
 
-    def fuses(self, arrays) -> bool:
-        """Momentum correction's pass (velocity and residual) is not fused with a selection."""
-        return False
+    # -- fused: the velocity's own pass, then error feedback's fused passes over it --------
+    # (:class:`ResidualMemory` takes the velocity where it took the gradient: ``acc = u + residual``)
+    def _take(self, arrays) -> list:
+        """``u = m·u + grad`` per tensor (the same float32 operations as :meth:`compensate`);
+        returns the velocity's pieces, which the fused passes then take as the gradient."""
+        pieces, lo = [], 0
+        for a in arrays:
+            hi = lo + a.size
+            u = self.velocity[lo:hi]
+            np.multiply(u, self.momentum, out=u)
+            np.add(u, a.reshape(-1), out=u)
+            pieces.append(u)
+            lo = hi
+        traffic.count("compensate", read=12 * lo, written=8 * lo)  # u *= m; u += g
+        return pieces
+
+    def peek(self, arrays, positions) -> np.ndarray:
+        """``m·u + grad + residual`` at ``positions``: what :meth:`compensate_select` will write there
+        (``u + residual`` where the velocity took this round's gradient already)."""
+        if self._taken is not None:
+            return super().peek(self._taken, positions)
+        pieces, lo = [], 0
+        for a in arrays:
+            hi = lo + a.size
+            i, j = np.searchsorted(positions, (lo, hi))
+            at = positions[i:j] - lo
+            u = np.multiply(self.velocity[lo:hi][at], self.momentum)
+            pieces.append(np.add(u, a.reshape(-1)[at]))
+            lo = hi
+        flat = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        return np.add(flat, self.residual[positions])
+
+    def compensate_select(self, arrays, prefilter=None):
+        """:meth:`ResidualMemory.compensate_select` over the velocity, once it took the gradient."""
+        taken, self._taken = self._taken, None
+        return super().compensate_select(self._take(arrays) if taken is None else taken, prefilter)
+
+    def compensate_encode(self, arrays, spans, wire, buffers=None) -> tuple[list, bool]:
+        """:meth:`ResidualMemory.compensate_encode` over the velocity, once it took the gradient;
+        where some sum is not finite the caller compensates again (:meth:`compensate_select`),
+        from the velocity as it is now."""
+        taken = self._take(arrays)
+        messages, finite = super().compensate_encode(taken, spans, wire, buffers)
+        self._taken = None if finite else taken
+        return messages, finite
 
     def update(self, result):
         """The residual as :class:`ResidualMemory` keeps it; the velocity is cleared where
