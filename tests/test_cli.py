@@ -36,7 +36,7 @@ def test_a_slow_warmup_is_announced_on_rank_zero_only(monkeypatch, capsys):
 
 def test_the_start_up_line_names_what_applies(capsys):
     """Rank 0's start-up line: the density only where something is left out, the memory only
-    where something is kept (dense float32 keeps nothing); auto says it measures first."""
+    where it could keep something (dense float32 keeps nothing); auto says it measures first."""
     import numpy as np
 
     from tfsparse.collectives import InProcessWorld
@@ -56,3 +56,6 @@ def test_the_start_up_line_names_what_applies(capsys):
     assert "algorithm='dense' wire=float16 memory=residual," in line(algorithm="dense", wire_dtype="float16")[0]
     assert "algorithm='gtopk' density=0.05 wire=float32 memory=residual," in line(algorithm="gtopk", density=0.05)[0]
     assert "algorithm='auto' (measures 10 rounds, then chooses)" in line(algorithm="auto")[0]
+    # gradient dropping (a sparse algorithm that keeps nothing) says so
+    assert "algorithm='topk' density=0.05 wire=float32 memory=none," in line(algorithm="topk", density=0.05,
+                                                                             memory="none")[0]

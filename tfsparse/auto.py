@@ -35,7 +35,8 @@ memory.  Rank 0 prints a second line then: what it kept or switched to, and the 
 
 The decision is part of the exchange's state (``auto`` in :meth:`GradientExchange.get_state`),
 saved in checkpoints: a run resumed after the decision runs the same choice without measuring
-again (one resumed during a trial runs the trial anew, against the saved dense step).  Rank 0 prints one line at the decision: the choice, the prediction it rests on, and the
+again (one resumed during a trial runs the trial anew, against the saved dense step).  Rank 0
+prints one line at the decision: the choice, the prediction it rests on, and the
 arguments that pin it.
 """
 from __future__ import annotations

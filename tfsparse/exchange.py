@@ -372,10 +372,11 @@ class GradientExchange(AutoSwitching):
                                                                                   type(self.comm).__name__)
         if self._auto is not None:
             algorithm = f"algorithm='auto' (measures {auto.MEASURE_ROUNDS} rounds, then chooses)"
-        else:  # the density where something is left out, the memory where something is kept
-            algorithm = " ".join([f"algorithm={self.algorithm!r}"] +
-                                 [f"density={self.density:g}"] * self.settings.sparse_capable +
-                                 [f"wire={self.wire.name}"] + [f"memory={self.settings.memory}"] * self.settings.keeps_residual)
+        else:  # the density where something is left out, the memory where it could keep something
+            st = self.settings
+            memory = st.sparse_capable or self.wire.lossy or st.memory == "momentum"
+            algorithm = " ".join([f"algorithm={self.algorithm!r}"] + [f"density={self.density:g}"] * st.sparse_capable +
+                                 [f"wire={self.wire.name}"] + [f"memory={st.memory}"] * memory)
         buckets = len(self.bucket_states)
         two_level = "" if self._two is None else \
             f", two-level (inside each host, then across {self._two.hosts} host{'s' * (self._two.hosts != 1)})"

@@ -229,7 +229,7 @@ class AutoSwitching:
         two = bool(int(np.asarray(state.get("auto_two_level", np.zeros(1))).reshape(-1)[0]))
         if chosen >= 0 and (chosen != self._auto.index or two != self._auto.two_level):
             self._replan(chosen, two)
-        trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
-        self._auto.trial_from = -1
-        if chosen >= 0:
+        if chosen >= 0:  # saved on trial: the trial anew (a state saved while measuring leaves this one's as it is)
+            trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
+            self._auto.trial_from = -1
             self._start_trial(int(trial[0]), float(trial[1]))
