@@ -192,6 +192,14 @@ class Verdict:
                 f"{dense.pin()}{', hierarchical=True' if two_level else ''}")
 
 
+def _slowest(comm, values) -> np.ndarray:
+    """Collective: the element-wise largest of every rank's ``values`` (the slowest rank's times)."""
+    own = np.asarray(values, np.float64)
+    if comm.size == 1:
+        return own
+    return np.max(np.array([np.asarray(v, np.float64) for v in comm.allgather(own)]), axis=0)
+
+
 def confirm(comm, tried: int, reference_s: float, periods) -> Verdict:
     """Collective, every rank at the same round: the end of candidate ``tried``'s trial from this
     rank's ``periods`` on trial (seconds between consecutive rounds' starts).  Its measured step
@@ -199,8 +207,7 @@ def confirm(comm, tried: int, reference_s: float, periods) -> Verdict:
     measured ``reference_s``: the tried candidate is kept only where it is more than
     :data:`TOLERANCE` sooner (as :func:`choose` breaks ties: toward dense), else dense over float16
     runs on.  Every rank returns the same verdict."""
-    own = np.array([float(np.median(periods)) if len(periods) else np.inf])
-    step = max(float(v[0]) for v in comm.allgather(own)) if comm.size > 1 else float(own[0])
+    step = float(_slowest(comm, [float(np.median(periods)) if len(periods) else np.inf])[0])
     score = step * CANDIDATES[tried].epochs
     keep = reference_s * CANDIDATES[MEASURING].epochs > score * (1.0 + TOLERANCE)
     return Verdict(tried if keep else MEASURING, tried, step, float(reference_s))
@@ -386,7 +393,7 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
                         float(np.median(clean)) if clean else 0.0])
     link = None
     if comm.size > 1:
-        compute = np.max(np.array([np.asarray(v, np.float64) for v in comm.allgather(compute)]), axis=0)
+        compute = _slowest(comm, compute)
         fitted, error = np.full(2, np.nan), ""
         if comm.rank == 0:
             try:

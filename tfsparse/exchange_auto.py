@@ -227,9 +227,10 @@ class AutoSwitching:
             raise ValueError(f"the saved state's auto choice {chosen} is not one of tfsparse.auto.CANDIDATES "
                              f"(0 to {len(auto.CANDIDATES) - 1}, or -1: undecided): saved by another version?")
         two = bool(int(np.asarray(state.get("auto_two_level", np.zeros(1))).reshape(-1)[0]))
-        if chosen >= 0 and (chosen != self._auto.index or two != self._auto.two_level):
-            self._replan(chosen, two)
-        if chosen >= 0:  # saved on trial: the trial anew (a state saved while measuring leaves this one's as it is)
+        if chosen >= 0:  # a state saved while measuring leaves this one's as it is
+            if chosen != self._auto.index or two != self._auto.two_level:
+                self._replan(chosen, two)
+            # saved on trial: the trial anew
             trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
             self._auto.trial_from = -1
             self._start_trial(int(trial[0]), float(trial[1]))
