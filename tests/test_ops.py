@@ -10,7 +10,7 @@ import pytest
 
 import tfsparse.ops as ops
 from tfsparse.ops import _common as C
-from tfsparse.ops import cpu
+from tfsparse.ops import _cpu_bits, _cpu_select, cpu
 from tfsparse import buffers
 from tfsparse.ops import reference as R
 
@@ -345,7 +345,7 @@ def test_add_select_streams_the_sums_whatever_the_alignment(offset, n):
 @pytest.mark.parametrize("around", [-17, -9, 0, 1, 7, 16])
 def test_staging_fills_to_its_end(around):
     """A chunk with about as many hits as its staging area holds (``_STG`` + ``around``): the
-    staging takes them 16 at a time while 16 fit (:func:`cpu._compress16` on AVX-512) and one by one
+    staging takes them 16 at a time while 16 fit (:func:`_cpu_bits._compress16` on AVX-512) and one by one
     after, and a chunk with more is rescanned -- the same indices and values as the reference, for
     the threshold selection and error feedback's pass, NaN (always a hit) and a key above NaN's
     (nothing) included."""
@@ -434,7 +434,7 @@ def test_topk_ties_low_is_numpys_dense_selection(seed):
     k-th, NaN counted as Inf, indices ascending -- numpy's partition-mask-sort path, no sort.
     Seed 6 is past ``_RADIX_MIN`` elements: the threshold from the radix select."""
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(50, 4000)) if seed < 6 else 3 * cpu._RADIX_MIN + 5
+    n = int(rng.integers(50, 4000)) if seed < 6 else 3 * _cpu_select._RADIX_MIN + 5
     x = np.round(rng.standard_normal(n) * 3).astype(np.float32) / 2  # many ties
     x[rng.integers(0, n, 6)] = SPECIAL
     for k in (1, n // 16 + 1, n // 2, n - 1):
@@ -454,7 +454,7 @@ def test_kth_key_radix_select_is_the_sorted_kth(seed):
     value as the sorted array's, with heavy ties, NaN/Inf keys and every boundary ``k``; keys
     outside ``[0, 2**32)`` take the introselect path."""
     rng = np.random.default_rng(seed)
-    m = cpu._RADIX_MIN + int(rng.integers(0, 70000))
+    m = _cpu_select._RADIX_MIN + int(rng.integers(0, 70000))
     x = np.round(rng.standard_normal(m) * 3).astype(np.float32) / 2  # many ties
     x[rng.integers(0, m, 12)] = np.resize(SPECIAL, 12)
     cases = [cpu.keys_of(x), cpu.keys_of(mixed(m, seed)), rng.integers(0, 2**32, m),
@@ -723,16 +723,16 @@ def test_stage_hits_without_compressing_stores(monkeypatch):
     (``_COMPRESS`` off, run here as Python; this CPU's compiled way: the tests above): the hits in
     order, counted past the staging area's end, stored only inside it."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal(cpu._BLK).astype(np.float32)
+    x = rng.standard_normal(_cpu_bits._BLK).astype(np.float32)
     x[[3, 40]] = [np.nan, -np.inf]
     xu = x.view(np.uint32)
-    monkeypatch.setattr(cpu, "_COMPRESS", False)
+    monkeypatch.setattr(_cpu_select, "_COMPRESS", False)
     for klo in (C.threshold_key(1.0), C.threshold_key(0.1), C.NAN_KEY, C.NAN_KEY + 1):
         want = np.flatnonzero(np.minimum(xu & 0x7FFFFFFF, C.NAN_KEY) >= klo)
         for w0 in (0, cpu._STG - 5, cpu._STG + 2):
             st_idx = np.full(cpu._STG + 8, -1, np.int64)
             st_val = np.zeros(cpu._STG + 8, np.float32)
-            w = cpu._stage_hits.py_func(xu, x, 0, cpu._BLK, np.uint32(klo << 1), klo, st_idx, st_val, 0, w0, 100)
+            w = _cpu_select._stage_hits.py_func(xu, x, 0, _cpu_bits._BLK, np.uint32(klo << 1), klo, st_idx, st_val, 0, w0, 100)
             assert w == w0 + want.size
             stored = max(0, min(cpu._STG, w) - w0)
             same_bits(st_idx[w0:w0 + stored], want[:stored] + 100)
