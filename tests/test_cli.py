@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from tfsparse import exchange
+from tfsparse import exchange, exchange_build
 
 
 def test_warmup_command_readies_the_kernels_and_says_where_they_are_cached():
@@ -21,16 +21,16 @@ def test_a_slow_warmup_is_announced_on_rank_zero_only(monkeypatch, capsys):
     from tfsparse.ops import cpu
 
     monkeypatch.setattr(cpu, "warmup", lambda: time.sleep(0.3))
-    monkeypatch.setattr(exchange, "COMPILE_NOTICE_S", 0.05)
-    exchange._warm_kernels.__wrapped__(False)  # other ranks: silent
+    monkeypatch.setattr(exchange_build, "COMPILE_NOTICE_S", 0.05)
+    exchange_build._warm_kernels.__wrapped__(False)  # other ranks: silent
     assert capsys.readouterr().out == ""
-    exchange._warm_kernels.__wrapped__(True)
+    exchange_build._warm_kernels.__wrapped__(True)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("tfsparse: compiling the Numba kernels") and "tfsparse warmup" in out[0]
     assert out[1].startswith("tfsparse: kernels compiled in") and len(out) == 2
     monkeypatch.setattr(cpu, "warmup", lambda: None)  # cached: nothing said
-    monkeypatch.setattr(exchange, "COMPILE_NOTICE_S", 5.0)
-    exchange._warm_kernels.__wrapped__(True)
+    monkeypatch.setattr(exchange_build, "COMPILE_NOTICE_S", 5.0)
+    exchange_build._warm_kernels.__wrapped__(True)
     assert capsys.readouterr().out == ""
 
 

@@ -120,9 +120,9 @@ def test_auto_switches_to_two_levels_when_it_chooses_them(monkeypatch, capsys, h
     groups then -- and gets the same sums throughout; its line says which and how to pin it."""
     import dataclasses
 
-    from tfsparse import auto, exchange
+    from tfsparse import auto, exchange_build
 
-    for module in (hierarchy, exchange, auto):
+    for module in (hierarchy, exchange_build, auto):
         monkeypatch.setattr(module, "host_ids", lambda comm: list(hosts))
     real, index = auto.decide, next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
     offered = []
@@ -185,10 +185,10 @@ def test_a_restored_two_level_choice_continues_bit_for_bit(monkeypatch):
     saved one does; the measured rounds' memory became the host's, on its leader."""
     import dataclasses
 
-    from tfsparse import auto, exchange
+    from tfsparse import auto, exchange, exchange_build
 
     hosts = [0, 0, 1, 1]
-    for module in (hierarchy, exchange, auto):
+    for module in (hierarchy, exchange_build, auto):
         monkeypatch.setattr(module, "host_ids", lambda comm: list(hosts))
     real, index = auto.decide, next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "topk")
     monkeypatch.setattr(auto, "decide", lambda *a, **k: dataclasses.replace(real(*a, **k), index=index, two_level=True,

@@ -17,7 +17,7 @@ LAYERS = [
     {"aggregators"},
     {"plan", "selection", "timing", "auto"},
     {"settings", "bucket"},
-    {"exchange", "exchange_auto"},
+    {"exchange", "exchange_auto", "exchange_build", "exchange_state"},
     {"pipelined", "checkpoint"},
     {"tf_glue"},
     {"strategies", "keras", "run", "network", "cluster", "cli"},
@@ -166,3 +166,18 @@ def test_keras_classes_register_at_import_of_tfsparse_keras(statement):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-3:] == ["False", "None", "tfsparse.keras.optimizer.DistributedOptimizer"]
+
+
+def test_modules_and_classes_stay_small():
+    """Modules by concern (the kernels by family, the engine's build, state and auto apart): no
+    module of the package over 800 lines, no class over 300."""
+    too_long = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(PKG.parent))
+        if text.count("\n") > 800:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                too_long.append(f"{name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long

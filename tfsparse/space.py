@@ -29,6 +29,7 @@ except for ``clip_norm``, whose float64 norm is summed in a different order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import numpy as np
@@ -327,3 +328,14 @@ def space_for(x):
         return HOST
     device = getattr(x, "__dlpack_device__", None)
     return cuda_space(int(device()[1]) if device is not None else None)
+
+
+def in_space(method):
+    """An exchange method run with the exchange's space active (its GPU current in the calling
+    thread, :meth:`tfsparse.space.CudaSpace.active`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.space.active():
+            return method(self, *args, **kwargs)
+
+    return run

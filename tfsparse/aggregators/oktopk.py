@@ -385,7 +385,7 @@ class OkTopkAllreduce(Aggregator):
         pending = None  # (list of (source, request)) of the bucket in flight
         own = slice(int(cuts[rank]), int(cuts[rank + 1]))
         own_reduced = False
-        for bucket in buckets:
+        for bucket in buckets + [[]]:  # the last, empty bucket reduces what the one before it brought
             posted = []
             for s in bucket:  # destination rotation (Fig. 2(b))
                 dst, src = (rank + s) % size, (rank - s) % size
@@ -401,11 +401,6 @@ class OkTopkAllreduce(Aggregator):
                 for _src, req in pending:
                     reduce_part(*unpack_sparse(req.wait(), codec, wire))
             pending = posted
-        if not own_reduced:
-            reduce_part(local_idx[own], local_val[own])
-        if pending is not None:
-            for _src, req in pending:
-                reduce_part(*unpack_sparse(req.wait(), codec, wire))
         for req in sends:
             req.wait()
         return reduced_idx, reduced_val
