@@ -216,14 +216,16 @@ def confirm(comm, tried: int, reference_s: float, periods) -> Verdict:
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
             local_s: float, hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Prediction:
     """The predicted step and score of ``candidate`` for a gradient of ``n`` elements.
-    ``hosts``: ``(hosts, ranks per host)`` where the ranks share their host's link (the flat
-    exchange's ranks of one host send across the network together: each gets a share of its
-    bandwidth); with ``two_level_s`` > 0, the two-level exchange instead: the algorithm among the
-    hosts over the whole link, plus ``two_level_s`` for the hosts' sums and broadcasts."""
+    ``hosts``: ``(hosts, ranks per host)`` where the ranks share their host's link (on several
+    hosts, the flat exchange's ranks of one host send across the network together: each gets a
+    share of its bandwidth; on one host nothing crosses a host's link, and ``link`` is what was
+    measured between two of its ranks); with ``two_level_s`` > 0, the two-level exchange instead:
+    the algorithm among the hosts over the whole link, plus ``two_level_s`` for the hosts' sums and
+    broadcasts."""
     comm_s = 0.0
     if hosts is not None and two_level_s > 0:
         workers = hosts[0]
-    elif hosts is not None and link is not None:
+    elif hosts is not None and hosts[0] > 1 and link is not None:
         link = shared_link(link, hosts[1])
     if link is not None and workers > 1:
         value_bytes = get_wire(candidate.wire_dtype).value_bytes
