@@ -227,7 +227,7 @@ class AutoSwitching:
             raise ValueError(f"the saved state's auto choice {chosen} is not one of tfsparse.auto.CANDIDATES "
                              f"(0 to {len(auto.CANDIDATES) - 1}, or -1: undecided): saved by another version?")
         two = bool(int(np.asarray(state.get("auto_two_level", np.zeros(1))).reshape(-1)[0]))
-        if chosen >= 0:  # a state saved while measuring leaves this one's as it is
+        if chosen >= 0:  # decided when saved (one saved while measuring, -1, leaves this one's as it is)
             if chosen != self._auto.index or two != self._auto.two_level:
                 self._replan(chosen, two)
             # saved on trial: the trial anew
