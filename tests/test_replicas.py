@@ -23,6 +23,27 @@ def test_the_digest_tells_every_flipped_bit_and_swapped_words_apart_whatever_the
     assert digests([x, x[:5]]).shape == (2, 2)
 
 
+def reference_digest(value) -> np.ndarray:
+    """The digest's definition in numpy (what the one-pass kernel must give bit for bit)."""
+    raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    raw = np.concatenate([raw, np.zeros(-raw.size % 4, np.uint8)])
+    words = raw.view(np.uint32).astype(np.uint64)
+    weights = np.arange(words.size, dtype=np.uint64) % np.uint64(65521) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        return np.array([words.sum(dtype=np.uint64), (words * weights).sum(dtype=np.uint64)], np.uint64)
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 65520, 65521, 65522, 3 * 65521 + 7, 1 << 20])
+def test_the_digest_is_its_definition_bit_for_bit(size):
+    """Sums past 2**64 wrap as the definition's; position weights start again every 65521 words."""
+    rng = np.random.default_rng(size)
+    words = rng.integers(0, 1 << 32, size, dtype=np.uint64).astype(np.uint32)
+    words[: size // 2] |= np.uint32(0xFFFF0000)  # large words: the sums wrap
+    np.testing.assert_array_equal(digest(words), reference_digest(words))
+    half = rng.standard_normal(size).astype(np.float16)  # 2-byte elements: the last word padded
+    np.testing.assert_array_equal(digest(half), reference_digest(half))
+
+
 def test_compare_names_the_first_differing_variable_and_the_ranks():
     names = ["dense/kernel", "dense/bias", "adam/iteration"]
     ok = digests([np.ones(4, np.float32), np.zeros(2, np.float32), np.int64(3)])

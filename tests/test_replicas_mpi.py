@@ -13,12 +13,12 @@ ALGORITHMS = ("dense", "topk", "gtopk", "oktopk", "dragonn", "dgc", "gaussiank",
 CASES = {
     2: [f"text-{a}-adam" for a in ALGORITHMS] + ["text-topk-sgd", "text-gtopk-sgd", "transformer-mixed_bfloat16",
                                                  "refit-strategy", "refit-optimizer", "gan-strategy", "gan-optimizer",
-                                                 "diverge-strategy", "diverge-optimizer", "auto-strategy-measured",
-                                                 "auto-optimizer-gtopk"],
+                                                 "diverge-strategy", "diverge-optimizer", "diverge-strategy-validation",
+                                                 "auto-strategy-measured", "auto-optimizer-gtopk"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
         "transformer-float32", "transformer-mixed_bfloat16", "finetune-strategy", "finetune-optimizer",
         "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "gan-strategy",
-        "gan-optimizer", "diverge-strategy", "diverge-optimizer", "auto-strategy-measured",
+        "gan-optimizer", "diverge-strategy", "diverge-optimizer", "diverge-strategy-validation", "auto-strategy-measured",
         "auto-optimizer-measured", "auto-strategy-oktopk"],
 }
 _launched: dict = {}
@@ -69,6 +69,20 @@ def test_a_rank_that_drifts_apart_is_named_on_every_rank(nproc, route):
         assert caught is not None, f"rank {r} trained on in silence"
         assert "ReplicasDiverged" in caught and "dense" in caught and "/bias' holds other bits on rank 1 " in caught, caught
         assert epochs == (1 if route == "strategy" else 3), (r, epochs)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_the_replica_check_runs_at_the_training_epochs_end_whatever_the_validation_data(nproc):
+    """Validation data of 5 batches beside 16 training batches, rank 1's nudge in the second
+    epoch: the check raises at that epoch's end (its 16th step, the last one whose batch never
+    ended), not after 5 batches -- fit's validation data no longer sets the epoch's length (the
+    check then ran every 5 steps, and Pipe-SGD's epoch sync points moved with it)."""
+    for r, res in enumerate(launched(nproc)):
+        got = res["diverge_strategy_validation"]
+        assert got["caught"] is not None and "ReplicasDiverged" in got["caught"], (r, got["caught"])
+        assert (got["epochs"], got["batches"], got["sync_steps"]) == (2, 15, 16), (r, got)
 
 
 AUTO = [(n, c) for n, cases in CASES.items() for c in cases if c.startswith("auto")]

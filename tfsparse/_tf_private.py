@@ -182,14 +182,30 @@ def optimizer_variables(optimizer) -> list:
     return list(getattr(optimizer, "_trainable_variables", None) or [])
 
 
+def keras_distributing(max_depth: int = 16):
+    """What the dataset being distributed right now is for: ``"fit"`` (``fit``'s training data),
+    ``"validation"`` (``fit``'s ``validation_data``), ``"evaluate"``, ``"predict"``, or None.
+    Keras' ``fit`` distributes its training data before its first epoch, into its local
+    ``epoch_iterator``, and its validation data at the first validation, from the same frame
+    (read-only: that local already set tells the two apart)."""
+    name, _, frame = _keras_frame(max_depth)
+    if name == "fit" and "epoch_iterator" in frame.f_locals:
+        return "validation"
+    return name
+
+
 def _keras_method(max_depth: int):
+    return _keras_frame(max_depth + 1)[:2]
+
+
+def _keras_frame(max_depth: int):
     import keras
 
     for frame in _caller_frames(max_depth + 1):
         model = frame.f_locals.get("self")
         if frame.f_code.co_name in ("fit", "evaluate", "predict") and isinstance(model, keras.Model):
-            return frame.f_code.co_name, model
-    return None, None
+            return frame.f_code.co_name, model, frame
+    return None, None, None
 
 
 def set_initial_epoch(model, epoch: int | None) -> None:

@@ -73,8 +73,8 @@ class DataAgreement:
     """The per-step vote behind :func:`agree_on_data`: every rank says whether it has a batch for
     the next step; under ``"end"`` and ``"error"`` the step runs when all have one, under
     ``"join"`` while any has one.  ``collective(fn)`` runs ``fn(comm)`` over the ranks (the
-    exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`); ``what``: ``"fit"`` or
-    ``"evaluate"``, for the messages."""
+    exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`); ``what``: ``"fit"``,
+    ``"validation"`` (fit's) or ``"evaluate"``, for the messages."""
 
     def __init__(self, collective, policy: str = "end", what: str = "fit"):
         self.collective = collective

@@ -16,8 +16,9 @@ argv[1:]: the cases, run one after another in this one launch (a launch costs mo
   frozen, then unfrozen) and a second fit with another optimizer (``-2``: Pipe-SGD's pipeline=2);
 * ``gan-<strategy|optimizer>``: a generator and a discriminator, each with its own optimizer, in
   one custom ``train_step`` under SparseStrategy (or each a DistributedOptimizer);
-* ``diverge-<strategy|optimizer>``: rank 1 alone nudges a weight during the first epoch; the
-  replica check must raise on every rank (saved: the message, and the epoch that had begun);
+* ``diverge-<strategy|optimizer>[-validation]``: rank 1 alone nudges a weight during the first
+  epoch (``-validation``: the second, with validation data of another length); the replica check
+  must raise on every rank (saved: the message, the epoch that had begun and its batches ended);
 * ``auto-<strategy|optimizer>-<measured|candidate>``: the text classifier with SGD and momentum
   under ``algorithm="auto"``: the choice measured, or the named candidate forced in place of the
   measured one (the measurement's collectives still run), so that the switch from the measured
@@ -204,25 +205,30 @@ def gan_case(route):
 
 
 class Nudge(keras.callbacks.Callback):
-    """Rank 1 adds 1e-3 to the last layer's bias after the third batch of the first epoch (a
-    divergence no exchange made); records the epochs begun."""
+    """Rank 1 adds 1e-3 to the last layer's bias after the third batch of epoch ``epoch`` (a
+    divergence no exchange made); records the epochs begun and the batches ended in the last."""
 
-    def __init__(self):
+    def __init__(self, epoch=1):
         super().__init__()
-        self.epochs = 0
+        self.epoch, self.epochs, self.batches = epoch, 0, 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.epochs = epoch + 1
+        self.epochs, self.batches = epoch + 1, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if rank == 1 and self.epochs == 1 and batch == 2:
+        self.batches = batch + 1
+        if rank == 1 and self.epochs == self.epoch and batch == 2:
             bias = self.model.layers[-1].bias
             bias.assign(bias + 1e-3)
 
 
-def diverge_case(route):
+def diverge_case(route, validation=None):
+    """``validation``: validation data of 5 batches beside the 16 training batches, and the nudge
+    in the second epoch, after the first validation (the check must still run at the epoch's end,
+    not every 5 batches)."""
     x, y = text_data()
-    nudge = Nudge()
+    nudge = Nudge(2 if validation else 1)
+    extra = {"validation_data": text_data(160)} if validation else {}
     if route == "strategy":
         with tfsparse.SparseStrategy("topk", 0.01):
             model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 8),
@@ -233,10 +239,13 @@ def diverge_case(route):
                                   keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
         model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.01), LOSS)
     try:
-        model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[nudge])
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[nudge], **extra)
     except Exception as e:  # noqa: BLE001  (what reaches the caller: its type and text are the result)
-        return {"caught": f"{type(e).__name__}: {e}", "epochs": nudge.epochs}
-    return {"caught": None, "epochs": nudge.epochs}
+        caught = f"{type(e).__name__}: {e}"
+    else:
+        caught = None
+    sync = getattr(tfsparse.keras.ownership.exchange_of(model), "sync_points", None)
+    return {"caught": caught, "epochs": nudge.epochs, "batches": nudge.batches, "sync_steps": sync and sync[1]}
 
 
 def auto_case(route, choice):

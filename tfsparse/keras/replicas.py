@@ -21,8 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import runtime
-
-_WEIGHT_MOD = 65521  # the largest prime below 2**16: position weights 1..65521
+from ..ops import cpu
 
 
 class ReplicasDiverged(RuntimeError):
@@ -35,10 +34,7 @@ def digest(value) -> np.ndarray:
     raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
     if raw.size % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, np.uint8)])
-    words = raw.view(np.uint32).astype(np.uint64)
-    weights = np.arange(words.size, dtype=np.uint64) % np.uint64(_WEIGHT_MOD) + np.uint64(1)
-    with np.errstate(over="ignore"):
-        return np.array([words.sum(dtype=np.uint64), (words * weights).sum(dtype=np.uint64)], np.uint64)
+    return cpu.word_sums(raw.view(np.uint32))
 
 
 def digests(values) -> np.ndarray:

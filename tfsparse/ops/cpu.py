@@ -43,6 +43,7 @@ import numpy as np
 from .. import _checks, traffic
 from . import _common as C
 from ._cpu_bits import _CH, _INFK, _STG, as_f32
+from ._cpu_digest import _word_sums
 from ._cpu_quant import (_add_encode16, _add_quantize_chunks, _bf16_into, _bf16_truncate, _chunk_l1, _dequantize,
                          _dequantize_chunks_into, _half_into, _half_rne, _lookup_into, _max_key, _quantize,
                          _quantize_chunks, _truncate_fp16)
@@ -538,9 +539,22 @@ def chunk_l1_norms(x, chunk=32768):
         return _chunk_l1(x, chunk, np.empty(C.num_chunks(x.size, chunk), np.float32))
 
 
+def word_sums(words) -> np.ndarray:
+    """``[sum, weighted sum]`` (uint64, modulo 2**64) of a 1-D array of uint32 ``words``, the
+    weight of word ``i`` being ``i % WEIGHT_MOD + 1`` (:data:`~tfsparse.ops._cpu_digest.WEIGHT_MOD`
+    = 65521) -- the replica digest of :mod:`tfsparse.keras.replicas`, in one pass."""
+    words = np.ascontiguousarray(words)
+    if words.dtype != np.uint32 or words.ndim != 1:
+        raise ValueError(f"words={words.dtype}[{words.shape}] is not valid; accepted: a 1-D uint32 array")
+    out = np.empty(2, np.uint64)
+    _word_sums(words, out)
+    return out
+
+
 def warmup() -> None:
     """Compiles (or loads from the Numba cache) every CPU kernel on a tiny input."""
     x = np.linspace(-1.0, 1.0, 3 * _CH + 17, dtype=np.float32)
+    word_sums(x.view(np.uint32))
     topk_abs(x, 5)
     topk_abs(x, x.size // 2)
     kth_largest_abs(x, 5)

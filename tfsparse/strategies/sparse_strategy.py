@@ -36,7 +36,7 @@ import tensorflow as tf
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
                            check_extended_hooks, keras_epoch_steps, keras_optimizer_applying, keras_replica_call,
-                           keras_running, mixes_strategies, optimizer_variables, reject_xla)
+                           keras_distributing, mixes_strategies, optimizer_variables, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
@@ -95,12 +95,12 @@ class SparseExtended(OneDeviceExtended):
         if steps is None and tf.executing_eagerly():
             card = int(dataset.cardinality().numpy())
             steps = card if card >= 0 else None
-        running = keras_running()
-        if running == "fit":
+        running = keras_distributing()
+        if running == "fit":  # not its validation data: the epochs are the training data's batches
             self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
             self._start_epochs(steps)
         self._pending_steps = None
-        if self.exchange.comm.size > 1 and running in ("fit", "evaluate") and tf.executing_eagerly():
+        if self.exchange.comm.size > 1 and running in ("fit", "validation", "evaluate") and tf.executing_eagerly():
             dataset = self._agree_on_steps(dataset, steps, running)
         else:
             self._pending_steps = steps  # compared at the first step, fused with its metric averaging
