@@ -15,7 +15,8 @@ from fakes import NoTalk
 from test_exchange_pipeline import ALGOS, OPTIONS, WIRES, flat, grads_of
 from tfsparse.collectives import InProcessWorld
 from tfsparse.collectives.thread import PRECEDENCE_NICE
-from tfsparse.exchange import QUIET_PAUSE, GradientExchange
+from tfsparse.exchange import GradientExchange
+from tfsparse.exchange_build import QUIET_PAUSE
 from tfsparse.pipelined import Pipelined
 
 STEPS = 4

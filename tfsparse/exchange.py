@@ -49,7 +49,7 @@ import numpy as np
 from .bucket import Bucket, ExchangeStats, Outcome, assemble
 from .collectives.watchdog import note_round
 from .exchange_auto import AutoState, AutoSwitching
-from .exchange_build import QUIET_PAUSE, Building, _warm_kernels  # noqa: F401 -- imported from here too
+from .exchange_build import Building
 from .exchange_state import ExchangeState
 from .plan import Layout
 from .schedules import check_density

@@ -96,7 +96,7 @@ def check_selection_on_device_only_payload_to_host():
     from tfsparse import space
     from tfsparse.ops import cpu
 
-    from tfsparse.exchange import _warm_kernels
+    from tfsparse.exchange_build import _warm_kernels
 
     _setup()
     _warm_kernels()  # the CPU kernels compiled first (the other algorithms' fallback needs them)
