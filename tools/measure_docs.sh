@@ -71,7 +71,8 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
  {"label":"topk 0.01","algorithm":"topk","density":0.01}]'
 
 # auto against the dense rows: on fast networks it must not lose (issue: within 5 % of the best); at 1 Gbit/s
-# (tta_1gbit_auto) the same three rows alone re-measure auto where tta_1gbit (over an hour) is not re-run
+# (tta_1gbit_auto) the same three rows alone re-measure auto where tta_1gbit (over an hour) is not re-run;
+# tta_conv_auto: the same rows on the convolutional model at 1 Gbit/s
 TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"auto","algorithm":"auto"}]'
 
@@ -85,10 +86,10 @@ TWO_LEVEL='[{"label":"dense f16 flat","algorithm":"dense","wire_dtype":"float16"
  {"label":"topk 0.01 two-level","algorithm":"topk","density":0.01,"hierarchical":true}]'
 
 # three seeds of tools/bench_time_to_accuracy.py on 4 ranks, 10 epochs, and their summary:
-# tta_seeds NAME ROWS RUN_FLAGS NETWORK writes $OUT/NAME_s{0,1,2}.json and $OUT/NAME.{json,png}
+# tta_seeds NAME ROWS RUN_FLAGS NETWORK [TOOL_FLAGS] writes $OUT/NAME_s{0,1,2}.json and $OUT/NAME.{json,png}
 tta_seeds() {
-    local name=$1 rows=$2 flags=$3 network=$4
-    echo "for seed in 0 1 2; do $RUN -np 4 ${flags:+$flags }$PYTHON tools/bench_time_to_accuracy.py '$rows' --epochs 10" \
+    local name=$1 rows=$2 flags=$3 network=$4 tool=${5:-}
+    echo "for seed in 0 1 2; do $RUN -np 4 ${flags:+$flags }$PYTHON tools/bench_time_to_accuracy.py '$rows' ${tool:+$tool }--epochs 10" \
          "--seed \$seed --network '$network' --out $OUT/${name}_s\$seed || exit 1; done &&" \
          "$PYTHON tools/time_to_accuracy_summary.py $OUT/$name $OUT/${name}_s0.json $OUT/${name}_s1.json $OUT/${name}_s2.json"
 }
@@ -103,6 +104,7 @@ STEP[dragonn_1gbit]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$DRAGONN
 STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_CONV' --model conv --epochs 8 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/time_to_accuracy_conv_1gbit"
 STEP[tta_1gbit]=$(tta_seeds time_to_accuracy_1gbit "$TTA" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_1gbit_auto]=$(tta_seeds time_to_accuracy_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
+STEP[tta_conv_auto]=$(tta_seeds time_to_accuracy_conv_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
@@ -124,7 +126,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
