@@ -38,8 +38,12 @@ def test_the_digest_is_its_definition_bit_for_bit(size):
     """Sums past 2**64 wrap as the definition's; position weights start again every 65521 words."""
     rng = np.random.default_rng(size)
     words = rng.integers(0, 1 << 32, size, dtype=np.uint64).astype(np.uint32)
-    words[: size // 2] |= np.uint32(0xFFFF0000)  # large words: the sums wrap
+    words[: size // 2] |= np.uint32(0xFFFF0000)  # large words: the weighted sum wraps (the larger sizes)
     np.testing.assert_array_equal(digest(words), reference_digest(words))
+    frozen = words.copy()
+    frozen.flags.writeable = False  # as tf.numpy_function may hand them over
+    np.testing.assert_array_equal(digest(frozen), reference_digest(words))
+    np.testing.assert_array_equal(digest(np.repeat(words, 2)[::2]), reference_digest(words))  # strided
     half = rng.standard_normal(size).astype(np.float16)  # 2-byte elements: the last word padded
     np.testing.assert_array_equal(digest(half), reference_digest(half))
 

@@ -146,16 +146,9 @@ def keras_epoch_steps(max_depth: int = 8):
     return None
 
 
-def keras_running(max_depth: int = 16):
-    """``"fit"``, ``"evaluate"`` or ``"predict"``: the Keras model method on the call stack
-    right now (e.g. the one whose epoch iterator distributes a dataset), or None.  Read-only
-    stack inspection: Keras does not tell a strategy what a dataset is for."""
-    return _keras_method(max_depth)[0]
-
-
 def keras_model_running(max_depth: int = 16):
     """The Keras model whose ``fit``, ``evaluate`` or ``predict`` is on the call stack right now,
-    or None (read-only, as :func:`keras_running`): Keras tells an optimizer's
+    or None (read-only stack inspection, as :func:`keras_distributing`): Keras tells an optimizer's
     ``finalize_variable_values`` the trainable variables, not the model they belong to."""
     return _keras_method(max_depth)[1]
 
@@ -184,7 +177,9 @@ def optimizer_variables(optimizer) -> list:
 
 def keras_distributing(max_depth: int = 16):
     """What the dataset being distributed right now is for: ``"fit"`` (``fit``'s training data),
-    ``"validation"`` (``fit``'s ``validation_data``), ``"evaluate"``, ``"predict"``, or None.
+    ``"validation"`` (``fit``'s ``validation_data``), ``"evaluate"``, ``"predict"``, or None --
+    the innermost of those Keras model methods on the call stack (Keras does not tell a strategy
+    what a dataset is for).
     Keras' ``fit`` distributes its training data before its first epoch, into its local
     ``epoch_iterator``, and its validation data at the first validation, from the same frame
     (read-only: that local already set tells the two apart)."""

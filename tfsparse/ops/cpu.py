@@ -25,7 +25,7 @@ Table 1).  Every kernel here therefore makes one streaming pass in the common ca
 
 The kernels live by family -- ``_cpu_select`` (threshold, top-k, hashing and error feedback's
 fused selection), ``_cpu_quant`` (int8, float16, bfloat16), ``_cpu_sparse`` (sorted index sets,
-scatter and densify) over ``_cpu_bits`` (block tests and LLVM intrinsics); this module is their
+scatter and densify), ``_cpu_digest`` (the replica check's sums) over ``_cpu_bits`` (block tests and LLVM intrinsics); this module is their
 public face: argument checks, thread limits, staging buffers and traffic accounting.
 
 Inputs below :data:`PARALLEL_MIN` elements run on the calling thread only.  Every kernel
@@ -554,7 +554,11 @@ def word_sums(words) -> np.ndarray:
 def warmup() -> None:
     """Compiles (or loads from the Numba cache) every CPU kernel on a tiny input."""
     x = np.linspace(-1.0, 1.0, 3 * _CH + 17, dtype=np.float32)
-    word_sums(x.view(np.uint32))
+    words = x.view(np.uint32)
+    word_sums(words)
+    frozen = words[:5].copy()
+    frozen.flags.writeable = False  # a read-only array is another type to Numba
+    word_sums(frozen)
     topk_abs(x, 5)
     topk_abs(x, x.size // 2)
     kth_largest_abs(x, 5)
