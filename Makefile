@@ -1,5 +1,5 @@
 # The two set-up commands of the README:
-#   make demo   installs what the demo needs and runs the 4-process demo: dense against sparse, accuracy against seconds
+#   make demo   installs what the demo needs and runs the 4-process demo: dense against auto, accuracy against seconds
 #   make test   installs everything (Horovod included) and runs the whole test suite
 # and, for development (not CI):
 #   make test-fast  installs what make demo does and runs the `fast` subset (tests/conftest.py: the tests
@@ -30,7 +30,7 @@ install:
 install-horovod:
 	PYTHON='$(PYTHON)' bash tools/install.sh --horovod
 
-# the demo: dense float32 against top-k, test accuracy against seconds, on an emulated 1 Gbit/s link
+# the demo: dense float32 against auto, to dense's own accuracy, on an emulated 1 Gbit/s link
 # when this machine can make one (root, ip, tc: tfsparse-run --net), else on shared memory
 CAN_EMULATE = from tfsparse.network import check_can_emulate; check_can_emulate()
 DEMO = keras_examples/time_to_accuracy.py --demo
