@@ -22,8 +22,8 @@ own is on the wire); ``--dsync-epochs E`` trains the first E epochs synchronousl
 converged model rather than of wherever a constant rate left it.  ``--tensorboard DIR`` writes, on rank 0 only, one
 TensorBoard run per algorithm (``DIR/<algorithm>``): loss, accuracy, and what
 ``CommunicationStats`` adds -- ``comm_bytes``, ``density``, ``encode_ms``, ``comm_ms``,
-``decode_ms``, ``wait_ms`` -- as epoch scalars (``tensorboard --logdir DIR``).  ``make demo``
-passes ``--tensorboard results/tensorboard``.
+``decode_ms``, ``wait_ms`` -- as epoch scalars (``tensorboard --logdir DIR``), e.g.
+``--tensorboard results/tensorboard``.
 """
 import argparse
 import json
