@@ -150,7 +150,7 @@ def keras_model_running(max_depth: int = 16):
     """The Keras model whose ``fit``, ``evaluate`` or ``predict`` is on the call stack right now,
     or None (read-only stack inspection, as :func:`keras_distributing`): Keras tells an optimizer's
     ``finalize_variable_values`` the trainable variables, not the model they belong to."""
-    return _keras_method(max_depth)[1]
+    return _keras_frame(max_depth)[1]
 
 
 def keras_optimizer_applying(max_depth: int = 48):
@@ -187,10 +187,6 @@ def keras_distributing(max_depth: int = 16):
     if name == "fit" and "epoch_iterator" in frame.f_locals:
         return "validation"
     return name
-
-
-def _keras_method(max_depth: int):
-    return _keras_frame(max_depth + 1)[:2]
 
 
 def _keras_frame(max_depth: int):

@@ -25,8 +25,9 @@ Table 1).  Every kernel here therefore makes one streaming pass in the common ca
 
 The kernels live by family -- ``_cpu_select`` (threshold, top-k, hashing and error feedback's
 fused selection), ``_cpu_quant`` (int8, float16, bfloat16), ``_cpu_sparse`` (sorted index sets,
-scatter and densify), ``_cpu_digest`` (the replica check's sums) over ``_cpu_bits`` (block tests and LLVM intrinsics); this module is their
-public face: argument checks, thread limits, staging buffers and traffic accounting.
+scatter and densify), ``_cpu_digest`` (the replica check's sums) over ``_cpu_bits`` (block tests
+and LLVM intrinsics); this module is their public face: argument checks, thread limits, staging
+buffers and traffic accounting.
 
 Inputs below :data:`PARALLEL_MIN` elements run on the calling thread only.  Every kernel
 releases the GIL (``nogil``), so the exchange's communication thread keeps running Python
