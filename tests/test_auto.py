@@ -1,6 +1,8 @@
 """``algorithm="auto"``: the decision on synthetic inputs with known answers (link, compute,
 layout -> choice), the settings it accepts, and the switch on the numpy API (the Keras routes:
 tests/test_keras_single.py, tests/test_replicas_mpi.py, tests/test_resume_mpi.py)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,31 @@ def test_local_costs_are_measured_for_the_lossy_wires_and_the_selection():
     costs = auto.local_costs(200_000, 3)
     for c, t in zip(auto.CANDIDATES, costs):
         assert (t == 0.0) == (c.algorithm == "dense" and c.wire_dtype == "float32"), (c, t)
+
+
+def test_more_ranks_than_cores_price_the_local_work_longer():
+    assert auto.oversubscription(4, cores=2) == 2.0 and auto.oversubscription(3, cores=2) == 1.5
+    assert auto.oversubscription(1, cores=8) == 1.0 and auto.oversubscription(8, cores=8) == 1.0
+    assert auto.oversubscription(2, cores=0) == 2.0  # an unknown count is one core
+    assert auto.oversubscription(1) == 1.0
+
+
+def test_on_a_shared_core_the_local_work_can_tip_a_fast_link_to_dense():
+    """A launch recorded at 10 Gbit/s on the 2-core machine (four ranks; link, compute and the
+    local work timed alone as auto measured them): gTop-k's selection alone made it look 20 %
+    sooner than dense over float16, and its trial measured it slower; priced at the two ranks
+    that share each core, dense over a 16-bit wire wins at once."""
+    link = AlphaBeta(alpha=19.65e-6, beta=7.408e9 / 8)
+    alone = local(f16=0.0046, sparse=0.0224)
+    assert auto.choose(N, 4, link, 0.097, alone).candidate.algorithm == "gtopk"
+    busy = auto.oversubscription(4, cores=2)
+    d = auto.choose(N, 4, link, 0.097, alone * busy)
+    assert d.candidate.algorithm == "dense" and d.candidate.wire_dtype in ("float16", "bfloat16")
+    # a slow link keeps the sparse choice whatever the cores
+    assert auto.choose(N, 4, AlphaBeta(alpha=30e-6, beta=850e6 / 8), 0.135, alone * busy).candidate.algorithm == "gtopk"
+    text = dataclasses.replace(d, busy=busy).describe(4)
+    assert "local work x2 (more ranks than cores on a host)" in text
+    assert "local work" not in d.describe(4)
 
 
 @pytest.mark.parametrize("kwargs,words", [

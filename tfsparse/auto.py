@@ -10,7 +10,9 @@ Between those rounds, on the communication thread while the ranks compute their 
   host) of 8 B, 1 MiB and 4 MiB (one of 4 MiB per piece), from which rank 0 fits α and β
   (:func:`~tfsparse.collectives.alphabeta.fit_alpha_beta`);
 * **the local work** of each candidate on this layout -- rank 0 times the selection of the
-  sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding.
+  sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding,
+  alone on a core; where a host has more ranks than cores (:func:`oversubscription`), the ranks
+  do that work at the same time on the cores they share, and it is priced that many times longer.
 
 At the start of the next round, on every rank at once (:func:`decide`, collective), with **the
 compute step** -- each rank's median of (time between two rounds' starts) less (the earlier
@@ -42,6 +44,7 @@ arguments that pin it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -143,6 +146,8 @@ class Decision:
     reference_s: float = 0.0
     #: rounds the choice runs on trial (a sparse choice: :data:`TRIAL_ROUNDS`; 0: none)
     trial_rounds: int = 0
+    #: ranks per core on the busiest host (:func:`oversubscription`): the local work's factor
+    busy: float = 1.0
 
     @property
     def candidate(self) -> Candidate:
@@ -162,6 +167,8 @@ class Decision:
         f16 = next(p for p in self.predictions if p.candidate.algorithm == "dense" and
                    p.candidate.wire_dtype == "float16")
         link = "one rank, no link" if self.link is None else f"link {self.link}"
+        if self.busy > 1.0:
+            link += f", local work x{self.busy:.3g} (more ranks than cores on a host)"
         why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
         if chosen is not f16:
@@ -312,6 +319,17 @@ def local_costs(n: int, workers: int) -> np.ndarray:
     return out
 
 
+def oversubscription(ranks: int, cores: int | None = None) -> float:
+    """How many ranks share each core of a host that runs ``ranks`` of them on ``cores`` cores
+    (default this host's, ``os.cpu_count()``), at least 1: the factor by which the local work
+    timed alone on a core (:func:`local_costs`) takes longer when every rank of the host does it
+    at once, after the same gradients -- the timing model's rule for ranks that share cores
+    (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`).  On the 2-core development
+    machine, four ranks: 2 -- gTop-k's encoding there took 44 ms a round against 23 ms timed alone."""
+    cores = (os.cpu_count() or 1) if cores is None else int(cores)
+    return max(1.0, int(ranks) / max(1, cores))
+
+
 def _peer(comm) -> tuple[int, tuple[int, int]]:
     """The rank whose link to rank 0 auto measures: the first rank on another host than rank 0
     (the network, where there is one), else rank 1; and ``(hosts, most ranks on one host)``
@@ -339,6 +357,7 @@ class Probe:
         self.local = np.zeros(len(CANDIDATES))  # rank 0: each candidate's local work, seconds
         self.hosts = (1, 1)  # (hosts, most ranks on one host)
         self.two_level_s = 0.0  # rank 0: the two-level exchange's work inside a host, seconds
+        self.busy = 1.0  # rank 0: ranks per core on the busiest host (oversubscription)
 
     def run(self, comm, index: int) -> None:
         """Piece ``index`` of :data:`PROBES` (collective; every rank, in order)."""
@@ -350,9 +369,10 @@ class Probe:
         piece = PROBES[index]
         if piece is None:
             if comm.rank == 0 and comm.size > 1:  # one rank: nothing to send, dense float32 costs nothing more
-                self.local = local_costs(self.n, comm.size)
+                self.busy = oversubscription(self.hosts[1])
+                self.local = local_costs(self.n, comm.size) * self.busy
                 if self.hosts[0] > 1:
-                    self.two_level_s = two_level_costs(self.n, self.hosts[1])
+                    self.two_level_s = two_level_costs(self.n, self.hosts[1]) * self.busy
         elif self.link is not None:
             for nbytes, count in piece:
                 self.times.setdefault(nbytes, []).extend(round_trips(self.link, nbytes, count, self.peer))
@@ -410,12 +430,12 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
                           f"float16", RuntimeWarning, stacklevel=2)
             return Decision(MEASURING, float(compute[0]), None, ())
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
-    # rank 0's timing of the local work, and of the two-level exchange's inside a host
-    local = comm.bcast(np.append(probe.local, probe.two_level_s), root=0)
+    # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
+    local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
     if workers is not None:
-        decision = choose(n, int(workers), link, float(compute[0]), local[:-1], sparse)
+        decision = choose(n, int(workers), link, float(compute[0]), local[:-2], sparse)
     else:
-        decision = choose(n, comm.size, link, float(compute[0]), local[:-1], sparse,
-                          probe.hosts if two_level else None, float(local[-1]))
+        decision = choose(n, comm.size, link, float(compute[0]), local[:-2], sparse,
+                          probe.hosts if two_level else None, float(local[-2]))
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
-    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial)
+    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial, busy=float(local[-1]))
