@@ -110,6 +110,34 @@ def test_on_a_shared_core_the_local_work_can_tip_a_fast_link_to_dense():
     assert "local work" not in d.describe(4)
 
 
+def test_the_link_takes_the_bandwidth_the_measured_dense_rounds_used():
+    link = AlphaBeta(alpha=50e-6, beta=1e9 / 8)
+    dense16 = auto.CANDIDATES[auto.MEASURING]
+    for beta, hosts in ((0.85e9 / 8, None), (4e9 / 8, None), (0.85e9 / 8, (2, 2))):
+        true = AlphaBeta(alpha=50e-6, beta=beta)
+        exchange = auto.predict(dense16, N, 4, true, 0.0, 0.01, hosts).comm_s + 0.01
+        got = auto.calibrated(link, N, 4, exchange, 0.01, hosts)
+        assert got.alpha == link.alpha and got.beta == pytest.approx(beta, rel=1e-6), (beta, hosts)
+    assert auto.calibrated(link, N, 4, 0.0, 0.01) is link  # nothing measured
+    assert auto.calibrated(link, N, 1, 0.5, 0.01) is link  # one rank: no link
+    assert auto.calibrated(link, N, 4, 1e-5, 0.01).beta == 1e13  # shorter than the latency terms
+
+
+def test_round_trips_that_drown_in_noise_do_not_make_float32_look_free():
+    """A launch recorded at 10 Gbit/s on the 2-core machine: the round trips gave 29.7 Gbit/s
+    (2.985 ms latency), and dense float32 was chosen; the measured dense float16 rounds took
+    150 ms (about 4 Gbit/s through the collective), where float32's exchange is twice as long."""
+    probed = AlphaBeta(alpha=2.985e-3, beta=29.73e9 / 8)
+    costs = local(f16=0.017, sparse=0.045)
+    assert auto.choose(N, 4, probed, 0.092, costs).index == 0
+    link = auto.calibrated(probed, N, 4, 0.150, costs[auto.MEASURING])
+    assert 2e9 / 8 < link.beta < 8e9 / 8
+    c = auto.choose(N, 4, link, 0.092, costs).candidate
+    assert c.algorithm != "dense" or c.wire_dtype != "float32"
+    d = dataclasses.replace(auto.choose(N, 4, link, 0.092, costs), probed=probed)
+    assert "its bandwidth from dense over float16's measured rounds; round trips: 29.73gbit" in d.describe(4)
+
+
 @pytest.mark.parametrize("kwargs,words", [
     (dict(algorithm="auto", pipeline=2), ["pipeline=2 with algorithm='auto'", "pin the algorithm"]),
     (dict(algorithm="auto", tau=3), ["algorithm='auto' takes no algorithm options", "tau"]),
@@ -294,13 +322,16 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     probe.local = local()
     monkeypatch.setattr(auto.Probe, "fit", lambda self: link)
     disturbed = [0.9] * (len(auto.PROBES) + 1)
+    # the dense float16 rounds took what the model says they take on that link
+    exchange = auto.predict(auto.CANDIDATES[auto.MEASURING], N, 3, link, 0.0, 0.0).comm_s + local()[auto.MEASURING]
 
     def fn(comm, clean):
         periods = disturbed + [c + 0.01 * comm.rank for c in clean]
-        return auto.decide(comm, N, periods, [0.05] * len(periods), probe=probe, two_level=False)
+        return auto.decide(comm, N, periods, [exchange] * len(periods), probe=probe, two_level=False)
 
     sparse = InProcessWorld(3).run(fn, [0.50, 0.60, 0.70])
     assert all(d == sparse[0] for d in sparse) and sparse[0].candidate.algorithm != "dense"
+    assert sparse[0].link.beta == pytest.approx(link.beta, rel=1e-6) and sparse[0].probed == link
     assert sparse[0].trial_rounds == auto.TRIAL_ROUNDS and sparse[0].reference_s == pytest.approx(0.62)
     assert "on trial for 5 rounds against dense over float16's measured step (620 ms)" in sparse[0].describe(3)
     # a compute step far longer than the exchange: dense, and no trial

@@ -8,7 +8,9 @@ Between those rounds, on the communication thread while the ranks compute their 
 
 * **the link** -- round trips between rank 0 and the first rank on another host (rank 1 on one
   host) of 8 B, 1 MiB and 4 MiB (one of 4 MiB per piece), from which rank 0 fits α and β
-  (:func:`~tfsparse.collectives.alphabeta.fit_alpha_beta`);
+  (:func:`~tfsparse.collectives.alphabeta.fit_alpha_beta`) -- its bandwidth then set to what the
+  measured rounds' dense float16 exchanges took (:func:`calibrated`: tens of megabytes through
+  the collective itself, where a few MiB of round trips on a fast link drown in scheduling noise);
 * **the local work** of each candidate on this layout -- rank 0 times the selection of the
   sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding,
   alone on a core; where a host has more ranks than cores (:func:`oversubscription`), the ranks
@@ -148,6 +150,9 @@ class Decision:
     trial_rounds: int = 0
     #: ranks per core on the busiest host (:func:`oversubscription`): the local work's factor
     busy: float = 1.0
+    #: the link the round trips measured, where :attr:`link`'s bandwidth is the measured rounds'
+    #: (:func:`calibrated`); None: :attr:`link` is the round trips'
+    probed: AlphaBeta | None = None
 
     @property
     def candidate(self) -> Candidate:
@@ -167,6 +172,9 @@ class Decision:
         f16 = next(p for p in self.predictions if p.candidate.algorithm == "dense" and
                    p.candidate.wire_dtype == "float16")
         link = "one rank, no link" if self.link is None else f"link {self.link}"
+        if self.probed is not None and self.link is not None and self.probed.beta != self.link.beta:
+            link += (f" (its bandwidth from dense over float16's measured rounds; round trips: "
+                     f"{AlphaBeta(self.probed.alpha, self.probed.beta)})")
         if self.busy > 1.0:
             link += f", local work x{self.busy:.3g} (more ranks than cores on a host)"
         why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
@@ -330,6 +338,35 @@ def oversubscription(ranks: int, cores: int | None = None) -> float:
     return max(1.0, int(ranks) / max(1, cores))
 
 
+def calibrated(link: AlphaBeta, n: int, workers: int, exchange_s: float, local_s: float,
+               hosts: tuple[int, int] | None = None) -> AlphaBeta:
+    """``link`` with the bandwidth that makes the timing model's dense float16 exchange of ``n``
+    elements (plus its measured ``local_s``) take ``exchange_s``, the measured rounds' own median
+    exchange -- the link as the collective itself used it, tens of megabytes at a time.  The round
+    trips of a few MiB that ``link`` was fitted to are a few milliseconds on a fast link, where a
+    rank that waits for a core adds as much: on the 2-core development machine they gave 1.5 to
+    30 Gbit/s for the same emulated 10 Gbit/s link.  The latency stays the fitted one; an exchange
+    no longer than its latency terms leaves the bandwidth unbounded (1e13 B/s), one that cannot
+    be measured (0) leaves ``link`` as it is.  ``hosts`` as :func:`predict` takes it."""
+    target = exchange_s - local_s
+    if not exchange_s > 0.0 or workers < 2:
+        return link
+    measuring = CANDIDATES[MEASURING]
+
+    def comm(beta):
+        return predict(measuring, n, workers, AlphaBeta(link.alpha, beta), 0.0, 0.0, hosts).comm_s
+
+    lo, hi = 1e5, 1e13  # bytes/s: 0.8 Mbit/s to 80 Tbit/s
+    if comm(hi) >= target:
+        return AlphaBeta(link.alpha, hi)
+    if comm(lo) <= target:
+        return AlphaBeta(link.alpha, lo)
+    for _ in range(60):  # bisection in log(beta): comm falls as beta grows
+        mid = float(np.sqrt(lo * hi))
+        lo, hi = (lo, mid) if comm(mid) < target else (mid, hi)
+    return AlphaBeta(link.alpha, float(np.sqrt(lo * hi)))
+
+
 def _peer(comm) -> tuple[int, tuple[int, int]]:
     """The rank whose link to rank 0 auto measures: the first rank on another host than rank 0
     (the network, where there is one), else rank 1; and ``(hosts, most ranks on one host)``
@@ -411,8 +448,10 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     probe.finish(comm)
     own = [p - r for p, r in zip(periods, rounds)]
     clean = list(periods[len(PROBES) + 1:]) or list(periods)  # the rounds no piece of the probe ran in
+    exchanged = list(rounds[len(PROBES) + 1:]) or list(rounds)
     compute = np.array([max(0.0, float(np.median(own))) if own else 0.0,
-                        float(np.median(clean)) if clean else 0.0])
+                        float(np.median(clean)) if clean else 0.0,
+                        float(np.median(exchanged)) if exchanged else 0.0])
     link = None
     if comm.size > 1:
         compute = _slowest(comm, compute)
@@ -432,10 +471,14 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
     local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
+    probed = link
+    if link is not None and workers is None:  # the measured rounds ran flat: the link they used
+        link = calibrated(link, n, comm.size, float(compute[2]), float(local[MEASURING]), probe.hosts)
     if workers is not None:
         decision = choose(n, int(workers), link, float(compute[0]), local[:-2], sparse)
     else:
         decision = choose(n, comm.size, link, float(compute[0]), local[:-2], sparse,
                           probe.hosts if two_level else None, float(local[-2]))
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
-    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial, busy=float(local[-1]))
+    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial, busy=float(local[-1]),
+                               probed=probed)
