@@ -340,6 +340,30 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     assert dense[0].candidate.algorithm == "dense" and dense[0].trial_rounds == 0
 
 
+@pytest.mark.parametrize("hosts,two_level", [((1, 4), True), ((2, 2), False), ((2, 2), True)])
+def test_the_calibrated_link_prices_dense_float16_at_its_measured_rounds(monkeypatch, hosts, two_level):
+    """Whatever the hosts and whether two levels may be chosen, the flat dense float16 exchange
+    is priced at what the measured rounds took (the link shared by a host's ranks where
+    the flat exchange is priced so, not where it is not)."""
+    from tfsparse.collectives import InProcessWorld
+
+    monkeypatch.setattr(auto.Probe, "fit", lambda self: AlphaBeta.from_strings("10gbit", "50us"))
+    exchange = 0.42
+
+    def fn(comm):
+        probe = auto.Probe(N)
+        probe.done, probe.local, probe.hosts = len(auto.PROBES), local(), hosts
+        periods = [0.6] * auto.MEASURE_ROUNDS
+        return auto.decide(comm, N, periods, [exchange] * len(periods), probe=probe, two_level=two_level)
+
+    got = InProcessWorld(4).run(fn)
+    assert all(d == got[0] for d in got)
+    shared = hosts if two_level else None
+    f16 = auto.predict(auto.CANDIDATES[auto.MEASURING], N, 4, got[0].link, 0.0, local()[auto.MEASURING], shared)
+    assert f16.comm_s + f16.local_s == pytest.approx(exchange, rel=1e-6)
+    assert got[0].probed.beta == 10e9 / 8 and got[0].link.beta < got[0].probed.beta
+
+
 @pytest.mark.parametrize("verdict", ["keeps", "switches"])
 def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
     """A sparse choice on trial: :data:`TRIAL_ROUNDS` rounds of it, then at the same round on every

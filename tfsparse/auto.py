@@ -9,8 +9,10 @@ Between those rounds, on the communication thread while the ranks compute their 
 * **the link** -- round trips between rank 0 and the first rank on another host (rank 1 on one
   host) of 8 B, 1 MiB and 4 MiB (one of 4 MiB per piece), from which rank 0 fits α and β
   (:func:`~tfsparse.collectives.alphabeta.fit_alpha_beta`) -- its bandwidth then set to what the
-  measured rounds' dense float16 exchanges took (:func:`calibrated`: tens of megabytes through
-  the collective itself, where a few MiB of round trips on a fast link drown in scheduling noise);
+  measured rounds' dense float16 exchanges took, the slowest rank's median (:func:`calibrated`:
+  tens of megabytes through the collective itself, where a few MiB of round trips on a fast link
+  drown in scheduling noise; not under ``hierarchical=True``, whose measured rounds ran in two
+  levels);
 * **the local work** of each candidate on this layout -- rank 0 times the selection of the
   sparse candidates (top-k of the whole gradient) and the dense wires' encoding and decoding,
   alone on a core; where a host has more ranks than cores (:func:`oversubscription`), the ranks
@@ -24,8 +26,8 @@ the library's timing model (:func:`tfsparse.timing.simulate`, the aggregators' o
 predicted step × the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what
 dense float32 reaches, relative to dense; :data:`CANDIDATES` documents the measurements behind
 each).  The smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first --
-and every rank computes it from the same numbers (the slowest rank's compute, rank 0's link and
-local timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a
+and every rank computes it from the same numbers (the slowest rank's compute and exchange, rank
+0's link and local timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a
 candidate, so on a fast link auto picks dense.
 
 The timing model is a model: on a busy node, or a link as fast as the ranks' own memory, its
@@ -471,14 +473,13 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
     local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
-    probed = link
+    probed, flat_hosts = link, (probe.hosts if two_level else None)  # as choose prices the flat exchange
     if link is not None and workers is None:  # the measured rounds ran flat: the link they used
-        link = calibrated(link, n, comm.size, float(compute[2]), float(local[MEASURING]), probe.hosts)
+        link = calibrated(link, n, comm.size, float(compute[2]), float(local[MEASURING]), flat_hosts)
     if workers is not None:
         decision = choose(n, int(workers), link, float(compute[0]), local[:-2], sparse)
     else:
-        decision = choose(n, comm.size, link, float(compute[0]), local[:-2], sparse,
-                          probe.hosts if two_level else None, float(local[-2]))
+        decision = choose(n, comm.size, link, float(compute[0]), local[:-2], sparse, flat_hosts, float(local[-2]))
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
     return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial, busy=float(local[-1]),
                                probed=probed)
