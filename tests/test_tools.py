@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +60,28 @@ def _cpu_model() -> str:
     model = bench_host.cpu_model()
     assert model
     return model
+
+
+def test_the_transformer_task_is_labelled_by_the_topic_mentioned_most():
+    """tools/bench_time_to_accuracy.py --model transformer: its synthetic rows (nothing downloaded)
+    are labelled by the topic whose words they hold most, the same for a seed, and the model is
+    the small Transformer of its docstring (2.7M parameters, an Embedding and attention)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import bench_time_to_accuracy as tool
+    finally:
+        sys.path.pop(0)
+    x, y, xt, yt = tool.topics(3)
+    assert x.shape == (1536, tool.SEQ) and xt.shape == (512, tool.SEQ) and x.dtype == "int32"
+    for rows, labels in ((x, y), (xt, yt)):
+        words = np.where(rows < tool.TOPICS * tool.TOPIC_WORDS, rows // tool.TOPIC_WORDS, -1)
+        counts = np.stack([(words == c).sum(axis=1) for c in range(tool.TOPICS)], axis=1)
+        assert (counts.argmax(axis=1) == labels).all() and (np.sort(counts, axis=1)[:, -2] < counts.max(axis=1)).all()
+        assert np.bincount(labels, minlength=tool.TOPICS).min() > len(labels) // 8  # every topic present
+    assert np.array_equal(tool.topics(3)[0], x) and not np.array_equal(tool.topics(4)[0], x)
+    model = tool.build("transformer")
+    assert 2.6e6 < model.count_params() < 2.8e6
+    assert {"Embedding", "MultiHeadAttention"} <= {type(layer).__name__ for layer in model.layers}
 
 
 def test_bench_encode_writes_json_and_png(tmp_path):

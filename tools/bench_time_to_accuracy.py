@@ -3,7 +3,7 @@ exchange settings, side by side in one launch, beside the compute-only run of th
 the same processes (plain Keras, no strategy, no exchange: each rank trains its own shard).
 
     tfsparse-run -np 4 [--net 1gbit] python tools/bench_time_to_accuracy.py CONFIGS_JSON
-        [--model mlp17m|conv] [--epochs 10] [--target dense|0.95] [--seed 0] [--network LABEL]
+        [--model mlp17m|conv|transformer] [--epochs 10] [--target dense|0.95] [--seed 0] [--network LABEL]
         [--out results/time_to_accuracy]
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``, as
@@ -15,13 +15,21 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 The target (``--target``, default ``dense``) is dense float32's own accuracy in the same launch:
 the best test accuracy of the first setting with ``"algorithm": "dense"`` and a float32 wire, less
 0.5 point; or a fixed number.  ``--seed`` picks the initial weights and the split of the data into
-training and test rows (every setting of a launch uses the same).
+training and test rows (for the transformer, the rows themselves); every setting of a launch uses
+the same.
 
-Models (digits, 8x8 images, bundled with scikit-learn; 1536 training rows split evenly over the
-ranks, 261 test rows; batch 32 per rank, SGD lr 0.05 momentum 0.9, the same initial weights):
+Models (1536 training rows split evenly over the ranks, 12 steps per epoch at P = 4; batch 32 per
+rank, SGD with momentum 0.9, the same initial weights):
 
-* ``mlp17m`` -- the 64-4096-4096-10 MLP (17.1M parameters), 12 steps per epoch at P = 4;
-* ``conv``   -- two 3x3 convolutions (32, 64 channels) and a 4096-2048-10 head (8.4M parameters).
+* ``mlp17m`` -- the 64-4096-4096-10 MLP (17.1M parameters) on digits (8x8 images, bundled with
+  scikit-learn, 261 test rows), learning rate 0.05;
+* ``conv``   -- two 3x3 convolutions (32, 64 channels) and a 4096-2048-10 head (8.4M parameters),
+  the same data and rate;
+* ``transformer`` -- a small Transformer text classifier (2.7M parameters): a 20,000 x 128
+  embedding, one pre-norm block of 4-head self-attention and a 256-wide feed-forward layer (each
+  with a residual), LayerNormalization, mean pooling, 4 classes; on a synthetic topic task
+  (:func:`topics`, nothing downloaded; 512 test rows of 64 tokens), learning rate 0.02 (at 0.05
+  and above attention sat at chance for several epochs).
 
 Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
 ``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
@@ -103,7 +111,35 @@ class Timeline(keras.callbacks.Callback):
                 "validation_s": self.tests, "outside_s": outside, "gaps_s": gaps}
 
 
-def data(seed=0):
+VOCAB, SEQ, TOPICS, TOPIC_WORDS = 20_000, 64, 4, 25
+#: the learning rate of each model's SGD (momentum MOMENTUM)
+RATES = {"mlp17m": LR, "conv": LR, "transformer": 0.02}
+
+
+def topics(seed=0, test_rows=512):
+    """The transformer's synthetic task: rows of 64 tokens of a 20,000-word vocabulary, where each
+    of 4 topics owns 25 words; a row of topic ``c`` holds 3-8 words of ``c`` and at most 2 (and
+    fewer than of ``c``) of each other topic, at random places among background words, and is
+    labelled ``c``: the topic it mentions most.  ``seed`` draws the rows; the first 1536 train."""
+    rng = np.random.default_rng(1000 + seed)
+    rows = TRAIN_ROWS + test_rows
+    x = rng.integers(TOPICS * TOPIC_WORDS, VOCAB, (rows, SEQ))
+    y = rng.integers(0, TOPICS, rows)
+    for i in range(rows):
+        places = rng.permutation(SEQ)
+        own = int(rng.integers(3, 9))
+        counts = [own if c == y[i] else int(rng.integers(0, min(own - 1, 2) + 1)) for c in range(TOPICS)]
+        start = 0
+        for c, k in enumerate(counts):
+            x[i, places[start:start + k]] = c * TOPIC_WORDS + rng.integers(0, TOPIC_WORDS, k)
+            start += k
+    x, y = x.astype("int32"), y.astype("int32")
+    return x[:TRAIN_ROWS], y[:TRAIN_ROWS], x[TRAIN_ROWS:], y[TRAIN_ROWS:]
+
+
+def data(seed=0, model="mlp17m"):
+    if model == "transformer":
+        return topics(seed)
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype("float32")
     perm = np.random.default_rng(seed).permutation(len(x))
@@ -116,6 +152,15 @@ def build(name, seed=0):
     if name == "mlp17m":
         return keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096, activation="relu"),
                                  keras.layers.Dense(4096, activation="relu"), keras.layers.Dense(10)])
+    if name == "transformer":
+        tokens = keras.Input((SEQ,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 128)(tokens)
+        a = keras.layers.LayerNormalization()(h)
+        h = h + keras.layers.MultiHeadAttention(4, 32)(a, a)
+        a = keras.layers.LayerNormalization()(h)
+        h = h + keras.layers.Dense(128)(keras.layers.Dense(256, activation="relu")(a))
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(h))
+        return keras.Model(tokens, keras.layers.Dense(TOPICS)(h))
     return keras.Sequential([keras.Input((64,)), keras.layers.Reshape((8, 8, 1)),
                              keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
                              keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
@@ -123,7 +168,7 @@ def build(name, seed=0):
                              keras.layers.Dense(10)])
 
 
-MODELS = ("mlp17m", "conv")
+MODELS = ("mlp17m", "conv", "transformer")
 
 
 def train(comm, config, args, arrays):
@@ -136,7 +181,7 @@ def train(comm, config, args, arrays):
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         model = build(args.model, args.seed)
-        model.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM),
+        model.compile(keras.optimizers.SGD(RATES[args.model], momentum=MOMENTUM),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     timeline = Timeline()
     callbacks = [timeline] + ([tfsparse.keras.callbacks.CommunicationStats()] if strategy is not None else [])
@@ -247,7 +292,7 @@ def main(argv=None):
     comm = tfsparse.init()
     if args.target != "dense":
         float(args.target)  # a number, checked before any training
-    x_train, y_train, x_test, y_test = data(args.seed)
+    x_train, y_train, x_test, y_test = data(args.seed, args.model)
     arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)
     runs = [train(comm, None, args, arrays)]
     for config in configs:
@@ -263,7 +308,7 @@ def main(argv=None):
         results = {"model": args.model, "processes": comm.size, "epochs": args.epochs, "target": target,
                    "target_rule": "dense f32 best - 0.005" if args.target == "dense" else "fixed", "seed": args.seed,
                    "network": args.network,
-                   "machine": bench_host.describe(), "batch_per_rank": BATCH,
+                   "machine": bench_host.describe(), "batch_per_rank": BATCH, "learning_rate": RATES[args.model],
                    "date": time.strftime("%Y-%m-%d"), "runs": runs}
         files.write_text(args.out + ".json", json.dumps(results, indent=1))
         plot(results, args.out + ".png")

@@ -72,7 +72,7 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
 
 # auto against the dense rows: on fast networks it must not lose (issue: within 5 % of the best); at 1 Gbit/s
 # (tta_1gbit_auto) the same three rows alone re-measure auto where tta_1gbit (over an hour) is not re-run;
-# tta_conv_auto: the same rows on the convolutional model at 1 Gbit/s
+# tta_conv_auto, tta_transformer_auto: the same rows on the convolutional model, the Transformer, at 1 Gbit/s
 TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"auto","algorithm":"auto"}]'
 
@@ -105,6 +105,7 @@ STEP[tta_conv]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$TTA_
 STEP[tta_1gbit]=$(tta_seeds time_to_accuracy_1gbit "$TTA" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_1gbit_auto]=$(tta_seeds time_to_accuracy_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_conv_auto]=$(tta_seeds time_to_accuracy_conv_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
+STEP[tta_transformer_auto]=$(tta_seeds time_to_accuracy_transformer_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model transformer")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
@@ -126,7 +127,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_transformer_auto tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
