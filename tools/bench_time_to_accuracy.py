@@ -281,7 +281,7 @@ def main(argv=None):
     parser.add_argument("--model", default="mlp17m", choices=MODELS)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--target", default="dense", help="'dense' (dense float32's best less 0.5 point) or a number")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and the train/test split")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and the train/test split (the transformer: the rows themselves)")
     parser.add_argument("--network", default="shared memory", help="a label for the link, e.g. '1 Gbit/s'")
     parser.add_argument("--out", default="results/time_to_accuracy")
     args = parser.parse_args(argv)
