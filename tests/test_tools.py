@@ -1,5 +1,6 @@
 """The benchmark tools: offline paths (redrawing from a JSON record), and short real launches of the
 Keras-level ones under mpirun."""
+import importlib
 import json
 import os
 import subprocess
@@ -50,14 +51,18 @@ def test_bench_training_plot_only(tmp_path):
     assert "shm P=4 step: timed out after 1 s" in done.stdout
 
 
-def _cpu_model() -> str:
-    """The CPU model, as the tools name it in their records (tools/bench_host.py)."""
+def _tool(name: str):
+    """The module ``tools/<name>.py``, imported with tools/ on the path for the import only."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
-        import bench_host
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    model = bench_host.cpu_model()
+
+
+def _cpu_model() -> str:
+    """The CPU model, as the tools name it in their records (tools/bench_host.py)."""
+    model = _tool("bench_host").cpu_model()
     assert model
     return model
 
@@ -66,11 +71,7 @@ def test_the_transformer_task_is_labelled_by_the_topic_mentioned_most():
     """tools/bench_time_to_accuracy.py --model transformer: its synthetic rows (nothing downloaded)
     are labelled by the topic whose words they hold most, the same for a seed, and the model is
     the small Transformer of its docstring (2.7M parameters, an Embedding and attention)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import bench_time_to_accuracy as tool
-    finally:
-        sys.path.pop(0)
+    tool = _tool("bench_time_to_accuracy")
     x, y, xt, yt = tool.topics(3)
     assert x.shape == (1536, tool.SEQ) and xt.shape == (512, tool.SEQ) and x.dtype == "int32"
     for rows, labels in ((x, y), (xt, yt)):

@@ -176,7 +176,7 @@ class Decision:
         link = "one rank, no link" if self.link is None else f"link {self.link}"
         if self.probed is not None and self.link is not None and self.probed.beta != self.link.beta:
             link += (f" (its bandwidth from dense over float16's measured rounds; round trips: "
-                     f"{AlphaBeta(self.probed.alpha, self.probed.beta)})")
+                     f"{self.probed})")
         if self.busy > 1.0:
             link += f", local work x{self.busy:.3g} (more ranks than cores on a host)"
         why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
@@ -451,12 +451,13 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     own = [p - r for p, r in zip(periods, rounds)]
     clean = list(periods[len(PROBES) + 1:]) or list(periods)  # the rounds no piece of the probe ran in
     exchanged = list(rounds[len(PROBES) + 1:]) or list(rounds)
-    compute = np.array([max(0.0, float(np.median(own))) if own else 0.0,
+    # the medians of this rank's compute step, of a clean round's period and of its exchange
+    medians = np.array([max(0.0, float(np.median(own))) if own else 0.0,
                         float(np.median(clean)) if clean else 0.0,
                         float(np.median(exchanged)) if exchanged else 0.0])
     link = None
     if comm.size > 1:
-        compute = _slowest(comm, compute)
+        medians = _slowest(comm, medians)
         fitted, error = np.full(2, np.nan), ""
         if comm.rank == 0:
             try:
@@ -469,17 +470,18 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
             why = error or "rank 0 could not fit the round-trip times"
             warnings.warn(f"tfsparse: algorithm='auto' could not measure the link ({why}); it keeps dense over "
                           f"float16", RuntimeWarning, stacklevel=2)
-            return Decision(MEASURING, float(compute[0]), None, ())
+            return Decision(MEASURING, float(medians[0]), None, ())
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
+    compute_s, reference_s, exchange_s = (float(m) for m in medians)
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
     local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
     probed, flat_hosts = link, (probe.hosts if two_level else None)  # as choose prices the flat exchange
     if link is not None and workers is None:  # the measured rounds ran flat: the link they used
-        link = calibrated(link, n, comm.size, float(compute[2]), float(local[MEASURING]), flat_hosts)
+        link = calibrated(link, n, comm.size, exchange_s, float(local[MEASURING]), flat_hosts)
     if workers is not None:
-        decision = choose(n, int(workers), link, float(compute[0]), local[:-2], sparse)
+        decision = choose(n, int(workers), link, compute_s, local[:-2], sparse)
     else:
-        decision = choose(n, comm.size, link, float(compute[0]), local[:-2], sparse, flat_hosts, float(local[-2]))
+        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]))
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
-    return dataclasses.replace(decision, reference_s=float(compute[1]), trial_rounds=trial, busy=float(local[-1]),
+    return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=float(local[-1]),
                                probed=probed)

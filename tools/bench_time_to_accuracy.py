@@ -168,7 +168,7 @@ def build(name, seed=0):
                              keras.layers.Dense(10)])
 
 
-MODELS = ("mlp17m", "conv", "transformer")
+MODELS = tuple(RATES)
 
 
 def train(comm, config, args, arrays):
