@@ -12,8 +12,9 @@ algorithm, final test accuracy, bytes each rank sent per step, and the mean step
 to each epoch's end, validation included) and ``train_s`` (the training batches alone, cumulative).
 
 ``--memory`` is the library's ``memory=`` (default ``auto``: a sparse algorithm takes the SGD's
-momentum over, momentum correction); ``--memory momentum`` is momentum correction pinned (DGC /
-GradientFlow): the exchange applies the momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
+momentum over, momentum correction, ``momentum_rows``); ``--memory momentum`` is momentum correction
+pinned (DGC / GradientFlow, masking everywhere; ``momentum_rows``: but in an Embedding's rows): the exchange applies the
+momentum, so the optimizer becomes plain ``SGD(lr)``; ``--warmup-epochs E`` adds the dense
 warm-up (``DensitySchedule(WarmUp(epochs=E))``); ``--chunk-size`` is CSC's (``algorithm="csc"``).
 ``--pipeline 2`` is Pipe-SGD (each step applies the previous step's aggregated gradient while its
 own is on the wire); ``--dsync-epochs E`` trains the first E epochs synchronously over float32
@@ -37,6 +38,7 @@ import keras  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
+from tfsparse.memory import keeps_velocity  # noqa: E402
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -107,7 +109,8 @@ def main():
     parser.add_argument("--bucket-bytes", type=int, default=None,
                         help="lazy-allreduce threshold in bytes (default: one fused bucket)")
     parser.add_argument("--memory", default="auto", help="auto (default: momentum correction under the SGD's momentum "
-                        "for a sparse algorithm), residual (error feedback) or momentum (correction, the SGD without)")
+                        "for a sparse algorithm), residual (error feedback) or momentum / momentum_rows (correction, masking "
+                        "everywhere / but in an Embedding's rows; the SGD without)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--warmup-epochs", type=float, default=0.0, help="dense warm-up length (0: none)")
     parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")
@@ -134,7 +137,7 @@ def main():
     x_local, y_local = tfsparse.data.shard(x_train, y_train)   # equal shards: equal step counts
 
     rows, runs = [], {}
-    correction = args.memory == "momentum"
+    correction = keeps_velocity(args.memory)  # momentum correction: the exchange applies the momentum
     for algorithm in args.algorithms.split(","):
         options = {}
         if algorithm == "csc":

@@ -315,10 +315,12 @@ def reference_run(algorithm, wire, buckets, grads, density, infos=None, options=
     return out
 
 
-def momentum_reference(algorithm, grads, density, m=0.9, options=None):
+def momentum_reference(algorithm, grads, density, m=0.9, options=None, kept=None):
     """DGC §3.2 momentum correction with factor masking, from every rank's gradients:
     u = m·u + g; acc = v + u; sparse allreduce of acc; v = acc with the sent entries cleared;
-    u cleared where sent -- except a dense exchange, which keeps u (momentum SGD)."""
+    u cleared where sent -- except a dense exchange, which keeps u (momentum SGD), and the
+    positions where ``kept`` (a bool vector) is True (``memory="momentum_rows"``'s row-sparse
+    tensors)."""
     P, n = len(grads[0]), grads[0][0].size
     u = [np.zeros(n, np.float32) for _ in range(P)]
     v = [np.zeros(n, np.float32) for _ in range(P)]
@@ -350,7 +352,8 @@ def momentum_reference(algorithm, grads, density, m=0.9, options=None):
             v[r] = accs[r].copy()
             v[r][sent[r]] = 0.0
             if algorithm != "dense":
-                u[r][sent[r]] = 0.0
+                masked = np.asarray(sent[r])
+                u[r][masked if kept is None else masked[~kept[masked]]] = 0.0
         out.append((result, [x.copy() for x in v], [x.copy() for x in u]))
     return out
 

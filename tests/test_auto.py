@@ -153,7 +153,7 @@ def test_auto_refuses_what_it_cannot_choose(kwargs, words):
 def test_auto_settings_keep_a_residual_and_take_momentum():
     s = Settings.of(algorithm="auto")
     assert s.keeps_residual and s.sparse_capable
-    assert s.resolved(0.9).memory == "momentum" and s.resolved(None).memory == "residual"
+    assert s.resolved(0.9).memory == "momentum_rows" and s.resolved(None).memory == "residual"
     assert Settings.of(**s.config()) == s
 
 

@@ -161,6 +161,46 @@ def test_mpi_cases_in_process(name):
     assert_steps_equal(got, mpi_case_reference(name, P), P)
 
 
+@pytest.mark.parametrize("algorithm", ["topk", "gtopk"])
+def test_momentum_rows_keeps_the_velocity_of_row_sparse_tensors(algorithm):
+    """memory="momentum_rows" (what memory="auto" runs under an SGD with momentum): DGC's masking
+    everywhere but in the tensors whose gradients arrive row-sparse (an Embedding's
+    tf.IndexedSlices; here the first and the fourth), whose velocity is kept -- against the
+    reference, results and residuals and velocities, on 3 thread-ranks; memory="momentum" on the
+    same layout masks everywhere."""
+    from test_exchange_pipeline import SHAPES
+    from tfsparse.plan import Layout, TensorSpec
+
+    P, rows = 3, (0, 3)
+    layout = Layout(TensorSpec(f"gradient_{i}", s, "float32", i in rows) for i, s in enumerate(SHAPES))
+    kept = np.zeros(layout.n, bool)
+    for i in rows:
+        kept[layout.offsets[i]:layout.offsets[i + 1]] = True
+    grads = all_grads(P, STEPS)
+    for memory, mask in (("momentum_rows", kept), ("momentum", None)):
+        def make(comm):
+            ex = GradientExchange(algorithm, 0.05, communicator=comm, memory=memory)
+            ex.build(layout)
+            return ex
+
+        got = run_exchange(P, STEPS, make, after=lambda ex: np.array(ex.bucket_states[0].memory.velocity))
+        want = momentum_reference("topk", grads, 0.05, 0.9, kept=mask) if algorithm == "topk" else None
+        for s in range(STEPS):
+            for r in range(P):
+                np.testing.assert_array_equal(got[r][s]["out"], got[0][s]["out"])  # the same bits on every rank
+                if want is not None:
+                    result, residuals, velocities = want[s]
+                    np.testing.assert_allclose(got[r][s]["out"], result, rtol=2e-5, atol=2e-5)
+                    np.testing.assert_allclose(got[r][s]["residual"], residuals[r], rtol=2e-5, atol=2e-5)
+                    np.testing.assert_allclose(got[r][s]["extra"], velocities[r], rtol=2e-5, atol=2e-5)
+        for r in range(P):  # the row-sparse tensors' velocity: u = m·u + g, never cleared
+            u = np.zeros(layout.n, np.float32)
+            for s in range(STEPS):
+                u = (np.float32(0.9) * u + grads[s][r]).astype(np.float32)
+            same = got[r][STEPS - 1]["extra"][kept] == u[kept]
+            assert same.all() if memory == "momentum_rows" else not same.all()
+
+
 @pytest.mark.parametrize("algorithm,options", [("topk", {}), ("csc", {"chunk_size": CS}), ("dense", {}),
                                                ("dragonn", {}), ("dragonn", {"capacity_factor": 1, "seed": 3}),
                                                ("dgc", {"min_samples": 10**9, "exact_below": 0})])
@@ -217,7 +257,7 @@ def test_dense_with_momentum_memory_is_momentum_sgd():
 def test_momentum_options_are_validated():
     with pytest.raises(ValueError, match=r"momentum=0\.9 needs memory='momentum'"):
         GradientExchange("topk", 0.01, momentum=0.9)
-    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'auto', 'momentum', 'none', 'residual'"):
+    with pytest.raises(ValueError, match=r"memory='velocity' is not supported; accepted: 'auto', 'momentum', 'momentum_rows', 'none', 'residual'"):
         GradientExchange("topk", 0.01, memory="velocity")
     for bad in (1.0, -0.1, "0.9", True):
         with pytest.raises(ValueError, match=r"momentum=.* is not valid; accepted: a number in \[0, 1\)"):

@@ -240,6 +240,45 @@ def _fit_default_memory(route, optimizer, model_seed=0, **settings):
     return [w.copy() for w in model.get_weights()], opt, tfsparse.keras.ownership.exchange_of(model)
 
 
+@pytest.mark.parametrize("route, policy", [("strategy", "float32"), ("optimizer", "float32"),
+                                           ("strategy", "mixed_float16")])
+def test_the_default_memory_keeps_the_velocity_of_an_embedding(route, policy):
+    """``memory="auto"`` under ``SGD(lr, momentum=m)`` is ``"momentum_rows"``: the Embedding's
+    gradient (a ``tf.IndexedSlices``, also unscaled under mixed precision's loss scaling) is marked
+    row-sparse in the layout, its elements are the span the memory keeps the velocity of, and the
+    training differs from DGC's masking everywhere (``memory="momentum"``, ``SGD(lr)``), which
+    masks it too."""
+    x = np.random.default_rng(0).integers(0, 40, (64, 6)).astype("int32")
+    y = (x[:, 0] % 3).astype("int32")
+
+    def fit(optimizer, **settings):
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((6,), dtype="int32"), keras.layers.Embedding(40, 4),
+                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]
+        if route == "strategy":
+            strategy = tfsparse.SparseStrategy("topk", 0.2, communicator=solo(), **settings)
+            with strategy.scope():
+                model = keras.Sequential(layers)
+                model.compile(optimizer(), LOSS)
+        else:
+            model = keras.Sequential(layers)
+            model.compile(DistributedOptimizer(optimizer(), "topk", 0.2, communicator=solo(), **settings), LOSS)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights(), tfsparse.keras.ownership.exchange_of(model)
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        auto, ex = fit(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+        masked, _ = fit(lambda: keras.optimizers.SGD(0.1), memory="momentum", momentum=0.9)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert ex.settings.memory == "momentum_rows"
+    assert [spec.rows for spec in ex.layout.specs] == [True, False, False]  # embeddings, kernel, bias
+    (bucket,) = ex.bucket_states
+    assert bucket.memory.rows == ((0, 160),)  # the 40x4 embedding's elements
+    assert not np.array_equal(auto[0], masked[0])
+
+
 @pytest.mark.parametrize("route", ["strategy", "optimizer"])
 @pytest.mark.parametrize("algorithm", ["topk", "gtopk", "oktopk", "dgc"])
 def test_the_default_memory_takes_over_the_momentum_of_sgd(route, algorithm):
@@ -253,7 +292,7 @@ def test_the_default_memory_takes_over_the_momentum_of_sgd(route, algorithm):
                                                density=0.2, memory="momentum", momentum=0.8)
     for a, b in zip(auto, pinned):
         np.testing.assert_array_equal(a, b)
-    assert ex.settings.memory == "momentum" and ex.settings.momentum == pytest.approx(0.8) and ex.takes_momentum
+    assert ex.settings.memory == "momentum_rows" and ex.settings.momentum == pytest.approx(0.8) and ex.takes_momentum
     assert ex.config()["memory"] == "auto" and ex.config()["momentum"] is None  # what was given: saved as such
     assert ex.get_state()["velocity"].any()
     np.testing.assert_array_equal(ex.get_state()["velocity"], pinned_ex.get_state()["velocity"])
@@ -302,7 +341,7 @@ def test_auto_measures_then_runs_its_choice_and_a_refit_inherits_it(capsys):
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     ex = strategy.exchange
     assert ex.auto_choice == auto.CANDIDATES[0] and ex.auto_decision.link is None
-    assert ex.settings.algorithm == "dense" and ex.settings.memory == "momentum" and ex.config()["algorithm"] == "auto"
+    assert ex.settings.algorithm == "dense" and ex.settings.memory == "momentum_rows" and ex.config()["algorithm"] == "auto"
     assert ex.get_state()["auto"].tolist() == [0] and ex.get_state()["velocity"].any()
     assert capsys.readouterr().out.count("algorithm='auto' chose dense over float32 for 1 ranks") == 1
     model.layers[0].trainable = False

@@ -104,7 +104,7 @@ def test_auto_makes_one_choice_on_every_rank(nproc, case):
     for info in infos:
         assert info["choice"] == infos[0]["choice"] and info["settings"] == infos[0]["settings"]
         assert info["choice"] == (infos[0]["choice"] if forced == "measured" else forced)
-        assert info["settings"]["memory"] == "momentum" and info["settings"]["momentum"] == pytest.approx(0.9)
+        assert info["settings"]["memory"] == "momentum_rows" and info["settings"]["momentum"] == pytest.approx(0.9)
         assert info["velocity"] and info["sgd_momentum"] == [pytest.approx(0.9), False]
     assert len(infos[0]["printed"]) == 1 and all(not i["printed"] for i in infos[1:])
     assert f"chose " in infos[0]["printed"][0] and "Pin it with algorithm=" in infos[0]["printed"][0]

@@ -59,7 +59,7 @@ def test_plan_buckets_with_bucket_bytes_is_one_plan():
     (dict(clip_norm=0), ["clip_norm=0"]),
     (dict(memory="residual", momentum=0.5), ["momentum=0.5 needs memory='momentum'"]),
     (dict(momentum=0.5), ["momentum=0.5 needs memory='momentum'", "with memory='auto'"]),
-    (dict(memory="ef"), ["memory='ef' is not supported", "'auto', 'momentum', 'none', 'residual'"]),
+    (dict(memory="ef"), ["memory='ef' is not supported", "'auto', 'momentum', 'momentum_rows', 'none', 'residual'"]),
     (dict(algorithm="oktopk", tau_prime=0), ["tau_prime=0"]),
     # a misspelt keyword: named with the nearest valid one, the settings and the algorithm's options
     (dict(algorithm="topk", desnity=0.1), ["desnity=0.1 is neither a setting nor an option of 'topk'",
@@ -96,9 +96,9 @@ def test_auto_memory_is_decided_by_the_optimizers_momentum():
     stays."""
     auto = Settings.of(algorithm="gtopk")
     assert auto.memory == "auto" and auto.momentum is None and auto.keeps_residual
-    assert auto.resolved(0.8).memory == "momentum" and auto.resolved(0.8).momentum == 0.8
+    assert auto.resolved(0.8).memory == "momentum_rows" and auto.resolved(0.8).momentum == 0.8
     assert auto.resolved(None).memory == "residual" and auto.resolved(0.0).memory == "residual"
-    assert auto.resolved(0.8).replace(algorithm="dense").memory == "momentum"  # replace keeps what was decided
+    assert auto.resolved(0.8).replace(algorithm="dense").memory == "momentum_rows"  # replace keeps what was decided
     assert Settings.of(algorithm="dense").resolved(0.8).memory == "residual"  # lossless: the optimizer's momentum
     assert not Settings.of(algorithm="dense").keeps_residual and Settings.of(algorithm="dense", wire_dtype="int8").keeps_residual
     pinned = Settings.of(memory="residual")

@@ -311,12 +311,13 @@ def nonfinite_ranks(comm, finite: bool) -> list[int]:
     return [r for r, f in enumerate(flags) if f[0]]
 
 
-def make_bucket(spec, settings, space, replaces: Bucket | None = None) -> Bucket:
+def make_bucket(spec, settings, space, replaces: Bucket | None = None, layout=None) -> Bucket:
     """A plan entry's stages: its aggregator (the settings' algorithm and options, or the plan's
     for this bucket), its wire and its memory (vectors allocated in ``space``).  ``replaces``:
     the bucket of the same entry this one takes over from, between rounds -- its memory is kept
     where it is the kind these settings use (:func:`~tfsparse.memory.get_memory`'s ``reuse``),
-    and its result and staging vectors where they live in the same space."""
+    and its result and staging vectors where they live in the same space.  ``layout``: the
+    gradients' :class:`~tfsparse.plan.Layout`, whose row-sparse tensors the memory is told of."""
     algorithm = spec.algorithm or settings.algorithm
     options = copy.deepcopy({**(settings.options if algorithm == settings.algorithm else {}), **spec.options})
     density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
@@ -326,8 +327,11 @@ def make_bucket(spec, settings, space, replaces: Bucket | None = None) -> Bucket
     # once and the host's fused passes run (Bucket.encode)
     home = space if aggregator.accepts_device or not space.on_device else HOST
     before = replaces if replaces is not None and replaces.home is home else None
+    rows = () if layout is None else [  # the row-sparse tensors' elements in this bucket, from its start
+        (max(0, int(layout.offsets[i]) - spec.start), min(spec.size, int(layout.offsets[i + 1]) - spec.start))
+        for i in range(spec.first, spec.last) if layout.specs[i].rows]
     memory = get_memory(settings.memory, spec.size, settings.memory_options, aggregator.uses_memory or wire.lossy,
-                        home, reuse=None if before is None else before.memory)
+                        home, reuse=None if before is None else before.memory, rows=rows)
     staging = None if home is space else (before._staging if before is not None and before._staging is not None
                                           else space.staging(spec.size))
     outputs = before.outputs if before is not None else home.outputs(spec.size)
@@ -364,11 +368,12 @@ def check_saved_layout(state: dict, layout, buckets, plan) -> None:
 
 def agreement(config: dict, plan, comm, layout, buckets) -> dict:
     """What every rank must share, compared at an exchange's first round (one 32-byte
-    allgather): the settings, the transport, the gradient layout (shapes and dtypes in order --
+    allgather): the settings, the transport, the gradient layout (shapes, dtypes and which are
+    row-sparse, in order --
     not the names: Keras numbers layers per process, so a rank that built one more model has
     other names for the same layers) and the planned buckets."""
     plan = {k: v for k, v in plan.config().items() if k != "assign"}  # a function: compared by its buckets
     return {"settings": {**config, "plan": plan}, "transport": type(comm).__name__,
-            "gradients": [[list(s.shape), s.dtype] for s in layout.specs],
+            "gradients": [[list(s.shape), s.dtype, s.rows] for s in layout.specs],
             "buckets": [{"elements": [b.spec.start, b.spec.stop], "algorithm": type(b.aggregator).__name__,
                          "density": b.density, "wire": b.wire.name} for b in buckets]}

@@ -51,6 +51,7 @@ from .collectives.watchdog import note_round
 from .exchange_auto import AutoState, AutoSwitching
 from .exchange_build import Building
 from .exchange_state import ExchangeState
+from .memory import keeps_velocity
 from .plan import Layout
 from .schedules import check_density
 from .settings import AUTO, Settings
@@ -214,7 +215,7 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
     def takes_momentum(self) -> bool:
         """Whether the exchange applies the optimizer's momentum: ``memory="auto"`` decided for
         momentum correction (the optimizer then applies its update without momentum)."""
-        return self.requested.memory == AUTO and self.settings.memory == "momentum"
+        return self.requested.memory == AUTO and keeps_velocity(self.settings.memory)
 
     @property
     def local_clip_norm(self) -> float | None:

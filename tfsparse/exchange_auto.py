@@ -20,6 +20,7 @@ import numpy as np
 
 from . import auto
 from .hierarchy import TwoLevel
+from .memory import keeps_velocity
 from .settings import Settings
 
 
@@ -146,7 +147,7 @@ class AutoSwitching:
             return
         if len(a.periods) < auto.MEASURE_ROUNDS:
             return
-        n, sparse = int(self.layout.n), self.settings.memory == "momentum"
+        n, sparse = int(self.layout.n), keeps_velocity(self.settings.memory)
         for piece in a.probing:  # done (the decision queues behind them): their errors are raised here
             piece.result()
         pinned = None if self._two is None else self._two.hosts  # hierarchical=True: the hosts run the algorithm

@@ -17,6 +17,7 @@ from .collectives.agreement import check_agreement
 from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
 from .hierarchy import TwoLevel
+from .memory import keeps_velocity
 from .plan import Layout
 from .settings import Settings
 from .space import HOST
@@ -161,7 +162,7 @@ class Building:
             algorithm = f"algorithm='auto' (measures {auto.MEASURE_ROUNDS} rounds, then chooses)"
         else:  # the density where something is left out, the memory where it could keep something
             st = self.settings
-            memory = st.sparse_capable or self.wire.lossy or st.memory == "momentum"
+            memory = st.sparse_capable or self.wire.lossy or keeps_velocity(st.memory)
             algorithm = " ".join([f"algorithm={self.algorithm!r}"] + [f"density={self.density:g}"] * st.sparse_capable +
                                  [f"wire={self.wire.name}"] + [f"memory={st.memory}"] * memory)
         buckets = len(self.bucket_states)
@@ -176,8 +177,8 @@ class Building:
         """The plan's buckets for ``layout`` with the stages of :attr:`settings`; ``replacing``:
         the buckets they take over from (:func:`~tfsparse.bucket.make_bucket`'s ``replaces``)."""
         specs = self.plan.buckets(layout)
-        return [make_bucket(spec, self.settings, self.space, None if replacing is None else replacing[spec.index])
-                for spec in specs]
+        return [make_bucket(spec, self.settings, self.space, None if replacing is None else replacing[spec.index],
+                            layout) for spec in specs]
 
     def _use(self, settings: Settings) -> None:
         """Runs ``settings`` from now on (before the buckets are made)."""

@@ -42,11 +42,13 @@ _FLOAT32_BYTES = 4
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One gradient: its name (the variable's path when known), shape and dtype."""
+    """One gradient: its name (the variable's path when known), shape and dtype; ``rows``: whether
+    it arrives row-sparse (a ``tf.IndexedSlices``: an Embedding's, most of its rows zero in a step)."""
 
     name: str
     shape: tuple
     dtype: str = "float32"
+    rows: bool = False
 
     @property
     def size(self) -> int:

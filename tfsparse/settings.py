@@ -19,8 +19,8 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
                    :class:`~tfsparse.selection.CostModel` (DRAGONN's per-tensor choice, Eq. 1), or
                    a :class:`tfsparse.plan.Plan`
 ``memory``         ``"auto"`` (default; see below), ``"residual"`` (error feedback), ``"momentum"``
-                   (momentum correction) or ``"none"`` (:mod:`tfsparse.memory`); ``momentum``: its
-                   factor
+                   (momentum correction, DGC's masking), ``"momentum_rows"`` (the same but for
+                   row-sparse gradients, an Embedding's, whose velocity is kept) or ``"none"`` (:mod:`tfsparse.memory`); ``momentum``: its factor
 ``pipeline``       Pipe-SGD's iteration dependency K: 1 (synchronous) or 2 (each step applies the
                    previous step's aggregate, :class:`tfsparse.pipelined.Pipelined`; see below)
 ``clip_norm``      DGC's local gradient clipping (None: off)
@@ -42,7 +42,8 @@ SGD may need lowering (README, Pipe-SGD).
 ``memory="auto"`` (the default) is decided when the optimizer that applies the exchanged
 gradients is known (:meth:`Settings.resolved`): a sparse algorithm under an optimizer whose
 momentum the exchange can take over (``keras.optimizers.SGD`` with ``momentum`` > 0, without
-Nesterov) gets momentum correction with the optimizer's own factor -- the exchange applies the
+Nesterov) gets momentum correction with the optimizer's own factor, with DGC's momentum factor
+masking except in row-sparse gradients (``"momentum_rows"``, :mod:`tfsparse.memory`) -- the exchange applies the
 momentum (DGC §3.2) and the optimizer its update without it, so ``SGD(0.05, momentum=0.9)``
 keeps its meaning; every other case gets ``"residual"`` (error feedback; nothing is kept for a
 lossless exchange).  Plain error feedback under an optimizer's momentum plateaus below dense
@@ -78,7 +79,7 @@ from dataclasses import dataclass, field, fields
 
 from . import _checks
 from .aggregators import aggregator_options, available_aggregators, get_aggregator
-from .memory import available_memories, check_memory
+from .memory import available_memories, check_memory, keeps_velocity
 from .plan import BucketPlan, Plan, available_plans, make_plan
 from .schedules import check_density
 from .selection import CostModel, CostModelPlan, make_selection
@@ -268,7 +269,7 @@ class Settings:
     def replace(self, *, bucket_bytes=None, selection=None, **changes) -> "Settings":
         """A copy with ``changes`` (validated)."""
         current = {f.name: getattr(self, f.name) for f in fields(self)}
-        if "memory" in changes and "momentum" not in changes and changes["memory"] != "momentum":
+        if "memory" in changes and "momentum" not in changes and not keeps_velocity(changes["memory"]):
             current["momentum"] = None
         if bucket_bytes is not None or selection is not None:
             changes["plan"] = _merge_aliases(changes.get("plan"), bucket_bytes, selection,
@@ -277,13 +278,13 @@ class Settings:
 
     def resolved(self, momentum: float | None = None) -> "Settings":
         """These settings with ``memory="auto"`` decided (itself when the memory was given):
-        momentum correction with factor ``momentum`` -- the momentum of the optimizer that
+        ``"momentum_rows"`` with factor ``momentum`` -- the momentum of the optimizer that
         applies the exchanged gradients, when the exchange can take it over (None: it cannot,
         or there is none) -- for a sparse algorithm, else ``"residual"``."""
         if self.memory != AUTO:
             return self
         if momentum and self.sparse_capable:
-            return self.replace(memory="momentum", momentum=float(momentum))
+            return self.replace(memory="momentum_rows", momentum=float(momentum))
         return self.replace(memory="residual")
 
     @property
@@ -302,7 +303,7 @@ class Settings:
         wire, or momentum correction (whose velocity is kept even for a lossless exchange)."""
         if self.memory == "none":
             return False
-        return self.sparse_capable or get_wire(self.wire_dtype).lossy or self.memory == "momentum"
+        return self.sparse_capable or get_wire(self.wire_dtype).lossy or keeps_velocity(self.memory)
 
     def config(self) -> dict:
         """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings."""

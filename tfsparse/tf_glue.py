@@ -51,6 +51,7 @@ def exchange_tensors(exchange, grads, names=None) -> list:
     :class:`~tfsparse.exchange.GradientExchange`); returns the summed tensors.  ``names``: the
     gradients' names (the variables' paths; default ``gradient_<i>``)."""
     reject_xla("the gradient exchange")
+    rows = [isinstance(g, tf.IndexedSlices) for g in grads]  # an Embedding's: row-sparse (plan.TensorSpec)
     grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
     if not grads:
         return []
@@ -63,8 +64,8 @@ def exchange_tensors(exchange, grads, names=None) -> list:
     device = ops_tf.exchange_device(grads)
     with tf.init_scope():  # the first build's collectives run now, eagerly (Horovod's need it)
         space = None if device is None or engine.layout is not None else cuda_space(ops_tf.device_ordinal(device))
-        engine.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name)
-                            for nm, g in zip(names, grads)), space)
+        engine.build(Layout(TensorSpec(str(nm), tuple(g.shape.as_list()), g.dtype.name, r)
+                            for nm, g, r in zip(names, grads, rows)), space)
     as_f32 = [g if g.dtype == tf.float32 else tf.cast(g, tf.float32) for g in grads]
     if engine.clip_norm is not None:  # DGC's local clipping, over all of this rank's gradients
         as_f32 = tf.clip_by_global_norm(as_f32, engine.local_clip_norm)[0]
@@ -107,7 +108,19 @@ def loss_scaled(exchange, grads, scale, names=None) -> list:
     bucket that is not finite on some rank comes back NaN on every rank (the engine's
     ``nonfinite_result``), so that every rank's finite test fails together."""
     _engine(exchange).nonfinite_result = "nan"
-    return exchange_tensors(exchange, [g / tf.cast(scale, g.dtype) for g in grads], names=names)
+    # an Embedding's tf.IndexedSlices stay row-sparse (the layout marks them: plan.TensorSpec.rows)
+    return exchange_tensors(exchange, [on_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads],
+                            names=names)
+
+
+def on_values(g, fn):
+    """``fn`` of a gradient's values: of a ``tf.IndexedSlices``' values (its rows kept sparse), or
+    of the tensor; None stays None."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return fn(g)
 
 
 def _engine(exchange):

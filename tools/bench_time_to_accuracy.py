@@ -8,7 +8,8 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``, as
 ``tools/bench_fit_step.py`` takes them (``wire_dtype``, ``plan``, ``pipeline``, ``memory``, ...;
-``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``), e.g.::
+``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``; a pinned momentum correction,
+``"memory": "momentum"`` or ``"momentum_rows"``, runs the SGD without its momentum), e.g.::
 
     '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
 
@@ -61,6 +62,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import tfsparse  # noqa: E402
 from tfsparse import files  # noqa: E402
+from tfsparse.memory import keeps_velocity  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where loaded by path
 import bench_host  # noqa: E402
 
@@ -181,7 +183,10 @@ def train(comm, config, args, arrays):
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
         model = build(args.model, args.seed)
-        model.compile(keras.optimizers.SGD(RATES[args.model], momentum=MOMENTUM),
+        # momentum correction pinned (``"memory": "momentum"`` or ``"momentum_rows"``) applies the
+        # momentum in the exchange (factor 0.9, MOMENTUM): the SGD then runs without it
+        pinned = config is not None and keeps_velocity(config.get("memory", "auto"))
+        model.compile(keras.optimizers.SGD(RATES[args.model], momentum=0.0 if pinned else MOMENTUM),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     timeline = Timeline()
     callbacks = [timeline] + ([tfsparse.keras.callbacks.CommunicationStats()] if strategy is not None else [])

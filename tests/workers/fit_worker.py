@@ -27,6 +27,7 @@ import tfsparse  # noqa: E402
 from tfsparse.keras.callbacks import (BroadcastInitialState, CommunicationStats, DensitySchedule,  # noqa: E402
                                       MetricAverage)
 from tfsparse.keras.ownership import exchange_of  # noqa: E402
+from tfsparse.memory import keeps_velocity  # noqa: E402
 from mpi_harness import save_result  # noqa: E402
 
 runs = json.loads(sys.argv[1])
@@ -58,7 +59,7 @@ for run in runs:
     algo, route, epochs, density = run["algo"], run["route"], int(run["epochs"]), float(run["density"])
     options = {"wire_dtype": run.get("wire", "float32"), "plan": run.get("bucket_bytes"),
                "memory": run.get("memory", "residual"), **run.get("options", {})}
-    momentum = 0.0 if options["memory"] == "momentum" else 0.9  # momentum correction: not twice
+    momentum = 0.0 if keeps_velocity(options["memory"]) else 0.9  # momentum correction: not twice
     t0 = time.time()
     record = RecordDensity()
     cbs = ([DensitySchedule()] if run.get("schedule") else []) + [record, CommunicationStats()]

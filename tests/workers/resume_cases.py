@@ -8,6 +8,7 @@ import keras
 
 import tfsparse
 from tfsparse.keras.callbacks import BroadcastInitialState
+from tfsparse.memory import keeps_velocity
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -39,7 +40,7 @@ def key(case):
 
 
 def sgd(case):
-    return keras.optimizers.SGD(0.05, momentum=0.0 if case.get("memory") == "momentum" else 0.9)
+    return keras.optimizers.SGD(0.05, momentum=0.0 if keeps_velocity(case.get("memory", "auto")) else 0.9)
 
 
 def fresh(case):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numbers
 
+from ..memory import keeps_velocity
+
 
 def owner_of(model):
     """The object that owns ``model``'s exchange: its optimizer (or one it wraps) holding an
@@ -125,7 +127,8 @@ def check_optimizer(exchange, optimizer) -> None:
     optimizer (or a wrapped ``inner_optimizer``) with ``momentum`` or ``beta_1`` > 0 would apply
     it twice -- ValueError, raised before any step.  (``memory="auto"`` takes an SGD's momentum
     over instead, :func:`fit_optimizer`.)"""
-    for opt in _chain(optimizer if exchange.requested.memory == "momentum" else None):
+    memory = exchange.requested.memory
+    for opt in _chain(optimizer if keeps_velocity(memory) else None):
         if getattr(opt, "_tfsparse_momentum_in_exchange", False):
             continue
         for attr in ("momentum", "beta_1"):
@@ -133,7 +136,7 @@ def check_optimizer(exchange, optimizer) -> None:
             if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
                 name = type(opt).__name__
                 raise ValueError(
-                    f"memory='momentum' applies momentum {exchange.momentum} in the gradient exchange (momentum "
+                    f"memory={memory!r} applies momentum {exchange.momentum} in the gradient exchange (momentum "
                     f"correction), and the optimizer {name} has {attr}={value}: momentum would be applied "
                     f"twice; use {name}({attr}=0.0) (e.g. keras.optimizers.SGD(learning_rate)), memory='auto' "
                     f"(the default: the exchange takes an SGD's momentum over) or memory='residual' to keep the "

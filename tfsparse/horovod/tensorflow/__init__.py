@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from ... import runtime
 from ...collectives import host_ids
+from ...tf_glue import on_values
 
 #: the reduction ops, with Horovod's values (``hvd.Average == 0`` as in horovod.tensorflow)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -405,9 +406,7 @@ class _DistributedGradientTape:
         if self.scale_local_gradients:
             for i, s in enumerate(nested):
                 if id(s) in self._local and grads[i] is not None:
-                    g = grads[i]
-                    grads[i] = (tf.IndexedSlices(g.values / size(), g.indices, g.dense_shape)
-                                if isinstance(g, tf.IndexedSlices) else g / size())
+                    grads[i] = on_values(grads[i], lambda v: v / size())
         return tf.nest.pack_sequence_as(sources, grads)
 
     def __getattr__(self, name):

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from ....keras.optimizer import DistributedOptimizer as _SparseOptimizer
 from ....keras.optimizer import _sparse_strategy
+from ....tf_glue import on_values
 from .. import (Average, Compression, Sum, _check_process_set, _resolve_op, cross_rank, cross_size,
                 global_process_set, init, is_initialized, local_rank, local_size, rank, shutdown, size)
 from .. import allgather as _allgather
@@ -165,11 +166,7 @@ class _RankLocal:
 
 
 def _scaled(g, factor: float):
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
-    return g * tf.cast(factor, g.dtype)
+    return on_values(g, lambda v: v * tf.cast(factor, v.dtype))
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
