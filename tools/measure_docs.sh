@@ -76,6 +76,15 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
 TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"auto","algorithm":"auto"}]'
 
+# masking: momentum correction's masking on the Transformer (docs/choosing.md, "Masking and embeddings"):
+# DGC's masking everywhere, against memory="momentum_rows" (what memory="auto" runs), at two densities
+MASKING='[{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"gtopk 0.01, memory=momentum","algorithm":"gtopk","density":0.01,"memory":"momentum"},
+ {"label":"gtopk 0.01, memory=momentum_rows","algorithm":"gtopk","density":0.01,"memory":"momentum_rows"},
+ {"label":"gtopk 0.01, memory=residual","algorithm":"gtopk","density":0.01,"memory":"residual"},
+ {"label":"gtopk 0.05, memory=momentum","algorithm":"gtopk","density":0.05,"memory":"momentum"},
+ {"label":"gtopk 0.05, memory=momentum_rows","algorithm":"gtopk","density":0.05,"memory":"momentum_rows"}]'
+
 TWO_LEVEL='[{"label":"dense f16 flat","algorithm":"dense","wire_dtype":"float16"},
  {"label":"dense f16 two-level","algorithm":"dense","wire_dtype":"float16","hierarchical":true},
  {"label":"gtopk 0.01 flat","algorithm":"gtopk","density":0.01},
@@ -115,6 +124,7 @@ STEP[demo]="flock $LOCK make demo"  # writes results/demo.{json,png}
 STEP[encode]="$PYTHON tools/bench_encode.py --out $OUT/bench_encode"
 STEP[exchange]="$PYTHON tools/bench_exchange.py --wires float32,float16,bfloat16,int8 --label 'shared memory' --out $OUT/bench_exchange.json"
 STEP[traffic]="$PYTHON tools/bench_exchange.py --algorithms dense,topk,gtopk,oktopk,dragonn,gaussiank,dgc,csc --wires float32,float16,int8 --plans fused --np 4 --steps 3 --warmup 1 --out $OUT/traffic.json"
+STEP[masking]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$MASKING' --model transformer --epochs 10 --seed 1 --target 0.9462 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/masking_transformer_1gbit"
 STEP[kernels]="$PYTHON tools/bench_kernels.py --sizes 1M,4M,16M,64M,128M --out $OUT"
 STEP[collectives]="$PYTHON tools/bench_collectives.py --out $OUT/bench_collectives.json"
 STEP[convergence]="flock $LOCK $PYTHON tools/bench_convergence.py --out $OUT/bench_convergence"
@@ -127,7 +137,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_transformer_auto tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_transformer_auto masking tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
