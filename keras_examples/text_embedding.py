@@ -9,8 +9,8 @@ The data are generated, nothing is downloaded: each sequence holds random "backg
 a few keywords of its class (class c owns the keywords ``c*8 .. c*8+7``), so the class is
 decidable from the tokens and a bag-of-embeddings model learns it.  Every rank generates the same
 data from the same seed and takes its own shard.  ``--tiny``: a smaller vocabulary, four epochs
-(momentum correction, the default under SGD with momentum, starts slower here: after two epochs
-the test accuracy is still at chance, after four it is 1.0).
+(on 2 ranks, with the default momentum correction, which keeps the embedding's velocity: training
+accuracy 0.84 after two epochs, 1.0 after three; test accuracy 1.0 after four).
 """
 
 from example_utils import argument_parser, fraction, positive_int, quiet_tensorflow

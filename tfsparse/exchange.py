@@ -159,7 +159,7 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
     options = property(lambda self: self.settings.options)
     memory = property(lambda self: self.settings.memory)
     memory_options = property(lambda self: self.settings.memory_options)
-    momentum = property(lambda self: self.settings.momentum, doc="The factor of memory='momentum' (else None).")
+    momentum = property(lambda self: self.settings.momentum, doc="The factor of momentum correction (else None).")
     pipeline = property(lambda self: self.settings.pipeline)
     clip_norm = property(lambda self: self.settings.clip_norm)
     wire_dtype = property(lambda self: self.wire.name)

@@ -405,11 +405,12 @@ class RowsMomentumMemory(MomentumMemory):
     of its rows zero in a step), whose velocity is kept.
 
     Momentum SGD moves a row that one step touched by ``lr·g / (1 - m)`` over the following
-    steps; cleared when it is sent, the row moves by ``lr·g``: a tenth at m = 0.9.  Measured
-    (docs/choosing.md, "Masking and embeddings"): on a Transformer whose 20,000x128 embedding is
-    95 % of its weights, masking everywhere left gTop-k 3-5 points below dense; sparing the
-    embedding, it ended at dense's accuracy.  Dense gradients keep DGC's masking, with which the
-    digits MLPs end within a point of dense (without it, 1.9 points below).
+    steps; with masking, a row sent in the step that touched it moves by ``lr·g``: a tenth at
+    m = 0.9.  Measured (docs/choosing.md, "Masking and embeddings"): on a Transformer whose
+    20,000x128 embedding is 95 % of its weights, masking everywhere left gTop-k 3.3-4.9 points
+    below dense; sparing the embedding, it ended at or above dense's accuracy.  Dense gradients
+    keep DGC's masking, with which the digits MLPs end within a point of dense (without it, 1.9
+    points below in the median of three seeds).
 
     Args:
       size: elements of the bucket.

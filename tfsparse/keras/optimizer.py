@@ -64,7 +64,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``;
         ``algorithm_options`` or any other keyword: the algorithm's options) -- each is described
-        once, in :mod:`tfsparse.settings`.  ``memory="momentum"`` needs an ``inner_optimizer``
+        once, in :mod:`tfsparse.settings`.  ``memory="momentum"`` (or ``"momentum_rows"``) needs an ``inner_optimizer``
         without momentum (``SGD(lr)``; ValueError otherwise).  With ``pipeline=2``, at the end of
         ``fit`` (``finalize_variable_values``) the round in flight is finished and held for the
         next step.

@@ -123,10 +123,10 @@ def fit_optimizer(exchange, optimizer) -> None:
 
 
 def check_optimizer(exchange, optimizer) -> None:
-    """``memory="momentum"`` applies the momentum in the exchange (momentum correction): an
-    optimizer (or a wrapped ``inner_optimizer``) with ``momentum`` or ``beta_1`` > 0 would apply
-    it twice -- ValueError, raised before any step.  (``memory="auto"`` takes an SGD's momentum
-    over instead, :func:`fit_optimizer`.)"""
+    """``memory="momentum"`` (or ``"momentum_rows"``) applies the momentum in the exchange
+    (momentum correction): an optimizer (or a wrapped ``inner_optimizer``) with ``momentum`` or
+    ``beta_1`` > 0 would apply it twice -- ValueError, raised before any step.  (``memory="auto"``
+    takes an SGD's momentum over instead, :func:`fit_optimizer`.)"""
     memory = exchange.requested.memory
     for opt in _chain(optimizer if keeps_velocity(memory) else None):
         if getattr(opt, "_tfsparse_momentum_in_exchange", False):

@@ -146,7 +146,7 @@ class SparseExtended(OneDeviceExtended):
 
     def _trace_train_step(self, model) -> None:
         """At the trace of ``model``'s train step: its optimizers are checked against the exchange
-        (``memory="momentum"`` with an optimizer's own momentum raises) and its trainable
+        (``memory="momentum"`` or ``"momentum_rows"`` with an optimizer's own momentum raises) and its trainable
         variables name the gradients."""
         optimizer = getattr(model, "optimizer", None)
         check_optimizer(self.exchange, optimizer)
@@ -392,7 +392,7 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
       settings: a :class:`tfsparse.settings.Settings`; or, instead, its keyword arguments
         (``wire_dtype``, ``plan``, ``memory``, ``momentum``, ``pipeline``, ``clip_norm``, and
         the algorithm's options) -- each is described once, in :mod:`tfsparse.settings`.  With
-        ``memory="momentum"`` the model's optimizer must run without momentum (``SGD(lr)``): an
+        ``memory="momentum"`` (or ``"momentum_rows"``) the model's optimizer must run without momentum (``SGD(lr)``): an
         optimizer with ``momentum``/``beta_1`` > 0 raises ValueError when training starts.  With
         ``pipeline=2`` pair ``tfsparse.keras.callbacks.DSyncWarmUp`` for Pipe-SGD's warm-up.
       device: the device of this process' replica (default: ``/gpu:<local_rank>``
