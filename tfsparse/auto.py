@@ -334,8 +334,8 @@ def oversubscription(ranks: int, cores: int | None = None) -> float:
     (default this host's, ``os.cpu_count()``), at least 1: the factor by which the local work
     timed alone on a core (:func:`local_costs`) takes longer when every rank of the host does it
     at once, after the same gradients -- the timing model's rule for ranks that share cores
-    (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`).  On the 2-core development
-    machine, four ranks: 2 -- gTop-k's encoding there took 44 ms a round against 23 ms timed alone."""
+    (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`); four ranks on two cores: 2
+    (what it was measured against: docs/choosing.md, "What it decides")."""
     cores = (os.cpu_count() or 1) if cores is None else int(cores)
     return max(1.0, int(ranks) / max(1, cores))
 

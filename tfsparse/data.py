@@ -37,14 +37,14 @@ def without_autotune(dataset):
     to every dataset Keras gives it; with ``DistributedOptimizer`` under Keras' default strategy,
     pass ``model.fit`` a dataset made with it.
 
-    Why: the autotuner runs a model thread per iterator whose optimisation period doubles from
-    10 ms up to a minute (10 ms * 2^n: 5.12 s, 10.24 s, ...), and destroying the iterator -- Keras
+    Why: the autotuner runs a model thread per iterator whose optimisation period doubles
+    up to a minute, and destroying the iterator -- Keras
     does it at every epoch end, ``fit``'s end and before validation -- joins that thread.  With
     several ranks sharing the cores, the rank whose destructor waits for that thread was measured
-    waiting out the period (4.4-10.2 s stalls at about half of the epoch boundaries, every other
-    rank blocked in its next step's exchange; ``tools/bench_time_to_accuracy.py``).  Plain Keras
+    waiting out the period, every other rank blocked in its next step's exchange (docs/keras.md,
+    "tf.data's autotuner is off under SparseStrategy").  Plain Keras
     has them too under ``mpirun -np 4`` on 2 cores, but a lone process stops there and nobody
-    else waits.  Without the autotuner the stalls are gone (longest gap between steps 0.13 s) and
+    else waits.  Without the autotuner the stalls are gone and
     the in-memory pipelines Keras builds lose nothing measurable: ``prefetch(AUTOTUNE)`` and
     ``num_parallel_calls=AUTOTUNE`` fall back to fixed sizes."""
     import tensorflow as tf

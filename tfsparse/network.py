@@ -74,12 +74,12 @@ class NetSpec:
     @property
     def burst(self) -> int:
         """Token-bucket depth: 1 ms at the link rate, at least 128 KiB.  Smaller buckets lose
-        rate (measured, 1 Gbit/s: 648 Mbit/s at 16 KiB, 966 at 128 KiB; 100 Mbit/s at 16 KiB:
-        full rate for two ranks, but Ok-Topk's exchange 1.5-1.7x the α-β model's time with 3 or
-        4 ranks on 2 busy cores); larger ones let whole sparse messages pass at the veth's
-        speed, which no real link of that rate does (at 128 KiB and 100 Mbit/s a 320 KB
-        allgather after an idle moment already took 16.6 ms, not the rate's 25.6).  The α-β model
-        is told it (``AlphaBeta(burst=...)``)."""
+        rate; larger ones let whole sparse messages pass at the veth's speed, which no real link
+        of that rate does.  The α-β model is told it (``AlphaBeta(burst=...)``)."""
+        # Measured: at 1 Gbit/s 648 Mbit/s through a 16 KiB bucket, 966 through 128 KiB; at
+        # 100 Mbit/s and 16 KiB full rate for two ranks, but Ok-Topk's exchange 1.5-1.7x the α-β
+        # model's time with 3 or 4 ranks on 2 busy cores; at 128 KiB and 100 Mbit/s a 320 KB
+        # allgather after an idle moment already took 16.6 ms, not the rate's 25.6.
         return max(128 * 1024, self.rate // 8 // 1000)
 
     def __str__(self):

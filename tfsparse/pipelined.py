@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _checks
 from .exchange import GradientExchange, in_space
 
 
@@ -47,8 +48,7 @@ class Pipelined:
             raise ValueError(f"engine={engine!r} is not valid; accepted: a tfsparse.exchange.GradientExchange")
         self.engine = engine
         self.depth = engine.pipeline if depth is None else depth
-        if self.depth not in (1, 2):
-            raise ValueError(f"depth={depth!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD)")
+        _checks.choice("depth", self.depth, (1, 2), accepted="1 (synchronous) or 2 (Pipe-SGD)")
         if self.depth > 1 and engine.requested.algorithm == "auto":
             raise ValueError(f"depth={self.depth} with algorithm='auto': auto chooses among synchronous settings; "
                              f"pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', pipeline=2)")

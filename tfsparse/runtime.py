@@ -25,9 +25,7 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         TF collectives; point-to-point still over mpi4py on the same world) or
         ``"auto"``: Horovod when the job was launched by ``horovodrun`` (and Horovod imports),
         else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).  MPI is the default
-        because it is the faster one here: measured at P = 2 on the 25.2M-parameter MLP, a dense
-        step took 316-317 ms on MPI and 399-446 ms on Horovod's TF collectives, a topk step 223
-        ms and 266-285 ms (README, "Everyday Keras notes").
+        because it measured the faster one, dense and sparse (README, "Everyday Keras notes").
       quiet_workers: on ranks other than 0, silence Keras' interactive output (progress
         bars), Python warnings and TensorFlow's/absl's Python loggers below ERROR, so only rank 0
         prints (TensorFlow's C++ start-up lines are governed by ``TF_CPP_MIN_LOG_LEVEL``, which
@@ -50,10 +48,8 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         not set already; it takes effect when TensorFlow has not allocated host memory yet, as at
         the start of a program): it keeps and reuses the memory of freed tensors.  TensorFlow's
         default hands every large tensor back to the system, so each step's gradients and
-        temporaries are mapped afresh and page-faulted in again, page by page -- measured on the
-        2-core development VM, P = 4, the 17.1M MLP: 51,000 page faults and 280-380 ms of system
-        time per step and rank, and a plain-Keras step of 830 ms instead of 587 ms.  ``None``:
-        TensorFlow's default.
+        temporaries are mapped afresh and page-faulted in again, page by page (the
+        measured cost: docs/getting-started.md, ``init``).  ``None``: TensorFlow's default.
       stall_warning: seconds a collective of the exchange (or a per-step agreement) may wait
         before rank 0 logs which ranks have not arrived and what each was last doing (its round;
         the collective it waits in, or how long ago it left its last one); repeated every that many

@@ -75,9 +75,7 @@ class WarmUp:
             raise ValueError(f"WarmUp takes steps= or epochs= (one of them), got steps={steps!r}, epochs={epochs!r}")
         self.steps = None if steps is None else _checks.integer("steps", steps, 0)
         self.epochs = None if epochs is None else _checks.real("epochs", epochs, 0.0)
-        if ramp not in RAMPS:
-            raise ValueError(f"ramp={ramp!r} is not supported; accepted: {', '.join(repr(r) for r in RAMPS)}")
-        self.ramp = ramp
+        self.ramp = _checks.choice("ramp", ramp, RAMPS)
         self.target = None if target is None else check_density(target, "target")
 
     def with_steps_per_epoch(self, steps_per_epoch) -> "WarmUp":

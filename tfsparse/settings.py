@@ -105,11 +105,10 @@ def check_clip_norm(clip_norm) -> float | None:
 
 def check_pipeline(pipeline) -> int:
     """``pipeline`` (Pipe-SGD's iteration dependency K) must be 1 (synchronous) or 2."""
-    if isinstance(pipeline, bool) or not isinstance(pipeline, numbers.Integral) or int(pipeline) not in PIPELINES:
-        raise ValueError(f"pipeline={pipeline!r} is not supported; accepted: 1 (synchronous) or 2 (Pipe-SGD, "
-                         f"the update of step t+1 applies step t's aggregated gradient; pipe-sgd-li2018 §3.1 "
-                         f"shows K > 2 only adds staleness)")
-    return int(pipeline)
+    integral = not isinstance(pipeline, bool) and isinstance(pipeline, numbers.Integral)
+    return _checks.choice("pipeline", int(pipeline) if integral else pipeline, PIPELINES, accepted=(
+        "1 (synchronous) or 2 (Pipe-SGD, the update of step t+1 applies step t's aggregated gradient; "
+        "pipe-sgd-li2018 §3.1 shows K > 2 only adds staleness)"))
 
 
 def check_option_names(algorithm: str, options: Mapping) -> None:

@@ -28,10 +28,8 @@ class MPICommunicator(Communicator):
     The allgathers (``allgather`` and the second half of ``allreduce``) run as a ring of
     ``Sendrecv`` s (:meth:`_ring_allgatherv`, the algorithm whose volume the byte counts
     assume) rather than ``Allgatherv``: Open MPI 4.1's choice for ``Allgatherv`` at 4 ranks,
-    the neighbour exchange, sends both ways over each link at once.  Measured on
-    ``tfsparse-run -np 4 --net 1gbit``, idle ranks: 0.77 MB per rank 30.6 ms through
-    ``Allgatherv``, 19.4 ms on this ring, 18.5 ms at line rate (2 MB per rank: 83.0 against
-    51.7 ms); on shared memory the two are within a millisecond.
+    the neighbour exchange, sends both ways over each link at once, and took about 1.6x the
+    ring's time on the emulated 1 Gbit/s network (measured side by side: docs/network.md).
     """
 
     name = "mpi"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from .. import _checks
 from . import _dispatch
 
 _PATH: list = [None]  # chosen lazily (first exchange built), or by set_path
@@ -42,8 +43,7 @@ def _default_path() -> str:
 
 def set_path(path: str | None) -> None:
     """Forces the execution path (``"cpu"`` or ``"cuda"``); ``None`` restores the default."""
-    if path is not None and path not in PATHS:
-        raise ValueError(f"path must be one of {sorted(PATHS)} or None, got {path!r}")
+    _checks.choice("path", path, PATHS + (None,))
     _PATH[0] = path
 
 

@@ -211,7 +211,7 @@ class SparseExtended(OneDeviceExtended):
         rank's own gradients, and a rank that overflowed would skip the step (and its
         all-reduce) alone while the others wait for it.  Here the exchange runs first, on the
         unscaled gradients of every rank, whatever they hold: a bucket that is not finite on
-        some rank is skipped on every rank and returns NaN (:meth:`GradientExchange._skip_bucket`),
+        some rank is skipped on every rank and returns NaN (``GradientExchange.nonfinite_result = "nan"``),
         so the test below -- on the exchanged sum, identical on every rank -- agrees everywhere:
         all ranks apply the step, or all skip it and halve their loss scale.  The summed
         gradients are kept for the all-reduce that the finite branch then asks for."""

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from ... import runtime
+from ... import _checks, runtime
 from ...collectives import host_ids
 from ...tf_glue import on_values
 
@@ -182,9 +182,7 @@ def _resolve_op(op, average) -> int:
     if op in _NOT_PROVIDED_OPS:
         raise ValueError(f"op=hvd.{_NOT_PROVIDED_OPS[op]} is not supported by tfsparse.horovod; accepted: "
                          f"{', '.join('hvd.' + n for n in _OPS.values())}")
-    if op not in _OPS:
-        raise ValueError(f"op={op!r} is not supported; accepted: {', '.join('hvd.' + n for n in _OPS.values())}")
-    return int(op)
+    return int(_checks.choice("op", op, tuple(_OPS), accepted=", ".join("hvd." + n for n in _OPS.values())))
 
 
 # -- ordering and the numpy side ----------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from .... import _checks
 from ....keras.optimizer import DistributedOptimizer as _SparseOptimizer
 from ....keras.optimizer import _sparse_strategy
 from ....tf_glue import on_values
@@ -76,9 +77,7 @@ class HorovodOptimizer(_SparseOptimizer):
     def __init__(self, inner_optimizer, *, op=Average, gradient_predivide_factor=1.0, backward_passes_per_step=1,
                  average_aggregated_gradients=False, **kwargs):
         op = _resolve_op(op, None)
-        if op not in _KERAS_OPS:
-            raise ValueError(f"op={op!r} is not supported by DistributedOptimizer; accepted: hvd.Average, hvd.Sum "
-                             f"(as in Horovod)")
+        _checks.choice("op", op, tuple(_KERAS_OPS), accepted="hvd.Average, hvd.Sum (DistributedOptimizer, as in Horovod)")
         factor = float(gradient_predivide_factor)
         if not factor > 0:
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} is not valid; accepted: a "
