@@ -8,7 +8,10 @@ distributes a dataset, the strategy reads how many steps its epoch iterator will
 which model method; ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
 to resume from, as Keras' own callback does; the strategy knows Keras' steps and its loss-scale
 optimizer's finiteness check by their method names (:func:`keras_replica_call`) and TensorFlow's
-error for mixed strategies by its text (:func:`mixes_strategies`).  Those are private APIs, so they
+error for mixed strategies by its text (:func:`mixes_strategies`); ``DistributedOptimizer``, a
+``LossScaleOptimizer``, runs that optimizer's own apply and skip-step branch
+(:func:`loss_scale_apply`, :func:`loss_scale_skip_step`) and reads an optimizer's built variables
+(:func:`optimizer_variables`).  Those are private APIs, so they
 are used here alone, behind a version check (and the hooks the strategy overrides,
 :data:`EXTENDED_HOOKS`, are checked to exist); ``tests/test_layering.py`` fails on a
 ``tensorflow.python`` or ``keras.src`` import anywhere else.
@@ -173,6 +176,19 @@ def keras_optimizer_applying(max_depth: int = 48):
 def optimizer_variables(optimizer) -> list:
     """The variables ``optimizer`` was built for (Keras keeps them privately), or []."""
     return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def loss_scale_apply(optimizer, grads, variables) -> None:
+    """Keras' ``LossScaleOptimizer`` applying ``grads`` its own way (``optimizer``: one, or a
+    subclass): its finiteness test, then the inner optimizer's step and the scale's update, or
+    the scale halved (Keras keeps this in a private method, ``_tf_apply``)."""
+    optimizer._tf_apply(grads, variables)
+
+
+def loss_scale_skip_step(optimizer) -> None:
+    """Keras' ``LossScaleOptimizer``'s branch for gradients that are not finite: the step skipped,
+    the scale halved (private: ``_stateful_handle_non_finite_grads``)."""
+    optimizer._stateful_handle_non_finite_grads()
 
 
 def keras_distributing(max_depth: int = 16):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from .._tf_private import keras_model_running
+from .._tf_private import keras_model_running, loss_scale_apply, loss_scale_skip_step, optimizer_variables
 from ..checkpoint import Checkpointer, is_entry
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
@@ -147,7 +147,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        variables = trainable_variables if trainable_variables is not None else optimizer_variables(self)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if len(pairs) != len(list(variables)):
             missing = [getattr(v, "path", v.name) for g, v in zip(grads, variables) if g is None]
@@ -159,7 +159,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             # scaling, Keras' own LossScaleOptimizer logic, whose finite test the strategy runs on
             # the exchanged sum
             if self.loss_scale:
-                self._tf_apply(grads, trainable_variables)
+                loss_scale_apply(self, grads, trainable_variables)
             else:
                 self.inner_optimizer.apply(grads, trainable_variables)
             return
@@ -177,7 +177,7 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             grow = keras.ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
             keras.ops.cond(grow, self._double_scale, self._count_finite_step)
 
-        keras.ops.cond(self.check_finite(summed), finite, self._stateful_handle_non_finite_grads)
+        keras.ops.cond(self.check_finite(summed), finite, lambda: loss_scale_skip_step(self))
 
     def _divisor(self) -> float:
         """What the exchanged sum is divided by before the inner optimizer applies it, on this

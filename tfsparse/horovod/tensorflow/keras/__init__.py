@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from .... import _checks
+from ...._tf_private import optimizer_variables
 from ....keras.optimizer import DistributedOptimizer as _SparseOptimizer
 from ....keras.optimizer import _sparse_strategy
 from ....tf_glue import on_values
@@ -126,7 +127,7 @@ class HorovodOptimizer(_SparseOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        variables = trainable_variables if trainable_variables is not None else optimizer_variables(self)
         self._start_from_root(list(variables))
         local = self._local
         for total, g in zip(local.sums, grads):
