@@ -183,3 +183,96 @@ def test_the_commands_in_the_pages_still_run():
         if done.returncode != 0:
             problems.append(f"{script} --help failed: {done.stderr[-500:]}")
     assert not problems, "\n".join(problems)
+
+
+def _public_api():
+    """(name, object) of the API users call: ``tfsparse``'s and ``tfsparse.keras``' exports and
+    the public callbacks of ``tfsparse.keras.callbacks``."""
+    import inspect
+
+    import tfsparse
+    import tfsparse.keras
+    import tfsparse.keras.callbacks as callbacks
+
+    found = [(f"tfsparse.{n}", getattr(tfsparse, n)) for n in tfsparse.__all__]
+    found += [(f"tfsparse.keras.{n}", getattr(tfsparse.keras, n)) for n in tfsparse.keras.__all__]
+    found += [(f"tfsparse.keras.callbacks.{n}", o) for n, o in vars(callbacks).items()
+              if not n.startswith("_") and (inspect.isclass(o) or inspect.isfunction(o))
+              and o.__module__ == callbacks.__name__]
+    return [(n, o) for n, o in found if inspect.isclass(o) or inspect.isfunction(o)]
+
+
+def _parameters(obj) -> list:
+    import inspect
+
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    if inspect.isclass(obj) and "__init__" not in {k for c in obj.__mro__ if c.__module__.startswith("tfsparse")
+                                                    for k in vars(c)}:
+        return []  # a constructor of TensorFlow's, Keras' or Python's
+    return [p for p in inspect.signature(target).parameters if p != "self"]
+
+
+def test_the_public_api_documents_its_arguments_and_results():
+    """Every object of the public API has a docstring whose first line is a summary; one that
+    takes arguments lists them under ``Args:`` (mkdocstrings renders them as a table); a
+    function that returns something says what under ``Returns:`` (a dataclass lists its fields
+    under ``Attributes:``)."""
+    import dataclasses
+    import inspect
+
+    api = _public_api()
+    assert len(api) >= 25, [n for n, _ in api]
+    missing = []
+    for name, obj in api:
+        doc = inspect.getdoc(obj) or ""
+        if not doc.strip() or not doc.splitlines()[0].strip():
+            missing.append(f"{name}: no summary line")
+            continue
+        fields = dataclasses.is_dataclass(obj) and "Attributes:" in doc  # a dataclass: its fields
+        if _parameters(obj) and "Args:" not in doc and not fields:
+            missing.append(f"{name}: no Args: ({', '.join(_parameters(obj))})")
+        if inspect.isfunction(obj) and inspect.signature(obj).return_annotation not in (None, "None") \
+                and "Returns:" not in doc:
+            missing.append(f"{name}: no Returns:")
+    assert not missing, "\n".join(missing)
+
+
+# a paper's measurements (gtopk-ssgd-shi2019 §V-C), quoted where the α-β model is defined
+_CITING_MODULES = ("tfsparse.collectives.alphabeta",)
+
+
+def _docstrings(path: Path, module: str):
+    """(qualified name, docstring) of a module and its public classes, functions and methods."""
+    import ast
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not child.name.startswith("_"):
+                yield f"{prefix}.{child.name}", ast.get_docstring(child) or ""
+                yield from walk(child, f"{prefix}.{child.name}")
+
+    tree = ast.parse(path.read_text())
+    yield module, ast.get_docstring(tree) or ""
+    yield from walk(tree, module)
+
+
+def test_public_docstrings_carry_no_measured_times():
+    """Measurements live in the benchmark records and the pages that cite them, not in the
+    docstrings the API reference renders (they go stale, and tie the text to one machine).
+    Literal text (````50us````, doctest lines) is a setting, not a measurement."""
+    timed = re.compile(r"\d(\.\d+)? ?(ms|us|µs)\b")
+    found = []
+    for path in sorted((REPO / "tfsparse").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if any(p.startswith("_") and p != "__init__" for p in parts):
+            continue  # private modules: not rendered
+        module = ".".join(p for p in parts if p != "__init__")
+        if module.startswith(_CITING_MODULES):
+            continue
+        for name, doc in _docstrings(path, module):
+            prose = "\n".join(line for line in re.sub(r"``.*?``", "", doc, flags=re.S).splitlines()
+                               if not line.lstrip().startswith(">>>"))
+            hit = timed.search(prose)
+            if hit:
+                found.append(f"{name}: {hit.group(0)}")
+    assert not found, "\n".join(found)

@@ -24,7 +24,7 @@
 
 Latency: ``--net 1gbit,latency=50us`` needs the ``netem`` qdisc; kernels without it (this
 project's CI machines) make the launcher stop before anything is created, with that message.
-A veth pair itself adds ~10-30 us per hop.  The α-β model (:mod:`tfsparse.collectives.simulate`)
+A veth pair itself adds some tens of microseconds per hop.  The α-β model (:mod:`tfsparse.collectives.simulate`)
 covers latency-bound regimes instead.
 
 Needs root or CAP_NET_ADMIN, ``ip`` and ``tc`` (iproute2).
@@ -73,7 +73,7 @@ class NetSpec:
 
     @property
     def burst(self) -> int:
-        """Token-bucket depth: 1 ms at the link rate, at least 128 KiB.  Smaller buckets lose
+        """Token-bucket depth: what the link carries in a millisecond, at least 128 KiB.  Smaller buckets lose
         rate; larger ones let whole sparse messages pass at the veth's speed, which no real link
         of that rate does.  The α-β model is told it (``AlphaBeta(burst=...)``)."""
         # Measured: at 1 Gbit/s 648 Mbit/s through a 16 KiB bucket, 966 through 128 KiB; at

@@ -41,7 +41,19 @@ from .exchange import GradientExchange, in_space
 
 
 class Pipelined:
-    """Pipe-SGD's iteration dependency ``depth`` (1 or 2) around a :class:`GradientExchange`."""
+    """Pipe-SGD's iteration dependency ``depth`` (1 or 2) around a :class:`GradientExchange`.
+
+    Args:
+      engine: the round engine whose rounds it pipelines (a :class:`GradientExchange`, not yet
+        used or used only through this wrapper).
+      depth: 1 (synchronous: each step applies its own round's result) or 2 (each step applies
+        the previous step's; pipe-sgd-li2018's K = 2); None (default): the engine's
+        ``pipeline`` setting.
+
+    Raises:
+      ValueError: ``engine`` is not a :class:`GradientExchange`, ``depth`` is neither 1 nor 2,
+        or ``depth=2`` with ``algorithm="auto"`` (auto chooses among synchronous settings).
+    """
 
     def __init__(self, engine: GradientExchange, depth: int | None = None):
         if not isinstance(engine, GradientExchange):

@@ -60,6 +60,14 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         else off (``None``), as Horovod's stall shutdown: a long validation or checkpoint on one rank
         legitimately keeps the others waiting; set it above the longest such pause.  Both stall
         settings need ``MPI_THREAD_MULTIPLE`` (the watch thread that also catches departed ranks).
+
+    Returns:
+      The world's :class:`~tfsparse.collectives.communicator.Communicator` (``rank``, ``size``,
+      the collectives every exchange runs over).
+
+    Raises:
+      ValueError: an argument outside its accepted values (before any communication), or a
+        ``backend`` other than the one this process joined with already.
     """
     _check_cores(cores_per_rank)
     _check_allocator(cpu_allocator)
@@ -348,24 +356,51 @@ def communicator() -> Communicator:
 
 
 def backend() -> str:
+    """The engine this process joined with (initialising it with defaults if needed).
+
+    Returns:
+      ``"mpi"`` or ``"horovod"``.
+    """
     communicator()
     return _state["backend"]
 
 
 def rank() -> int:
+    """This process's rank in the job (initialising it with defaults if needed).
+
+    Returns:
+      An int from 0 to ``size() - 1``; rank 0 is the one that prints and saves.
+    """
     return communicator().rank
 
 
 def size() -> int:
+    """How many processes (workers, P) the job has (initialising it with defaults if needed).
+
+    Returns:
+      An int >= 1: the ranks whose gradients every exchange sums.
+    """
     return communicator().size
 
 
 def local_rank() -> int:
+    """This process's rank among the job's processes on its own host (initialising it with
+    defaults if needed): what picks its GPU on a node with several.
+
+    Returns:
+      An int from 0 to the number of ranks on this host less one.
+    """
     communicator()
     return _state["local_rank"]
 
 
 def is_initialized() -> bool:
+    """Whether this process has joined the job's world already (:func:`init`, or anything that
+    called it).  Joins nothing.
+
+    Returns:
+      True once :func:`init` has run in this process.
+    """
     return _state["comm"] is not None
 
 

@@ -205,8 +205,28 @@ def _merge_aliases(plan, bucket_bytes, selection, algorithm):
 
 @dataclass(eq=False)
 class Settings:
-    """The validated settings of one exchange (see the module docstring).  Make them with
-    :meth:`of`; :meth:`config` is their serialisation."""
+    """The validated settings of one exchange (the module docstring explains each).  Make them
+    with :meth:`of`; :meth:`config` is their serialisation.
+
+    Attributes:
+      algorithm: ``"auto"`` or a registered aggregator's name.
+      density: the fraction of elements each rank (each host, in two levels) sends, in (0, 1].
+      wire_dtype: the values' encoding on the wire: ``"float32"``, ``"float16"``,
+        ``"bfloat16"`` or ``"int8"``.
+      plan: how the gradients are grouped into buckets (a :class:`tfsparse.plan.Plan`; None:
+        one bucket).
+      memory: the error feedback: ``"auto"``, ``"residual"``, ``"momentum"``,
+        ``"momentum_rows"`` or ``"none"``.
+      momentum: momentum correction's factor (None: the optimizer's, or no momentum correction).
+      pipeline: Pipe-SGD's iteration dependency K, 1 or 2.
+      clip_norm: DGC's local gradient clipping norm (None: off).
+      hierarchical: the two-level exchange (the ranks of a host sum first).
+      options: the algorithm's own options, by name.
+
+    Raises:
+      ValueError: when made, for a value outside its accepted values (naming the argument, the
+        value and what is accepted), before any communication.
+    """
 
     algorithm: str = AUTO
     density: float = 0.01

@@ -42,6 +42,9 @@ class BroadcastInitialState(keras.callbacks.Callback):
     Runs once (the first ``fit``), before the first update, like Horovod's
     ``BroadcastGlobalVariablesCallback``.  Under SparseStrategy it is a no-op safety
     net: the strategy already broadcasts every variable at creation.
+
+    Args:
+      root_rank: the rank whose values every rank takes (default 0).
     """
 
     def __init__(self, root_rank: int = 0):
@@ -84,6 +87,10 @@ class CommunicationStats(keras.callbacks.Callback):
     by rank 0; the numbers reach TensorBoard as any epoch log does.
 
     Put it before History/TensorBoard users in the callback list so they see the keys.
+
+    Args:
+      log_dir: where rank 0 also writes the setting in use as TensorBoard text summaries
+        (None, the default: nowhere).
     """
 
     PHASES = ("encode", "comm", "decode", "wait")
@@ -157,7 +164,7 @@ class MetricAverage(keras.callbacks.Callback):
     waiting.  So list it last; the batch logs that later callbacks see are then the averaged ones.
 
     What CommunicationStats adds (bytes, density, phase times) stays per rank, as under
-    SparseStrategy.
+    SparseStrategy.  It takes no arguments.
     """
 
     PER_RANK = CommunicationStats.KEYS
@@ -219,8 +226,9 @@ class MetricAverage(keras.callbacks.Callback):
 
 
 class StepCountCheck(keras.callbacks.Callback):
-    """Compares the number of steps per epoch across ranks before training; raises on
-    every rank if they differ (instead of hanging in a collective)."""
+    """Compares the number of steps per epoch across ranks before training; raises
+    :class:`~tfsparse.StepCountMismatch` on every rank if they differ (instead of hanging in a
+    collective).  It takes no arguments."""
 
     def on_train_begin(self, logs=None):
         steps = self.params.get("steps")
@@ -233,7 +241,10 @@ class ReplicaCheck(keras.callbacks.Callback):
     every rank, naming the first variable whose bits differ (:func:`~tfsparse.keras.replicas.check_replicas`).
     ``SparseStrategy`` does this by itself for epochs of known length; this callback covers the
     ``DistributedOptimizer`` route between its end-of-``fit`` checks, and epochs of unknown length.
-    List it after ``MetricAverage``, which averages BatchNormalization's moving statistics first."""
+    List it after ``MetricAverage``, which averages BatchNormalization's moving statistics first.
+
+    Args:
+      every: compare after every ``every``-th epoch (an integer >= 1; default 1)."""
 
     def __init__(self, every: int = 1):
         super().__init__()
@@ -325,6 +336,12 @@ class ModelCheckpoint(_RankZeroOnly):
     Each file is written whole or not at all: to a temporary file beside it, renamed into place
     when complete (:mod:`tfsparse.files`), so a crash during a save leaves the previous checkpoint
     at that path loadable.
+
+    Args:
+      filepath: where to save, as Keras' (``{epoch}`` and the logs' keys may be formatted in).
+      save_freq: ``"epoch"`` or an integer N (every N batches), as Keras'.
+      **kwargs: Keras' other arguments (``monitor``, ``save_best_only``, ``save_weights_only``,
+        ``mode``, ``verbose``, ``initial_value_threshold``).
     """
 
     def __init__(self, filepath, save_freq="epoch", **kwargs):
@@ -367,6 +384,9 @@ class DSyncWarmUp(keras.callbacks.Callback):
     Sets ``exchange.dsync`` at each epoch's beginning (every rank at the same epoch; a resumed
     run with ``initial_epoch`` continues the schedule).  The first pipelined step after the
     warm-up applies a zero gradient, as the first step of a pipelined run does.
+
+    Args:
+      epochs: how many epochs train as D-Sync (an integer >= 0; default 4, the paper's).
     """
 
     def __init__(self, epochs: int = 4):
@@ -388,6 +408,12 @@ def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callba
     Keras' ``BackupAndRestore`` is refused (``ValueError``): on rank 0 alone it would resume that
     rank at a later epoch than the others, which then wait for it forever; use
     :class:`BackupAndRestore` on every rank.
+
+    Args:
+      callback: a Keras callback.
+
+    Returns:
+      A callback to list on every rank in its place.
     """
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         raise ValueError(f"rank_zero_only({type(callback).__name__}(...)) would resume rank 0 alone at the backup's "

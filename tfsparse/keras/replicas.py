@@ -78,9 +78,24 @@ def name_of(variable) -> str:
 def check_replicas(model, optimizers=(), communicator=None, what: str = "") -> int:
     """Collective (every rank calls it at the same point): compares a digest of every weight of
     ``model`` and every variable of its optimizer (and of ``optimizers``) across the ranks, and
-    raises :class:`ReplicasDiverged` on every rank when some variable's bits differ anywhere;
-    returns how many variables it compared.  Runs over the model's exchange (after its rounds in
-    flight) when it has one, else over ``communicator`` (default: the world)."""
+    raises :class:`ReplicasDiverged` on every rank when some variable's bits differ anywhere.
+    Runs over the model's exchange (after its rounds in flight) when it has one, else over
+    ``communicator``.
+
+    Args:
+      model: a built Keras model.
+      optimizers: further optimizers whose variables are compared too (the model's own
+        optimizer always is).
+      communicator: over which ranks, where the model has no exchange (default: the world).
+      what: a few words naming the moment, put in the error's message (e.g. ``"after epoch 3"``).
+
+    Returns:
+      How many variables it compared.
+
+    Raises:
+      ReplicasDiverged: on every rank, naming the first variable whose bits differ, the ranks
+        where they differ from rank 0's, and how many variables differ.
+    """
     import keras
 
     from .sync import run_on_model

@@ -35,8 +35,8 @@ kernels are built per block shape (:class:`Kernels`, default 256 threads x 8 ele
 
 Memory: each call allocates its outputs with ``cuda.device_array``; the small scratch arrays
 (radix state and histogram, compaction counts, flags) are kept per thread and per GPU and
-reset by kernels, never copied from the host: on an H100 a ``cuda.to_device`` of two int64
-took 168 us and a kernel launch 27-31 us (docs/gpus.md).  Install a pooling allocator
+reset by kernels, never copied from the host: a small ``cuda.to_device`` costs several kernel
+launches (measured: docs/gpus.md).  Install a pooling allocator
 (Numba EMM plugin, e.g. RMM's) when calling these per layer and per step.
 """
 from __future__ import annotations
