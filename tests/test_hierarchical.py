@@ -5,6 +5,8 @@ every rank bit-identical; error feedback lives on each host's leader.  Real host
 tests/test_hosts_mpi.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,27 @@ def test_one_rank_per_host_is_the_flat_exchange(monkeypatch):
     for r in range(3):
         for s in range(STEPS):
             np.testing.assert_array_equal(flat_run[r][0][s]["out"], plain[r][s])
+
+
+@pytest.mark.parametrize("algorithm, form", [("topk", hierarchy.PIECES), ("gtopk", hierarchy.INDICES),
+                                             ("oktopk", hierarchy.INDICES), ("dense", hierarchy.DENSE)])
+def test_a_sparse_result_crosses_the_host_as_it_came_off_the_network(monkeypatch, algorithm, form):
+    """Inside a host the leader shares a sparse result's indices and values (top-k's allgathered
+    pieces, the tree's and Ok-Topk's summed indices) -- not the dense vector -- and each rank
+    decodes it as the leader did: the same bits (the test above), the shared bytes a fraction of
+    the gradient's."""
+    notices = []
+    receive = hierarchy.TwoLevel._notice
+    monkeypatch.setattr(hierarchy.TwoLevel, "_notice", lambda self: notices.append(receive(self)) or notices[-1])
+    hosts = LAYOUTS["2x2"]
+    got = run(monkeypatch, hosts, algorithm)
+    assert notices and {int(n[0]) for n in notices} == {form}
+    n = got[0][0][0]["out"].size
+    if form != hierarchy.DENSE:
+        assert max(int(x[1]) for x in notices) < n // 2  # (Ok-Topk's first rounds: its initial thresholds)
+    for s in range(STEPS):
+        for r in range(len(hosts)):
+            np.testing.assert_array_equal(got[r][0][s]["out"], got[0][0][s]["out"])
 
 
 def test_momentum_correction_runs_on_the_hosts_sums(monkeypatch):
@@ -183,6 +206,24 @@ def test_auto_prices_each_candidate_flat_and_in_two_levels():
     f16 = auto.CANDIDATES[auto.MEASURING]
     assert auto.predict(f16, n, 4, link, 0.17, 0.0, (2, 2)).comm_s > one_host.predictions[auto.MEASURING].comm_s
     assert auto.two_level_costs(n, 1) == 0.0 and auto.two_level_costs(n, 3) > auto.two_level_costs(n, 2) > 0
+
+
+def test_in_two_levels_the_local_work_is_the_leaders_alone():
+    """Ranks that share cores do their selection at once and it is priced that many times longer
+    (auto.oversubscription); in two levels only each host's leader selects while the others wait
+    quietly, so the two-level candidates are priced without the factor, the flat ones with it."""
+    from tfsparse import auto
+    from tfsparse.collectives import AlphaBeta
+
+    link, n, busy = AlphaBeta.from_strings("1gbit", "50us"), 17_000_000, 2.0
+    alone = np.full(len(auto.CANDIDATES), 0.04)
+    d = auto.choose(n, 4, link, 0.1, alone * busy, hosts=(2, 2), two_level_s=0.01, busy=busy)
+    flat = auto.choose(n, 4, link, 0.1, alone * busy, hosts=(2, 2), two_level_s=1e3, busy=busy)
+    assert d.two_level and not flat.two_level
+    assert {round(p.local_s, 6) for p in d.predictions} == {0.04}
+    assert {round(p.local_s, 6) for p in flat.predictions} == {0.08}
+    assert "local work x2" not in dataclasses.replace(d, busy=busy).describe(4, hosts=2)
+    assert "local work x2" in dataclasses.replace(flat, busy=busy).describe(4, hosts=2)
 
 
 def test_a_restored_two_level_choice_continues_bit_for_bit(monkeypatch):

@@ -177,7 +177,7 @@ class Decision:
         if self.probed is not None and self.link is not None and self.probed.beta != self.link.beta:
             link += (f" (its bandwidth from dense over float16's measured rounds; round trips: "
                      f"{self.probed})")
-        if self.busy > 1.0:
+        if self.busy > 1.0 and not self.two_level:  # (in two levels the leaders alone do it)
             link += f", local work x{self.busy:.3g} (more ranks than cores on a host)"
         why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
@@ -253,7 +253,7 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
 
 
 def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
-           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Decision:
+           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0) -> Decision:
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
     smallest (dense float32 first: where the predictions differ by less than their noise, the
     simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
@@ -261,14 +261,17 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     dense ones alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
     option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
     each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
-    flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter."""
+    flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter.
+    ``busy``: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
+    in two levels only each host's leader does the local work while its other ranks wait
+    quietly (:mod:`tfsparse.hierarchy`), so there it is priced without it."""
     flat = tuple(predict(c, n, workers, link, compute_s, float(t), hosts) for c, t in zip(CANDIDATES, local_s))
     allowed = [i for i, c in enumerate(CANDIDATES) if sparse or c.algorithm == "dense"]
     best = min(flat[i].score for i in allowed)
     index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
     if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
         return Decision(index, compute_s, link, flat)
-    two = tuple(predict(c, n, workers, link, compute_s, float(t), hosts, max(two_level_s, 1e-9))
+    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts, max(two_level_s, 1e-9))
                 for c, t in zip(CANDIDATES, local_s))
     best_two = min(two[i].score for i in allowed)
     if best_two * (1.0 + TOLERANCE) >= flat[index].score:
@@ -478,10 +481,11 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     probed, flat_hosts = link, (probe.hosts if two_level else None)  # as choose prices the flat exchange
     if link is not None and workers is None:  # the measured rounds ran flat: the link they used
         link = calibrated(link, n, comm.size, exchange_s, float(local[MEASURING]), flat_hosts)
-    if workers is not None:
-        decision = choose(n, int(workers), link, compute_s, local[:-2], sparse)
+    busy = float(local[-1])
+    if workers is not None:  # in two levels already (hierarchical=True): the leaders alone do the local work
+        decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse)
     else:
-        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]))
+        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy)
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
-    return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=float(local[-1]),
+    return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=busy,
                                probed=probed)

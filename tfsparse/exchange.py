@@ -342,7 +342,9 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
                 with self.space.active():
                     out = b.complete(self.space, received)
                 if self._two is not None:
-                    self._two.share(out.dense, b.spec.size)
+                    decoded = getattr(received, "result", None)  # (a skipped round: an Outcome, dense)
+                    self._two.share(out.dense, b.spec.size, result=decoded,
+                                    decoded_into=getattr(received, "out", None) is not None)
         except BaseException as e:
             self._failed = e
             raise

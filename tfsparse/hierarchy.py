@@ -7,8 +7,12 @@ of each host, and the host leaders that talk across hosts.
   sum is the same bits on every run, in ``ceil(log2 L)`` steps for L ranks (:meth:`TwoLevel.host_sum`).
 * **Across hosts**, the leaders alone run the exchange's algorithm on their host's sum, over
   :attr:`TwoLevel.cross` (the communicator of the leaders, one per host).
-* **Back inside the host**, the leader broadcasts the dense result to its ranks
-  (:meth:`TwoLevel.share`): every rank applies the leader's bits.
+* **Back inside the host**, the leader shares the result with its ranks (:meth:`TwoLevel.share`):
+  a sparse result as it came off the network -- its indices and values, or the ranks' pieces --
+  which each rank decodes as the leader did (the same function on the same inputs: the same
+  bits), a dense one as it is.  The other ranks wait for it quietly (they sleep between tests
+  of a small notice from the leader, :data:`NOTICE_PAUSE`), leaving the cores to the leaders'
+  selection and exchange, and then receive the broadcast itself.
 
 Each host is one worker of the algorithm: its error feedback (residual, velocity) lives on the
 leader and compensates the host's sum -- BytePS' two-level compression: compressed once per
@@ -21,7 +25,17 @@ import time
 
 import numpy as np
 
+from .aggregators.base import AllreduceResult
 from .collectives.hosts import host_ids
+
+#: how often a rank that waits for its leader's result tests for the notice that it is coming
+#: (seconds; it sleeps in between): Open MPI's blocking waits poll, and on a host with fewer cores
+#: than ranks that polling takes the cores the leaders select and exchange on
+NOTICE_PAUSE = 50e-6
+# what a notice says: the result's form, its lengths, and whether the leader decoded it into a
+# result vector (the rank then does too, so the same code path writes the same bits)
+DENSE, INDICES, PIECES = 0, 1, 2
+_NOTICE = 5  # [form, elements, pieces, into a vector, index dtype's size]
 
 
 def _timed(counter: str):
@@ -41,9 +55,12 @@ def _timed(counter: str):
 class TwoLevel:
     """One rank's place in the two-level exchange, made by :meth:`of` (collective)."""
 
-    def __init__(self, up, down, cross, hosts: int):
+    def __init__(self, up, down, cross, hosts: int, notice=None):
         self.up = up  # the host's ranks: gradients to the leader (point to point, tag = bucket)
         self.down = down  # the host's ranks: the leader's result back (broadcasts, bucket order)
+        #: the host's ranks: the leader's notice that a result follows (point to point, waited
+        #: for quietly by the other ranks); None: none is sent (the broadcast alone)
+        self.notice = notice
         self.cross = cross  # the leaders, one per host (None on the other ranks)
         self.hosts = int(hosts)
         self._vectors: dict = {}  # the leader's: each bucket's host sum, one for the third and later ranks
@@ -58,8 +75,11 @@ class TwoLevel:
         order = list(dict.fromkeys(ids))  # hosts numbered by their first rank
         up = comm.split(order.index(ids[comm.rank]))
         down = up.duplicate()
+        notice = up.duplicate()
+        if up.rank != 0:
+            notice.wait_quietly(NOTICE_PAUSE)
         cross = comm.split(0 if up.rank == 0 else None)
-        return cls(up, down, cross, len(order))
+        return cls(up, down, cross, len(order), notice)
 
     @property
     def leader(self) -> bool:
@@ -119,18 +139,65 @@ class TwoLevel:
         return v[:n]
 
     @_timed("share_seconds")
-    def share(self, dense, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The leader's dense result of ``n`` elements on every rank of its host (collective over
-        the host: each rank calls it for the same bucket, in bucket order); ``out``: where the
-        other ranks receive it (default: a new vector)."""
+    def share(self, dense, n: int, out: np.ndarray | None = None, result: AllreduceResult | None = None,
+              decoded_into: bool = False) -> np.ndarray:
+        """The leader's result of ``n`` elements on every rank of its host (collective over the
+        host: each rank calls it for the same bucket, in bucket order).  The leader passes its
+        ``dense`` result and, where it decoded one, the aggregator's ``result`` and whether it
+        decoded it into a result vector (``decoded_into``); a sparse result crosses as it is and
+        every rank decodes it alike (module docstring).  ``out``: where another rank receives or
+        decodes it when the leader decoded into a vector (default: a new vector)."""
         if self.leader:
             x = np.ascontiguousarray(dense, np.float32).reshape(-1)
             if self.down.size > 1:
-                self.down.bcast(x, root=0)
+                self._send(x, result, decoded_into)
             return x
-        if out is None:
-            return self.down.bcast(None, root=0, shape=(n,), dtype=np.float32)
-        return self.down.bcast(None, root=0, out=out)
+        form, count, pieces, into, index_size = (int(v) for v in self._notice())
+        if form == DENSE:
+            if out is None:
+                return self.down.bcast(None, root=0, shape=(n,), dtype=np.float32)
+            return self.down.bcast(None, root=0, out=out)
+        index_dtype = np.dtype(np.int32 if index_size == 4 else np.int64)
+        idx = self.down.bcast(None, root=0, shape=(count,), dtype=index_dtype)
+        val = self.down.bcast(None, root=0, shape=(count,), dtype=np.float32)
+        if form == INDICES:
+            got = AllreduceResult(idx, val, n=n)
+        else:
+            counts = self.down.bcast(None, root=0, shape=(pieces,), dtype=np.int64)
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            got = AllreduceResult(None, pieces=[(idx[a:b], val[a:b]) for a, b in zip(bounds[:-1], bounds[1:])], n=n)
+        return got.to_dense(n, out if into else None)
+
+    def _send(self, x: np.ndarray, result, decoded_into: bool) -> None:
+        """The leader's side of :meth:`share`: a notice to each of its ranks, then the broadcasts."""
+        form = DENSE
+        if result is not None and result.pieces is not None:
+            form = PIECES
+            counts = np.array([len(p[0]) for p in result.pieces], np.int64)
+            idx = np.concatenate([np.asarray(p[0]) for p in result.pieces]) if len(counts) else np.zeros(0, np.int64)
+            val = np.concatenate([np.asarray(p[1], np.float32) for p in result.pieces]) if len(counts) else \
+                np.zeros(0, np.float32)
+        elif result is not None and result.indices is not None:
+            form, counts = INDICES, np.zeros(0, np.int64)
+            idx, val = np.asarray(result.indices), np.asarray(result.values, np.float32).reshape(-1)
+        if form != DENSE and idx.dtype not in (np.int32, np.int64):
+            idx = idx.astype(np.int64)
+        notice = np.array([form, 0 if form == DENSE else idx.size, 0 if form == DENSE else counts.size,
+                           int(bool(decoded_into)), 0 if form == DENSE else idx.dtype.itemsize], np.int64)
+        sent = [self.notice.isend(notice, r, 0) for r in range(1, self.down.size)]
+        if form == DENSE:
+            self.down.bcast(x, root=0)
+        else:
+            self.down.bcast(np.ascontiguousarray(idx), root=0)
+            self.down.bcast(np.ascontiguousarray(val), root=0)
+            if form == PIECES:
+                self.down.bcast(counts, root=0)
+        for request in sent:
+            request.wait()
+
+    def _notice(self) -> np.ndarray:
+        """Another rank's side: the leader's notice, waited for quietly."""
+        return self.notice.irecv(0, _NOTICE, 0, np.int64).wait()
 
 
 class _Into:
