@@ -54,8 +54,9 @@ of each host add their gradients up a binomial tree to the host's first rank, it
 fixed order: the same bits every run); the leaders run the settings' algorithm among themselves
 on that sum -- error feedback (residual, or momentum correction's velocity) is kept per host, on
 its leader, as if each host were one worker whose gradient is its ranks' sum; the density is the
-fraction each host sends -- and each leader broadcasts the summed result to its host's ranks, so
-every rank applies the same bits.  Only the leaders' traffic crosses the network (counted in the
+fraction each host sends -- and each leader shares the summed result with its host's ranks (a
+sparse one as its indices and values, decoded by each rank as the leader did), so every rank
+applies the same bits.  Only the leaders' traffic crosses the network (counted in the
 exchange's bytes; the shared-memory traffic is not).  With one rank per host it is the flat
 exchange.  ``algorithm="auto"`` prices each candidate flat and in two levels from its
 measurements and runs two levels where they are predicted shorter (``docs/cluster.md``).
