@@ -19,3 +19,14 @@ def test_defaults_compression_keywords_and_a_strategy_scope():
     with strategy.scope():
         inside = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
     assert (inside.algorithm, inside.density) == ("topk", 0.02)  # the strategy's, not dense
+
+
+def test_an_op_given_as_a_numpy_integer_is_taken():
+    import numpy as np
+    import pytest
+
+    from tfsparse.horovod.tensorflow import _resolve_op
+
+    assert _resolve_op(np.int64(hvd.Sum), None) == hvd.Sum and type(_resolve_op(np.int64(hvd.Sum), None)) is int
+    with pytest.raises(ValueError, match=r"op=True is not supported; accepted: hvd\.Average"):
+        _resolve_op(True, None)

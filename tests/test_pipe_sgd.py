@@ -331,3 +331,15 @@ def test_a_rank_failing_during_a_pending_exchange_stops_every_rank():
     _, text = mpirun(3, "pipeline.py", "fail", timeout=120, expect_fail=True)
     assert "injected failure on rank 1" in text
     assert "rank 1 stopped with an uncaught RuntimeError; aborting all 3 ranks" in text
+
+
+@pytest.mark.parametrize("depth", [2, np.int64(2), np.int32(1)])
+def test_a_depth_given_as_any_integer_is_taken(depth):
+    ex = Pipelined(GradientExchange("dense", 1.0, communicator=NoTalk()), depth=depth)
+    assert ex.depth == int(depth) and type(ex.depth) is int
+
+
+@pytest.mark.parametrize("depth", [3, True, 2.0, "2"])
+def test_a_bad_depth_is_refused_naming_it(depth):
+    with pytest.raises(ValueError, match=rf"depth={depth!r} is not supported; accepted: 1 \(synchronous\) or 2"):
+        Pipelined(GradientExchange("dense", 1.0, communicator=NoTalk()), depth=depth)

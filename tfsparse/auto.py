@@ -253,13 +253,16 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
 
 
 def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
-           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0) -> Decision:
+           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0,
+           two_level_sparse_s: float | None = None) -> Decision:
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
     smallest (dense float32 first: where the predictions differ by less than their noise, the
     simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
     in :data:`CANDIDATES` order; ``sparse``: whether the sparse candidates take part (False: the
     dense ones alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
-    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
+    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts
+    (``two_level_sparse_s``: the sums alone, what a sparse candidate costs inside its hosts, whose
+    result crosses a host as indices and values; default ``two_level_s``):
     each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
     flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter.
     ``busy``: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
@@ -271,8 +274,9 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
     if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
         return Decision(index, compute_s, link, flat)
-    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts, max(two_level_s, 1e-9))
-                for c, t in zip(CANDIDATES, local_s))
+    inside = {True: two_level_s, False: two_level_s if two_level_sparse_s is None else two_level_sparse_s}
+    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts,
+                        max(inside[c.algorithm == "dense"], 1e-9)) for c, t in zip(CANDIDATES, local_s))
     best_two = min(two[i].score for i in allowed)
     if best_two * (1.0 + TOLERANCE) >= flat[index].score:
         return Decision(index, compute_s, link, flat)
@@ -280,18 +284,21 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     return Decision(index, compute_s, link, two, two_level=True)
 
 
-def two_level_costs(n: int, per_host: int) -> float:
+def two_level_costs(n: int, per_host: int) -> tuple[float, float]:
     """The two-level exchange's work inside a host for a gradient of ``n`` float32 elements,
-    seconds: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector received and added
-    at each) and as many down (the result broadcast) -- a copy and an add timed here on
-    :data:`TWO_LEVEL_PROFILE` elements (beyond the caches, as the gradient is) and scaled to ``n``."""
+    seconds, ``(dense, sparse)``: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector
+    received and added at each) and, for a dense result, as many down (the result broadcast); a
+    sparse result crosses the host as its indices and values (:mod:`tfsparse.hierarchy`), which
+    is not counted -- a copy and an add timed here on :data:`TWO_LEVEL_PROFILE` elements (beyond
+    the caches, as the gradient is) and scaled to ``n``."""
     if per_host < 2:
-        return 0.0
+        return 0.0, 0.0
     m = int(min(n, TWO_LEVEL_PROFILE))
     a, b = np.ones(m, np.float32), np.full(m, 0.5, np.float32)
     copy = _best_seconds(lambda: np.copyto(a, b))
     add = _best_seconds(lambda: np.add(a, b, out=a))
-    return (per_host - 1).bit_length() * (2 * copy + add) * n / m
+    levels = (per_host - 1).bit_length()
+    return levels * (2 * copy + add) * n / m, levels * (copy + add) * n / m
 
 
 def _best_seconds(fn, repeats: int = 2) -> float:
@@ -338,7 +345,7 @@ def oversubscription(ranks: int, cores: int | None = None) -> float:
     timed alone on a core (:func:`local_costs`) takes longer when every rank of the host does it
     at once, after the same gradients -- the timing model's rule for ranks that share cores
     (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`); four ranks on two cores: 2
-    (what it was measured against: docs/choosing.md, "What it decides")."""
+    (what it was measured against: docs/choosing.md, "What it decides", the local work)."""
     cores = (os.cpu_count() or 1) if cores is None else int(cores)
     return max(1.0, int(ranks) / max(1, cores))
 
@@ -349,8 +356,8 @@ def calibrated(link: AlphaBeta, n: int, workers: int, exchange_s: float, local_s
     elements (plus its measured ``local_s``) take ``exchange_s``, the measured rounds' own median
     exchange -- the link as the collective itself used it, tens of megabytes at a time.  The round
     trips of a few MiB that ``link`` was fitted to are a few milliseconds on a fast link, where a
-    rank that waits for a core adds as much: on the 2-core development machine they gave 1.5 to
-    30 Gbit/s for the same emulated 10 Gbit/s link.  The latency stays the fitted one; an exchange
+    rank that waits for a core adds as much: on a busy node their bandwidth can be off by an order
+    of magnitude either way (docs/choosing.md).  The latency stays the fitted one; an exchange
     no longer than its latency terms leaves the bandwidth unbounded (1e13 B/s), one that cannot
     be measured (0) leaves ``link`` as it is.  ``hosts`` as :func:`predict` takes it."""
     target = exchange_s - local_s
@@ -398,7 +405,7 @@ class Probe:
         self.times: dict[int, list[float]] = {}  # rank 0: one-way seconds per message size
         self.local = np.zeros(len(CANDIDATES))  # rank 0: each candidate's local work, seconds
         self.hosts = (1, 1)  # (hosts, most ranks on one host)
-        self.two_level_s = 0.0  # rank 0: the two-level exchange's work inside a host, seconds
+        self.two_level_s = (0.0, 0.0)  # rank 0: the two-level exchange's work inside a host, seconds (dense, sparse)
         self.busy = 1.0  # rank 0: ranks per core on the busiest host (oversubscription)
 
     def run(self, comm, index: int) -> None:
@@ -414,7 +421,7 @@ class Probe:
                 self.busy = oversubscription(self.hosts[1])
                 self.local = local_costs(self.n, comm.size) * self.busy
                 if self.hosts[0] > 1:
-                    self.two_level_s = two_level_costs(self.n, self.hosts[1]) * self.busy
+                    self.two_level_s = tuple(t * self.busy for t in two_level_costs(self.n, self.hosts[1]))
         elif self.link is not None:
             for nbytes, count in piece:
                 self.times.setdefault(nbytes, []).extend(round_trips(self.link, nbytes, count, self.peer))
@@ -477,15 +484,16 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     compute_s, reference_s, exchange_s = (float(m) for m in medians)
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
-    local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
+    local = comm.bcast(np.append(probe.local, [*probe.two_level_s, probe.busy]), root=0)
     probed, flat_hosts = link, (probe.hosts if two_level else None)  # as choose prices the flat exchange
     if link is not None and workers is None:  # the measured rounds ran flat: the link they used
         link = calibrated(link, n, comm.size, exchange_s, float(local[MEASURING]), flat_hosts)
     busy = float(local[-1])
     if workers is not None:  # in two levels already (hierarchical=True): the leaders alone do the local work
-        decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse)
+        decision = choose(n, int(workers), link, compute_s, local[:-3] / max(1.0, busy), sparse)
     else:
-        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy)
+        decision = choose(n, comm.size, link, compute_s, local[:-3], sparse, flat_hosts, float(local[-3]), busy,
+                          two_level_sparse_s=float(local[-2]))
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
     return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=busy,
                                probed=probed)

@@ -5,7 +5,7 @@
 
 After ``pip install`` (which cannot run code of its own), ``tfsparse warmup`` on each node fills
 the kernels' cache -- beside the package, or in ``NUMBA_CACHE_DIR`` -- so that the first step of
-the first job does not wait ~30 s for the compiler; ``tools/install.sh`` runs it.
+the first job does not wait for the compiler; ``tools/install.sh`` runs it.
 """
 from __future__ import annotations
 

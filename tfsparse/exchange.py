@@ -99,6 +99,9 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
         ``pipeline``, ``clip_norm`` and the algorithm's options; see :mod:`tfsparse.settings`).
         Every argument is validated here, before any communication.
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
+      algorithm: the aggregator, or ``"auto"`` (the default) -- a setting, as ``settings``.
+      density: the fraction of elements each rank sends (default 0.01) -- a setting.
+      **kwargs: the settings' other keyword arguments and the algorithm's options.
 
     :attr:`density` is mutable (``exchange.density = ...``, e.g. by ``DensitySchedule``), and
     :attr:`schedule` (``round -> density``) sets the density of every round.  A round whose

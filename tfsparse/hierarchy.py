@@ -55,11 +55,11 @@ def _timed(counter: str):
 class TwoLevel:
     """One rank's place in the two-level exchange, made by :meth:`of` (collective)."""
 
-    def __init__(self, up, down, cross, hosts: int, notice=None):
+    def __init__(self, up, down, cross, hosts: int, notice):
         self.up = up  # the host's ranks: gradients to the leader (point to point, tag = bucket)
         self.down = down  # the host's ranks: the leader's result back (broadcasts, bucket order)
         #: the host's ranks: the leader's notice that a result follows (point to point, waited
-        #: for quietly by the other ranks); None: none is sent (the broadcast alone)
+        #: for quietly by the other ranks)
         self.notice = notice
         self.cross = cross  # the leaders, one per host (None on the other ranks)
         self.hosts = int(hosts)
@@ -76,8 +76,9 @@ class TwoLevel:
         up = comm.split(order.index(ids[comm.rank]))
         down = up.duplicate()
         notice = up.duplicate()
-        if up.rank != 0:
+        if up.rank != 0:  # (their sends up, too: with several buckets one waits while its leader selects)
             notice.wait_quietly(NOTICE_PAUSE)
+            up.wait_quietly(NOTICE_PAUSE)
         cross = comm.split(0 if up.rank == 0 else None)
         return cls(up, down, cross, len(order), notice)
 

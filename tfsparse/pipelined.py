@@ -34,6 +34,8 @@ through :attr:`engine` or as attributes of the wrapper.
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from . import _checks
@@ -59,8 +61,10 @@ class Pipelined:
         if not isinstance(engine, GradientExchange):
             raise ValueError(f"engine={engine!r} is not valid; accepted: a tfsparse.exchange.GradientExchange")
         self.engine = engine
-        self.depth = engine.pipeline if depth is None else depth
-        _checks.choice("depth", self.depth, (1, 2), accepted="1 (synchronous) or 2 (Pipe-SGD)")
+        depth = engine.pipeline if depth is None else depth
+        integral = not isinstance(depth, bool) and isinstance(depth, numbers.Integral)  # numpy's too
+        self.depth = _checks.choice("depth", int(depth) if integral else depth, (1, 2),
+                                    accepted="1 (synchronous) or 2 (Pipe-SGD)")
         if self.depth > 1 and engine.requested.algorithm == "auto":
             raise ValueError(f"depth={self.depth} with algorithm='auto': auto chooses among synchronous settings; "
                              f"pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', pipeline=2)")

@@ -25,7 +25,7 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         TF collectives; point-to-point still over mpi4py on the same world) or
         ``"auto"``: Horovod when the job was launched by ``horovodrun`` (and Horovod imports),
         else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).  MPI is the default
-        because it measured the faster one, dense and sparse (README, "Everyday Keras notes").
+        because it measured the faster one, dense and sparse (docs/keras.md, "Backends").
       quiet_workers: on ranks other than 0, silence Keras' interactive output (progress
         bars), Python warnings and TensorFlow's/absl's Python loggers below ERROR, so only rank 0
         prints (TensorFlow's C++ start-up lines are governed by ``TF_CPP_MIN_LOG_LEVEL``, which

@@ -121,7 +121,9 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
     * Two-level: the host's sum up a binomial tree (``ceil(log2 per_host)`` levels, each a float32
       vector of ``n`` over ``local`` and its addition: ``gamma`` per element), then the algorithm
       among the ``hosts`` leaders over ``ab`` (:func:`simulate`), then the leader's broadcast of
-      the float32 result inside the host (a binomial tree over ``local``).
+      the result inside the host (a binomial tree over ``local``): the float32 vector for a dense
+      algorithm, a sparse one's indices and values (at most ``hosts · k`` pairs of 4-byte values
+      and 8-byte indices, :mod:`tfsparse.hierarchy`).
     * Flat: the algorithm among all ``hosts · per_host`` ranks, whose ``per_host`` ranks share
       their host's link (``ab``'s bandwidth divided among them: every rank of a host sends across
       the network in the same rounds) -- one host: shared memory alone (``local``).
@@ -139,7 +141,8 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
     vector = 4 * n
     levels = (per_host - 1).bit_length()  # the binomial tree's, up and down
     gather = levels * (local.time(vector) + gamma * n if add_s is None else float(add_s))
-    share = levels * (local.time(vector) if level_s is None else float(level_s))
+    shared = vector if algorithm == "dense" else min(vector, hosts * k_from_density(n, density) * 12)
+    share = levels * (local.time(shared) if level_s is None else float(level_s))
     link = local if hosts == 1 else shared_link(ab, per_host)
     flat = simulate(algorithm, hosts * per_host, n, density, link, gamma, step=step, value_bytes=value_bytes,
                     **options)

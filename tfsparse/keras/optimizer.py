@@ -69,6 +69,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         ``fit`` (``finalize_variable_values``) the round in flight is finished and held for the
         next step.
       communicator: transport (default: ``tfsparse.init()``'s world).
+      name: the optimizer's name (default ``"Distributed"`` + the inner optimizer's class name).
+      **kwargs: the settings' keyword arguments and the algorithm's options, instead of
+        ``settings`` (above).
       loss_scale: dynamic loss scaling (Keras' ``LossScaleOptimizer`` rules, applied to the
         exchanged gradient): ``None`` (default) -- on when the global dtype policy is
         ``mixed_float16`` as the wrapper is created (what Keras' ``compile`` would add); ``True``

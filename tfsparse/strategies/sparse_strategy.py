@@ -400,6 +400,8 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         exchange stays there: the gradients are viewed in place, only the payload crosses to
         the host (:mod:`tfsparse.tf_glue`).
       communicator: a Communicator (default: ``tfsparse.init()``'s world).
+      **kwargs: the settings' keyword arguments and the algorithm's options, instead of
+        ``settings`` (above).
       uneven_data: what ``fit``/``evaluate`` do when the ranks' datasets have unknown length (a
         ``filter``, a generator) and run out at different steps -- the ranks vote before every
         batch (one small collective per step, :func:`tfsparse.data.agree_on_data`): ``"end"``
