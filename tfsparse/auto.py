@@ -253,16 +253,13 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
 
 
 def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
-           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0,
-           two_level_sparse_s: float | None = None) -> Decision:
+           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0) -> Decision:
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
     smallest (dense float32 first: where the predictions differ by less than their noise, the
     simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
     in :data:`CANDIDATES` order; ``sparse``: whether the sparse candidates take part (False: the
     dense ones alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
-    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts
-    (``two_level_sparse_s``: the sums alone, what a sparse candidate costs inside its hosts, whose
-    result crosses a host as indices and values; default ``two_level_s``):
+    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
     each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
     flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter.
     ``busy``: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
@@ -274,9 +271,8 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
     if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
         return Decision(index, compute_s, link, flat)
-    inside = {True: two_level_s, False: two_level_s if two_level_sparse_s is None else two_level_sparse_s}
-    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts,
-                        max(inside[c.algorithm == "dense"], 1e-9)) for c, t in zip(CANDIDATES, local_s))
+    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts, max(two_level_s, 1e-9))
+                for c, t in zip(CANDIDATES, local_s))
     best_two = min(two[i].score for i in allowed)
     if best_two * (1.0 + TOLERANCE) >= flat[index].score:
         return Decision(index, compute_s, link, flat)
@@ -284,21 +280,22 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     return Decision(index, compute_s, link, two, two_level=True)
 
 
-def two_level_costs(n: int, per_host: int) -> tuple[float, float]:
+def two_level_costs(n: int, per_host: int) -> float:
     """The two-level exchange's work inside a host for a gradient of ``n`` float32 elements,
-    seconds, ``(dense, sparse)``: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector
-    received and added at each) and, for a dense result, as many down (the result broadcast); a
-    sparse result crosses the host as its indices and values (:mod:`tfsparse.hierarchy`), which
-    is not counted -- a copy and an add timed here on :data:`TWO_LEVEL_PROFILE` elements (beyond
-    the caches, as the gradient is) and scaled to ``n``."""
+    seconds: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector received and added
+    at each) and as many down (the result broadcast) -- a copy and an add timed here on
+    :data:`TWO_LEVEL_PROFILE` elements (beyond the caches, as the gradient is) and scaled to ``n``.
+    The same for every candidate: a sparse result crosses the host as indices and values
+    (:mod:`tfsparse.hierarchy`), but where a host runs more ranks than cores the rank it goes to
+    is often not running when it is ready, and the share was measured to take as long as a dense
+    broadcast (docs/cluster.md)."""
     if per_host < 2:
-        return 0.0, 0.0
+        return 0.0
     m = int(min(n, TWO_LEVEL_PROFILE))
     a, b = np.ones(m, np.float32), np.full(m, 0.5, np.float32)
     copy = _best_seconds(lambda: np.copyto(a, b))
     add = _best_seconds(lambda: np.add(a, b, out=a))
-    levels = (per_host - 1).bit_length()
-    return levels * (2 * copy + add) * n / m, levels * (copy + add) * n / m
+    return (per_host - 1).bit_length() * (2 * copy + add) * n / m
 
 
 def _best_seconds(fn, repeats: int = 2) -> float:
@@ -405,7 +402,7 @@ class Probe:
         self.times: dict[int, list[float]] = {}  # rank 0: one-way seconds per message size
         self.local = np.zeros(len(CANDIDATES))  # rank 0: each candidate's local work, seconds
         self.hosts = (1, 1)  # (hosts, most ranks on one host)
-        self.two_level_s = (0.0, 0.0)  # rank 0: the two-level exchange's work inside a host, seconds (dense, sparse)
+        self.two_level_s = 0.0  # rank 0: the two-level exchange's work inside a host, seconds
         self.busy = 1.0  # rank 0: ranks per core on the busiest host (oversubscription)
 
     def run(self, comm, index: int) -> None:
@@ -421,7 +418,7 @@ class Probe:
                 self.busy = oversubscription(self.hosts[1])
                 self.local = local_costs(self.n, comm.size) * self.busy
                 if self.hosts[0] > 1:
-                    self.two_level_s = tuple(t * self.busy for t in two_level_costs(self.n, self.hosts[1]))
+                    self.two_level_s = two_level_costs(self.n, self.hosts[1]) * self.busy
         elif self.link is not None:
             for nbytes, count in piece:
                 self.times.setdefault(nbytes, []).extend(round_trips(self.link, nbytes, count, self.peer))
@@ -484,16 +481,15 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     compute_s, reference_s, exchange_s = (float(m) for m in medians)
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
-    local = comm.bcast(np.append(probe.local, [*probe.two_level_s, probe.busy]), root=0)
+    local = comm.bcast(np.append(probe.local, [probe.two_level_s, probe.busy]), root=0)
     probed, flat_hosts = link, (probe.hosts if two_level else None)  # as choose prices the flat exchange
     if link is not None and workers is None:  # the measured rounds ran flat: the link they used
         link = calibrated(link, n, comm.size, exchange_s, float(local[MEASURING]), flat_hosts)
     busy = float(local[-1])
     if workers is not None:  # in two levels already (hierarchical=True): the leaders alone do the local work
-        decision = choose(n, int(workers), link, compute_s, local[:-3] / max(1.0, busy), sparse)
+        decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse)
     else:
-        decision = choose(n, comm.size, link, compute_s, local[:-3], sparse, flat_hosts, float(local[-3]), busy,
-                          two_level_sparse_s=float(local[-2]))
+        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy)
     trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
     return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=busy,
                                probed=probed)

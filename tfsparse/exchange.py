@@ -100,7 +100,8 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
         Every argument is validated here, before any communication.
       communicator: a :class:`~tfsparse.collectives.Communicator`; default: the world's.
       algorithm: the aggregator, or ``"auto"`` (the default) -- a setting, as ``settings``.
-      density: the fraction of elements each rank sends (default 0.01) -- a setting.
+      density: the fraction of elements each rank sends (default 0.01; given without an
+        algorithm, it pins ``"topk"``) -- a setting.
       **kwargs: the settings' other keyword arguments and the algorithm's options.
 
     :attr:`density` is mutable (``exchange.density = ...``, e.g. by ``DensitySchedule``), and

@@ -76,9 +76,10 @@ class TwoLevel:
         up = comm.split(order.index(ids[comm.rank]))
         down = up.duplicate()
         notice = up.duplicate()
-        if up.rank != 0:  # (their sends up, too: with several buckets one waits while its leader selects)
+        if up.rank != 0:
             notice.wait_quietly(NOTICE_PAUSE)
-            up.wait_quietly(NOTICE_PAUSE)
+        if up.rank % 2:  # a rank that only sends up the tree waits for its sends quietly too (with
+            up.wait_quietly(NOTICE_PAUSE)  # several buckets it would poll while its parent selects)
         cross = comm.split(0 if up.rank == 0 else None)
         return cls(up, down, cross, len(order), notice)
 
