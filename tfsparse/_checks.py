@@ -53,8 +53,12 @@ def integer(name: str, value, minimum: int | None = None, maximum: int | None = 
 
 def choice(name: str, value, choices, *, accepted: str | None = None):
     """``value`` if it equals one of ``choices`` and is of its type (or a subclass: a numpy
-    string is a string; but ``True`` is not 1); else ``ValueError`` naming ``name``, the value and
-    ``accepted`` (default: the choices' reprs joined by commas)."""
+    string is a string; but ``True`` is not 1) -- an integer of any kind (numpy's too, not a
+    bool) as a Python ``int``; else ``ValueError`` naming ``name``, the value and ``accepted``
+    (default: the choices' reprs joined by commas)."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Integral):
+        value = int(value)
+
     def same(c) -> bool:
         try:
             equal = bool(c == value)

@@ -34,8 +34,6 @@ through :attr:`engine` or as attributes of the wrapper.
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
 from . import _checks
@@ -61,9 +59,7 @@ class Pipelined:
         if not isinstance(engine, GradientExchange):
             raise ValueError(f"engine={engine!r} is not valid; accepted: a tfsparse.exchange.GradientExchange")
         self.engine = engine
-        depth = engine.pipeline if depth is None else depth
-        integral = not isinstance(depth, bool) and isinstance(depth, numbers.Integral)  # numpy's too
-        self.depth = _checks.choice("depth", int(depth) if integral else depth, (1, 2),
+        self.depth = _checks.choice("depth", engine.pipeline if depth is None else depth, (1, 2),
                                     accepted="1 (synchronous) or 2 (Pipe-SGD)")
         if self.depth > 1 and engine.requested.algorithm == "auto":
             raise ValueError(f"depth={self.depth} with algorithm='auto': auto chooses among synchronous settings; "

@@ -106,8 +106,7 @@ def check_clip_norm(clip_norm) -> float | None:
 
 def check_pipeline(pipeline) -> int:
     """``pipeline`` (Pipe-SGD's iteration dependency K) must be 1 (synchronous) or 2."""
-    integral = not isinstance(pipeline, bool) and isinstance(pipeline, numbers.Integral)
-    return _checks.choice("pipeline", int(pipeline) if integral else pipeline, PIPELINES, accepted=(
+    return _checks.choice("pipeline", pipeline, PIPELINES, accepted=(
         "1 (synchronous) or 2 (Pipe-SGD, the update of step t+1 applies step t's aggregated gradient; "
         "pipe-sgd-li2018 §3.1 shows K > 2 only adds staleness)"))
 

@@ -23,7 +23,6 @@ of ``horovod.tensorflow`` not provided here raise an ``AttributeError`` naming t
 """
 from __future__ import annotations
 
-import numbers
 import weakref
 
 import numpy as np
@@ -183,8 +182,7 @@ def _resolve_op(op, average) -> int:
     if op in _NOT_PROVIDED_OPS:
         raise ValueError(f"op=hvd.{_NOT_PROVIDED_OPS[op]} is not supported by tfsparse.horovod; accepted: "
                          f"{', '.join('hvd.' + n for n in _OPS.values())}")
-    integral = not isinstance(op, bool) and isinstance(op, numbers.Integral)  # numpy's too
-    return _checks.choice("op", int(op) if integral else op, tuple(_OPS),
+    return _checks.choice("op", op, tuple(_OPS),
                           accepted=", ".join("hvd." + n for n in _OPS.values()))
 
 
