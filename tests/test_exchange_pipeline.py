@@ -13,6 +13,7 @@ import pytest
 from exchange_ref import reference_run
 from fakes import NoTalk
 from tfsparse.aggregators import get_aggregator
+from tfsparse.aggregators.base import NOTHING
 from tfsparse.collectives import CommThread, Communicator, InProcessWorld
 from tfsparse.checkpoint import Checkpointer
 from tfsparse.exchange import GradientExchange
@@ -349,10 +350,10 @@ def test_encoding_overlaps_the_wire():
         _bcast = _alltoall = _barrier = _send = _isend = _recv = _irecv = None
 
     class SlowEncode(type(get_aggregator("dense"))):
-        def encode(self, comm, acc, k=None, wire=None):
+        def encode(self, comm, acc, k=None, wire=None, offer=NOTHING):
             events.append(("encode", "begin", time.perf_counter()))
             time.sleep(0.05)
-            return super().encode(comm, acc, k, wire)
+            return super().encode(comm, acc, k, wire, offer)
 
     ex = GradientExchange("dense", 1.0, plan=0, communicator=Slow())
     grads = [np.ones(10, np.float32) for _ in range(6)]

@@ -16,7 +16,7 @@ LAYERS = [
     {"compressors", "memory", "runtime", "data"},
     {"aggregators"},
     {"plan", "selection", "timing", "auto", "hierarchy"},
-    {"settings", "bucket"},
+    {"settings", "bucket", "compensation"},
     {"exchange", "exchange_auto", "exchange_build", "exchange_state"},
     {"pipelined", "checkpoint"},
     {"tf_glue"},

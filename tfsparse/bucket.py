@@ -27,9 +27,9 @@ import warnings
 
 import numpy as np
 
-from . import traffic
 from .aggregators import get_aggregator
 from .aggregators.dense import DenseAllreduce
+from .compensation import compensation_for
 from .memory import get_memory
 from .schedules import check_density, k_from_density
 from .space import HOST
@@ -127,6 +127,8 @@ class Bucket:
         self.settled: set = set()
         #: the host copy of the gradients, where they live on a device and the memory does not
         self._staging = staging
+        #: error feedback's pass over the bucket (:mod:`tfsparse.compensation`), chosen for its memory
+        self.compensation = compensation_for(memory)
 
     def check_start(self, previous) -> int:
         """The index of the round about to start; RuntimeError if this bucket's last round is
@@ -152,80 +154,39 @@ class Bucket:
         return self.aggregator
 
     def encode(self, comm, space, arrays, density: float, dsync: bool) -> tuple:
-        """The caller's-thread stages: error feedback over every tensor of the bucket, the finite
-        check, selection and encoding.  Returns the communication job's arguments.
-
-        Where the memory takes the gradients (error feedback on host float32 vectors), the first
-        two are one pass over gradient and residual, and when the aggregator's compressor says
-        ahead what it needs (:meth:`Aggregator.prefilter
-        <tfsparse.aggregators.Aggregator.prefilter>`) the selection too
-        (:meth:`ResidualMemory.compensate_select <tfsparse.memory.ResidualMemory.compensate_select>`):
-        the selection then reads only what that pass collected -- the same result.  A dense
-        exchange over a wire that encodes as it sums (int8, float16, bfloat16) takes its blocks
-        for the other ranks encoded in that pass (:meth:`ResidualMemory.compensate_encode
-        <tfsparse.memory.ResidualMemory.compensate_encode>`).
+        """The caller's-thread stages: error feedback over every tensor of the bucket with the
+        finite check (:attr:`compensation`, the pass chosen when the bucket was made:
+        :mod:`tfsparse.compensation`), then the aggregator's selection and encoding of what that
+        pass offers it.  Returns the communication job's arguments.
 
         Gradients on a device for an aggregator that takes no device vector (dense, Ok-Topk, DGC,
         Gaussian-k, CSC: :func:`make_bucket` keeps their memory on the host) are copied once into
         the bucket's page-locked host vector, and the host's passes above run on the copies."""
-        memory = self.memory
         if self._staging is not None:  # the gradients live on a device, the memory on the host
             arrays = space.host_copies(arrays, self._staging)
-            space = memory.space
         aggregator = self.aggregator_at(density)
-        n = int(self.spec.size)
-        k = k_from_density(n, density) if aggregator.uses_memory else n
+        k = k_from_density(int(self.spec.size), density) if aggregator.uses_memory else int(self.spec.size)
         wire = FLOAT32 if dsync else self.wire
-        candidates = None
-        if memory.fuses(arrays):
-            spans = aggregator.fused_spans(comm, n, wire) if aggregator.in_place_residual else None
-            if spans is not None:  # the blocks for the other ranks encoded in the same pass
-                messages, finite = memory.compensate_encode(arrays, spans, wire, aggregator.buffers)
-                if finite:
-                    return aggregator, aggregator.encode(comm, memory.acc, k, wire, in_place=True,
-                                                         encoded=messages), True
-                del messages  # some sum is not finite: the round is dropped, compensated again below as ever
-            prefilter = aggregator.prefilter(comm, n, k, lambda at: memory.peek(arrays, at))
-            candidates, finite = memory.compensate_select(arrays, prefilter)
-        else:
-            off = 0
-            for a in arrays:
-                size = int(np.size(a))
-                memory.compensate(a, slice(off, off + size))
-                off += size
-            traffic.count("finite", read=4 * n)
-            finite = space.all_finite(memory.acc)
-        acc = memory.acc
-        if not finite:  # the round is dropped on every rank; encode something harmless meanwhile
-            space.zero_nonfinite(acc)
-            candidates = None
-        # on a device: aggregators that select there take the device vector, the others a host copy
-        offered = acc if aggregator.accepts_device or not space.on_device else space.to_host(acc)
-        extras = {}
-        if candidates is not None:
-            extras["candidates"] = candidates
-        if aggregator.in_place_residual and offered is acc and wire.lossy:
-            extras["in_place"] = True  # acc is the memory's scratch: the new residual is built in it
-        return aggregator, aggregator.encode(comm, offered, k, wire, **extras), finite
+        acc, offer, finite = self.compensation.run(comm, arrays, aggregator, k, wire)
+        return aggregator, aggregator.encode(comm, acc, k, wire, offer), finite
 
     def exchange(self, comm, space, aggregator, payload, index: int) -> "Received":
         """The communication thread's stage: the collectives (into a result vector of
         :attr:`outputs` where the aggregator writes its dense result as it receives).  An
-        aggregator that :attr:`~tfsparse.aggregators.Aggregator.settles_early` says when the
-        residual is whole; the memory is then updated here (:meth:`ResidualMemory.swap
-        <tfsparse.memory.ResidualMemory.swap>`) and round ``index`` marked :attr:`settled`, so that the
-        bucket's next round may start while the rest of this one travels."""
+        aggregator that has the whole residual early says so (``settled``,
+        :meth:`Aggregator.exchange <tfsparse.aggregators.Aggregator.exchange>`); the memory is
+        then updated here (:meth:`ResidualMemory.swap <tfsparse.memory.ResidualMemory.swap>`) and
+        round ``index`` marked :attr:`settled`, so that the bucket's next round may start while
+        the rest of this one travels."""
         t0 = time.perf_counter()
         before = comm.bytes_sent
         out = self.outputs.take() if self.outputs is not None else None
-        if aggregator.settles_early:
-            def settle():
-                self.memory.swap()
-                self.settled.add(index)
-                self.settlements[index].set()
-            result = aggregator.exchange(comm, payload, out=out, settled=settle)
-        else:
-            result = aggregator.exchange(comm, payload, out=out)
+
+        def settle():
+            self.memory.swap()
+            self.settled.add(index)
+            self.settlements[index].set()
+        result = aggregator.exchange(comm, payload, out, settle)
         return Received(result, out, comm.bytes_sent - before, time.perf_counter() - t0,
                         settled=index in self.settled)
 

@@ -192,7 +192,7 @@ class Identity(Compressor):
     name = "identity"
     ascending = True
 
-    def compress(self, acc, k):
+    def compress(self, acc, k, candidates=None):
         return np.arange(acc.size, dtype=np.int64), acc.copy()
 
     def expected_count(self, n, k):
@@ -357,7 +357,7 @@ class DGCSampledThreshold(Compressor):
             sample = np.abs(acc[self._rng.integers(0, n, size=s)])
         return float(np.partition(sample, s - ks)[s - ks])
 
-    def compress(self, acc, k):
+    def compress(self, acc, k, candidates=None):
         k = small_tensor_k(acc.size, int(k), self.small_density)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
@@ -606,7 +606,7 @@ class GaussianKThreshold(Compressor):
         mu, sigma = _mean_std(acc)
         return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - rho / 2.0)
 
-    def compress(self, acc, k):
+    def compress(self, acc, k, candidates=None):
         k = int(k)
         n = acc.size
         if k <= 0 or n == 0:

@@ -276,7 +276,8 @@ class ResidualMemory(Stateful):
         """``acc``, which holds the new residual, becomes the residual, and the old residual's
         buffer the next round's scratch: :meth:`update`'s last step, and all of it for a round
         whose aggregator built the whole residual in ``acc`` and contributed every element -- done
-        as soon as the aggregator says so (:attr:`~tfsparse.aggregators.Aggregator.settles_early`),
+        as soon as the aggregator says so (the ``settled`` of :meth:`Aggregator.exchange
+        <tfsparse.aggregators.Aggregator.exchange>`),
         while the rest of its messages travel."""
         self.acc, self.residual = self.residual, self.acc
 

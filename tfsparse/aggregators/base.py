@@ -1,6 +1,6 @@
 """Aggregator interface: a sparse allreduce algorithm over a Communicator, in two phases.
 
-``encode(comm, acc, k, wire)`` is local: it validates its arguments, selects what this rank
+``encode(comm, acc, k, wire, offer)`` is local: it validates its arguments, selects what this rank
 sends and encodes the first messages -- it never communicates (``comm`` is only asked for
 its rank and size).  ``exchange(comm, payload)`` runs the collectives (and whatever merging
 happens between them) and returns the global result.  The exchange runs ``encode`` on the
@@ -19,6 +19,8 @@ bit-identically.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import _checks, traffic
@@ -26,6 +28,29 @@ from ..collectives.communicator import Communicator
 from ..collectives.simulate import Builder
 from ..state import Stateful
 from ..wire import FLOAT32, Wire, WireLoss
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What error feedback's pass made for an aggregator's :meth:`Aggregator.encode` on the way,
+    besides the vector itself (:mod:`tfsparse.compensation` makes it; nothing by default).
+
+    Attributes:
+      candidates: what the pass collected for :meth:`Aggregator.prefilter`'s answer
+        (:class:`~tfsparse.compressors.Candidates`), handed to the compressor; None: nothing.
+      in_place: the vector is the memory's scratch buffer, and the aggregator may leave the new
+        residual in it (:attr:`Aggregator.in_place_residual`; ``result.residual_in_place``).
+      encoded: the messages of :meth:`Aggregator.fused_spans`, encoded in the pass (in that
+        order); None: the aggregator encodes what it sends itself.
+    """
+
+    candidates: object = None
+    in_place: bool = False
+    encoded: list | None = None
+
+
+#: an offer of nothing: the vector alone
+NOTHING = Offer()
 
 
 class AllreduceResult:
@@ -45,7 +70,7 @@ class AllreduceResult:
         decoded on first access (:func:`sparse_decode`) -- a device-resident exchange decodes
         the pieces on the device instead (:mod:`tfsparse.space`), and the host never does.
       residual_in_place: the aggregator wrote this rank's new residual into the offered vector
-        itself (``encode(..., in_place=True)``: what its encodings lost, everything having been
+        itself (an :class:`Offer` with ``in_place``: what its encodings lost, everything having been
         contributed); ``loss`` is then empty.
     """
 
@@ -132,28 +157,35 @@ class Aggregator(Stateful):
     #: the :class:`~tfsparse.compressors.Compressor` this aggregator selects through (None: it
     #: selects nothing locally)
     compressor = None
-    #: whether :meth:`encode` takes ``in_place=True``: the offered vector is the memory's scratch
-    #: buffer, and the aggregator may leave the new residual in it (``result.residual_in_place``)
+    #: whether :meth:`encode` takes an :class:`Offer` with ``in_place``: the offered vector is the
+    #: memory's scratch buffer, and the aggregator may leave the new residual in it
+    #: (``result.residual_in_place``)
     in_place_residual = False
-    #: whether :meth:`exchange` takes ``settled=``: a callable it calls, once, as soon as a payload
-    #: encoded ``in_place`` holds this rank's whole new residual -- before the rest of its
-    #: messages travel -- so that the next round's error feedback may start meanwhile
-    #: (:meth:`Bucket.exchange <tfsparse.bucket.Bucket.exchange>`)
-    settles_early = False
     #: a :class:`~tfsparse.buffers.Reusable` the aggregator takes its messages from round after
     #: round (None: fresh ones), which a fused encoding (:meth:`fused_spans`) takes them from too
     buffers = None
 
-    def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32, candidates=None):
+    def encode(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32, offer: Offer = NOTHING):
         """Local phase (no communication): returns the payload :meth:`exchange` takes.
-        ``candidates``: what the memory's fused pass collected for :meth:`prefilter`'s answer
-        (:class:`~tfsparse.compressors.Candidates`), handed to the compressor."""
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`Offer`): candidates for the
+            compressor, the vector as the memory's scratch, messages encoded already.  An
+            aggregator uses what it asked for (:meth:`prefilter`, :attr:`in_place_residual`,
+            :meth:`fused_spans`) and nothing else; the result is the same bits with or without.
+
+        Returns:
+          The payload."""
         raise TypeError(f"{type(self).__name__} does not define encode()")
 
     def fused_spans(self, comm: Communicator, n: int, wire: Wire) -> list | None:
         """The ranges ``(start, stop)`` of the offered vector that :meth:`encode` (with
         ``in_place``) encodes, each a message of its own, where it takes them encoded already
-        (``encoded=``): the memory then sums and encodes them in one pass
+        (:attr:`Offer.encoded`): the memory then sums and encodes them in one pass
         (:meth:`ResidualMemory.compensate_encode <tfsparse.memory.ResidualMemory.compensate_encode>`).
         None (the default): it encodes what it selects itself."""
         return None
@@ -168,15 +200,25 @@ class Aggregator(Stateful):
 
     def select(self, acc, k: int, candidates=None):
         """The compressor's selection of ``acc`` (from ``candidates`` where given)."""
-        if candidates is None:
-            return self.compressor.compress(acc, k)
         return self.compressor.compress(acc, k, candidates)
 
-    def exchange(self, comm: Communicator, payload, out: np.ndarray | None = None) -> AllreduceResult:
+    def exchange(self, comm: Communicator, payload, out: np.ndarray | None = None, settled=None) -> AllreduceResult:
         """Communication phase: the collectives, merging in between, the global result.
-        ``out``: a host float32 vector of the payload's size that a dense result may be received
-        into (the result's values are then ``out``; :meth:`AllreduceResult.to_dense` does not copy
-        it); aggregators with a sparse result ignore it."""
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: a host float32 vector of the payload's size that a dense result may be received
+            into (the result's values are then ``out``; :meth:`AllreduceResult.to_dense` does
+            not copy it); aggregators with a sparse result ignore it.
+          settled: a callable to call once, as soon as a payload encoded in place holds this
+            rank's whole new residual, before the rest of its messages travel, so that the next
+            round's error feedback may start meanwhile (:meth:`Bucket.exchange
+            <tfsparse.bucket.Bucket.exchange>`); an aggregator that has no such moment (every
+            one but the dense allreduce over a lossy wire) never calls it.
+
+        Returns:
+          The global result, an :class:`AllreduceResult`."""
         raise TypeError(f"{type(self).__name__} does not define exchange()")
 
     def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:

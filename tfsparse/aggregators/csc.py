@@ -47,7 +47,7 @@ import numpy as np
 
 from .. import _checks, ops
 from ..wire import Wire, WireLoss
-from .base import Aggregator, AllreduceResult, check_acc
+from .base import NOTHING, Aggregator, AllreduceResult, check_acc
 from .dense import DenseAllreduce
 from .registry import register
 
@@ -108,7 +108,7 @@ class CoarseSparseAllreduce(Aggregator):
         """``m``: the chunks a bucket of ``n`` elements sends for ``k`` (at least one if k > 0)."""
         return min(math.ceil(n / self.chunk_size), math.ceil(k / self.chunk_size))
 
-    def encode(self, comm, acc, k, wire):
+    def encode(self, comm, acc, k, wire, offer=NOTHING):
         acc, k = check_acc(acc, k)
         m = self.chunks_for(acc.size, k)
         payload = _CSCPayload(acc, wire, m)
@@ -120,7 +120,7 @@ class CoarseSparseAllreduce(Aggregator):
             payload.norms = ops.chunk_l1_norms(acc, self.chunk_size)
         return payload
 
-    def exchange(self, comm, payload, out=None):
+    def exchange(self, comm, payload, out=None, settled=None):
         acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
         if payload.m == 0:
             self._next = np.empty(0, np.int64)

@@ -15,7 +15,7 @@ from .. import _checks
 from ..buffers import Reusable
 from ..collectives.communicator import split_counts
 from ..wire import FLOAT32, Wire, WireLoss
-from .base import Aggregator, AllreduceResult, check_acc
+from .base import NOTHING, Aggregator, AllreduceResult, check_acc
 from .registry import register
 
 
@@ -74,7 +74,6 @@ class DenseAllreduce(Aggregator):
 
     uses_memory = False
     in_place_residual = True
-    settles_early = True  # the residual is whole once this rank's block of the sum is encoded
     REDUCE_SCATTERS = ("direct", "ring")
 
     def __init__(self, reduce_scatter: str = "direct"):
@@ -91,12 +90,13 @@ class DenseAllreduce(Aggregator):
         offs = np.concatenate(([0], np.cumsum(split_counts(n, comm.size))))
         return [(int(offs[j]), int(offs[j + 1])) for j in range(comm.size) if j != comm.rank]
 
-    def encode(self, comm, acc, k=None, wire=FLOAT32, in_place=False, encoded=None):
-        """``in_place``: ``acc`` (finite) is the memory's scratch vector -- each block's encoding
-        writes what it lost over the block it read (one pass), so that after the exchange ``acc``
-        holds this rank's new residual (``result.residual_in_place``) and nothing else is kept.
-        ``encoded``: those blocks' messages, made already with the error feedback's pass (in
-        the order of :meth:`fused_spans`)."""
+    def encode(self, comm, acc, k=None, wire=FLOAT32, offer=NOTHING):
+        """``offer.in_place``: ``acc`` (finite) is the memory's scratch vector -- each block's
+        encoding writes what it lost over the block it read (one pass), so that after the
+        exchange ``acc`` holds this rank's new residual (``result.residual_in_place``) and nothing
+        else is kept.  ``offer.encoded``: those blocks' messages, made already with the error
+        feedback's pass (in the order of :meth:`fused_spans`)."""
+        in_place, encoded = offer.in_place, offer.encoded
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
         if not wire.lossy or comm.size == 1:
             return _DensePayload(acc, wire)

@@ -50,7 +50,7 @@ import numpy as np
 from ..collectives.simulate import Round
 from ..compressors import TopK, topk_indices
 from ..wire import Wire, WireLoss, index_codec, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
+from .base import NOTHING, Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
 TAG_GTOPK = 7301
@@ -114,10 +114,10 @@ class GTopKAllreduce(Aggregator):
         """The local top-k runs where ``acc`` lives; only the k entries come back."""
         return self.compressor.on_device
 
-    def encode(self, comm, acc, k, wire, candidates=None):
+    def encode(self, comm, acc, k, wire, offer=NOTHING):
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
-        local_idx, local_val = self.select(acc, k, candidates)
+        local_idx, local_val = self.select(acc, k, offer.candidates)
         return _GTopKPayload(k, local_idx, local_val, index_codec(acc.size, k), wire)
 
     def schedule(self, b, n, k, step):
@@ -131,7 +131,7 @@ class GTopKAllreduce(Aggregator):
         b.bcast("broadcast length", 8)       # Alg. 3 line 19: the result's length first (int64) ...
         b.bcast("broadcast result", msg)     # ... then the k-entry result
 
-    def exchange(self, comm, payload, out=None):
+    def exchange(self, comm, payload, out=None, settled=None):
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size

@@ -103,7 +103,7 @@ from .. import _checks
 from ..collectives.simulate import Round
 from ..compressors import ReusedThreshold, adjusted_threshold, check_factor, kth_largest_magnitude
 from ..wire import Wire, WireLoss, index_codec, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc, reject_unknown_options
+from .base import NOTHING, Aggregator, AllreduceResult, check_acc, reject_unknown_options
 from .registry import register
 
 TAG_REDUCE = 7401
@@ -280,7 +280,7 @@ class OkTopkAllreduce(Aggregator):
                  or selection.threshold is None or self.global_threshold is None)
         return selection.prefilter(n, k, peek, fresh=fresh)
 
-    def encode(self, comm, acc, k, wire, candidates=None):
+    def encode(self, comm, acc, k, wire, offer=NOTHING):
         """Lines 2-4 (local threshold, local top-k by threshold: :attr:`compressor`) and the
         step's schedule."""
         acc, k = check_acc(acc, k)
@@ -300,11 +300,11 @@ class OkTopkAllreduce(Aggregator):
         repartition = repartition or self.boundaries is None
         if fresh:
             selection.threshold = None  # line 3: re-evaluated by the selection
-        local_idx, local_val = self.select(acc, k, candidates)
+        local_idx, local_val = self.select(acc, k, offer.candidates)
         return _OkTopkPayload(n, k, t, fresh, repartition, local_idx, local_val, index_codec(n, k / comm.size), wire,
                               selection.last_threshold)
 
-    def exchange(self, comm, payload, out=None):
+    def exchange(self, comm, payload, out=None, settled=None):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         n, size = payload.n, comm.size

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..compressors import Compressor, TopK, check_compressor
 from ..wire import Wire, WireLoss, index_codec, pack_sparse, unpack_sparse
-from .base import Aggregator, AllreduceResult, check_acc
+from .base import NOTHING, Aggregator, AllreduceResult, check_acc
 from .registry import register
 
 
@@ -50,9 +50,9 @@ class AllgatherAggregator(Aggregator):
         """Whether the compressor selects on a CUDA device (exact top-k, DRAGONN's hashing)."""
         return self.compressor.on_device
 
-    def encode(self, comm, acc, k, wire, candidates=None):
+    def encode(self, comm, acc, k, wire, offer=NOTHING):
         acc, k = check_acc(acc, k)
-        idx, val = self.select(acc, k, candidates)
+        idx, val = self.select(acc, k, offer.candidates)
         idx = np.asarray(idx, dtype=np.int64)
         codec = index_codec(acc.size, k, self.compressor.ascending)
         message, lost = pack_sparse(idx, val, codec, wire)
@@ -60,7 +60,7 @@ class AllgatherAggregator(Aggregator):
         loss.add(idx, lost)
         return _SparsePayload(acc.size, message, idx, codec, wire, loss)
 
-    def exchange(self, comm, payload, out=None):
+    def exchange(self, comm, payload, out=None, settled=None):
         return self.combine(comm.allgather(payload.message), payload)
 
     def combine(self, messages, payload) -> AllreduceResult:
