@@ -229,7 +229,7 @@ def test_caller_collectives_do_not_wait_for_the_round_in_flight():
     def fn(comm):
         ex = exchanges(comm, 2)
         ex.step(grads_of(comm.rank, 0))
-        ex._runner.submit(gate.wait)  # the communication thread is busy until the gate opens
+        ex.engine._runner.submit(gate.wait)  # the communication thread is busy until the gate opens
         got = ex.run_collective(lambda c: c.allreduce(np.array([comm.rank + 1.0])))
         if comm.rank == 0:
             gate.set()

@@ -83,9 +83,11 @@ def test_small_tensors_go_dense_large_ones_compress():
 
 def plan_buckets(model, shapes, fuse_dense=True, P=4, density=0.01):
     plan = CostModelPlan(model, fuse_dense=fuse_dense, verbose=False)
-    plan.prepare(NoTalk(P), type("Ex", (), {"algorithm": "dragonn", "options": {}, "density": density,
-                                            "wire": type("W", (), {"value_bytes": 4})()})())
-    return plan, plan.buckets(layout(shapes))
+    prepared = plan.prepare(NoTalk(P), type("Ex", (), {"algorithm": "dragonn", "options": {}, "density": density,
+                                                       "wire": type("W", (), {"value_bytes": 4})()})(),
+                            layout(shapes))
+    assert plan.decisions is None and prepared == plan  # a value: the given plan is left as it was
+    return prepared, prepared.buckets(layout(shapes))
 
 
 def test_plan_fuses_dense_runs_and_isolates_compressed_tensors():
@@ -150,7 +152,7 @@ def test_measured_cost_model_is_identical_on_every_rank(capsys):
         ex = GradientExchange("dgc", 0.01, selection="cost_model", communicator=comm)
         grads = [np.ones(sh, np.float32) * (comm.rank + 1) for sh in SHAPES]
         ex.exchange_numpy(grads)
-        return ex.plan.decisions, ex.plan._context[0], [(b.first, b.last, b.algorithm) for b in ex.buckets]
+        return ex.plan.decisions, ex.plan.cost_model, [(b.first, b.last, b.algorithm) for b in ex.buckets]
 
     res = InProcessWorld(P, timeout=120).run(fn)
     for r in res[1:]:

@@ -123,10 +123,8 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
         self.plan = self.settings.plan
         self.wire = get_wire(self.settings.wire_dtype)
         self.schedule = None  # callable round -> density, or None (the density as set)
-        self.side_channel = False  # a second communicator for run_collective (Pipelined asks for it)
-        #: whether the communication thread runs ahead of the training's threads, waiting quietly
-        #: (Pipelined asks for it: its rounds move while the next step computes)
-        self.comm_ahead = False
+        self._side_channel = False  # a second communicator for run_collective: run_ahead, request_side_channel
+        self._comm_ahead = False  # the communication thread runs ahead of the training's: run_ahead
         self._comm = communicator
         self._xcomm = self._side = self._runner = None
         self._two = None  # hierarchical=True over several ranks: this rank's groups (tfsparse.hierarchy)
@@ -138,10 +136,7 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
         self._stats_lock = threading.Lock()
         self._round_t0: dict = {}
         self._failed: BaseException | None = None
-        # a round whose gradient is not finite on some rank is skipped on every rank; it returns
-        # zeros ("zeros", with a warning), or NaN ("nan": set when Keras' LossScaleOptimizer decides
-        # on the exchanged gradient, so that every rank skips the step and halves its loss scale)
-        self.nonfinite_result = "zeros"
+        self._nonfinite_result = "zeros"  # what a round not finite on some rank returns: on_nonfinite
         self.stats = ExchangeStats()
         self.total = ExchangeStats()  # never reset: whole-run totals
         #: ``algorithm="auto"``: its measurements and decision (:class:`~tfsparse.exchange_auto.AutoState`), else None

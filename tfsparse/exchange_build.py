@@ -11,7 +11,7 @@ import time
 import weakref
 from concurrent.futures import Future
 
-from . import auto
+from . import _checks, auto
 from .bucket import agreement, make_bucket
 from .collectives.agreement import check_agreement
 from .collectives.hosts import host_ids
@@ -117,7 +117,7 @@ class Building:
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels(comm.rank == 0)
             self._agree(layout, [])
-            self.plan.prepare(comm, self)
+            self.plan = self.plan.prepare(comm, self, layout)
         buckets = self._make_buckets(layout)
         _warm_kernels(comm.rank == 0)
         self._agree(layout, buckets)
@@ -207,6 +207,54 @@ class Building:
             self._runner.close()
 
     # -- its communicators ------------------------------------------------
+    @property
+    def side_channel(self) -> bool:
+        """Whether the caller's own collectives (:meth:`run_collective`) take a communicator of
+        their own: asked for by :meth:`run_ahead` or :meth:`request_side_channel`."""
+        return self._side_channel
+
+    @property
+    def comm_ahead(self) -> bool:
+        """Whether the communication thread runs ahead of the training's threads, waiting
+        quietly: asked for by :meth:`run_ahead`."""
+        return self._comm_ahead
+
+    def run_ahead(self) -> None:
+        """Readies this exchange for rounds that run while the next step computes (a pipelined
+        wrapper, :class:`~tfsparse.pipelined.Pipelined` with ``depth=2``, calls it): when built,
+        its communication thread waits quietly and runs ahead of the training's threads
+        (:attr:`comm_ahead`), and :meth:`run_collective` takes a communicator of its own where
+        the transport allows two collectives at once (:attr:`side_channel`), so that neither
+        waits for the round in flight.
+
+        Raises:
+          RuntimeError: the exchange is built already (its communication thread exists).
+        """
+        if self.layout is not None:
+            raise RuntimeError("run_ahead() after the exchange was built: wrap a GradientExchange in Pipelined "
+                               "before its first round")
+        self._side_channel = self._comm_ahead = True
+
+    @property
+    def nonfinite_result(self) -> str:
+        """What a round whose gradient is not finite on some rank returns on every rank:
+        ``"zeros"`` (with a warning) or ``"nan"`` (:meth:`on_nonfinite`)."""
+        return self._nonfinite_result
+
+    def on_nonfinite(self, result: str) -> None:
+        """Sets what a round whose gradient is not finite on some rank (NaN or Inf) returns from
+        now on; such a round is skipped on every rank alike.
+
+        Args:
+          result: ``"zeros"`` (the default: the step applies nothing, and a warning says so) or
+            ``"nan"`` (for Keras' ``LossScaleOptimizer``, which decides on the exchanged
+            gradient: every rank then skips the step and lowers its loss scale).
+
+        Raises:
+          ValueError: ``result`` is neither.
+        """
+        self._nonfinite_result = _checks.choice("result", result, ("zeros", "nan"))
+
     def request_side_channel(self) -> None:
         """Asks for :attr:`side_channel` from now on (collective when the exchange is built
         already: every rank calls it at the same point).  For callers whose own collectives may
@@ -222,7 +270,7 @@ class Building:
                              f"averaging beside its gradient rounds, which Keras' gradient_accumulation_steps needs "
                              f"under SparseStrategy; use tfsparse.init(backend='mpi') with MPI_THREAD_MULTIPLE, or "
                              f"accumulate without the optimizer's gradient_accumulation_steps")
-        self.side_channel = True
+        self._side_channel = True
         if self._runner is not None and self._side is None and isinstance(self._runner, CommThread):
             self._side = comm.duplicate()
 

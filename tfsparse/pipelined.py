@@ -10,7 +10,7 @@ gradient (Alg. 1 initialises ``g_sum`` of iterations ``1-K .. 0`` to zero).  ``d
 synchronous exchange.
 
 Its engine's communication thread runs ahead of the training's threads
-(:attr:`GradientExchange.comm_ahead <tfsparse.exchange.GradientExchange.comm_ahead>`): over MPI it
+(:meth:`GradientExchange.run_ahead <tfsparse.exchange_build.Building.run_ahead>`): over MPI it
 waits quietly and the process's other threads run five nice levels below it
 (:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`), so that the round in flight
 moves while the next step's compute keeps the cores busy.
@@ -29,8 +29,12 @@ The Keras layer tells it, by explicit calls, what it cannot see:
 * :attr:`sync_points` -- ``(first round, steps per epoch)``: an epoch's last pipelined round is
   finished in its own step, so that nothing is in flight while the epoch's callbacks run.
 
-Everything else (density, statistics, settings, state of the stages) is the engine's: read
-through :attr:`engine` or as attributes of the wrapper.
+Its interface is explicit: the pipelining above; :attr:`density` and :attr:`schedule`, which
+set the engine's; the engine's settings, statistics and decisions, read-only (``settings``,
+``stats``, ``total``, ``residual``, ``auto_choice``, ... -- :data:`ENGINE_VIEWS`); and the few
+engine calls a caller of the wrapper makes (:meth:`config`, :meth:`run_collective`,
+:meth:`agree_on_settings`, :meth:`check_idle`, :meth:`close`).  Anything else of the engine
+(its rounds, its stages) is reached through :attr:`engine`.
 """
 from __future__ import annotations
 
@@ -38,6 +42,18 @@ import numpy as np
 
 from . import _checks
 from .exchange import GradientExchange, in_space
+
+#: the engine's attributes a :class:`Pipelined` shows, read-only (what its callers read of the
+#: exchange: settings, statistics, decisions); set them on :attr:`Pipelined.engine`
+ENGINE_VIEWS = ("settings", "requested", "algorithm", "options", "memory", "momentum", "clip_norm", "pipeline",
+                "wire", "wire_dtype", "plan", "comm", "space", "layout", "buckets", "bucket_states", "stats",
+                "total", "residual", "uses_memory", "takes_momentum", "rounds_started", "rounds_done",
+                "two_level", "auto_choice", "auto_decision", "auto_verdict")
+
+
+def _engine_view(name: str) -> property:
+    return property(lambda self: getattr(self.engine, name),
+                    doc=f"The engine's :attr:`~tfsparse.exchange.GradientExchange.{name}` (read-only).")
 
 
 class Pipelined:
@@ -64,8 +80,8 @@ class Pipelined:
         if self.depth > 1 and engine.requested.algorithm == "auto":
             raise ValueError(f"depth={self.depth} with algorithm='auto': auto chooses among synchronous settings; "
                              f"pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', pipeline=2)")
-        engine.side_channel = self.depth > 1
-        engine.comm_ahead = self.depth > 1  # its rounds move while the next step computes
+        if self.depth > 1:
+            engine.run_ahead()  # its rounds move while the next step computes
         self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
         # (first round, steps): a pipelined round that ends an epoch is waited for in its own step
         self.sync_points: tuple | None = None
@@ -75,11 +91,27 @@ class Pipelined:
         self._held: dict = {}       # bucket -> that result, finished
         self._restored = None       # a restored ``pending`` not yet placed in the buckets (before the build)
 
-    def __getattr__(self, name):
-        # the engine's settings, statistics and stages (only reached for names not defined here)
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    def config(self) -> dict:
+        """The engine's settings as plain values (:meth:`GradientExchange.config`)."""
+        return self.engine.config()
+
+    def run_collective(self, fn):
+        """Runs ``fn(comm)`` beside the engine's rounds, in their order
+        (:meth:`GradientExchange.run_collective`); returns its result."""
+        return self.engine.run_collective(fn)
+
+    def agree_on_settings(self) -> None:
+        """Collective: every rank runs the same settings (:meth:`GradientExchange.agree_on_settings`)."""
+        self.engine.agree_on_settings()
+
+    def check_idle(self, what: str) -> None:
+        """Raises when a round is in flight (:meth:`GradientExchange.check_idle`); ``what``: the
+        operation that needs none."""
+        self.engine.check_idle(what)
+
+    def close(self) -> None:
+        """Stops the engine's communication thread (:meth:`GradientExchange.close`)."""
+        self.engine.close()
 
     @property
     def density(self) -> float:
@@ -223,3 +255,8 @@ class Pipelined:
 
     def __repr__(self):
         return f"Pipelined({self.engine!r}, depth={self.depth})"
+
+
+for _name in ENGINE_VIEWS:
+    setattr(Pipelined, _name, _engine_view(_name))
+del _name

@@ -140,10 +140,12 @@ class Plan:
     #: whether :meth:`prepare` must run (on every rank, collectively) before :meth:`buckets`
     prepares = False
 
-    def prepare(self, comm, exchange) -> None:
-        """Called by the exchange on every rank at its first step, before :meth:`buckets`, when
-        :attr:`prepares` is set (e.g. the cost model of :mod:`tfsparse.selection` measures the
-        network there)."""
+    def prepare(self, comm, exchange, layout: Layout) -> "Plan":
+        """The plan to use for ``layout`` (itself here; a plan is a value, so one that decides
+        anything returns a copy that holds it).  Called by the exchange on every rank at its
+        first step, before :meth:`buckets`, when :attr:`prepares` is set (e.g. the cost model of
+        :mod:`tfsparse.selection` measures the network there and decides per tensor)."""
+        return self
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
         raise TypeError(f"{type(self).__name__} does not define buckets()")

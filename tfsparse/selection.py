@@ -228,8 +228,10 @@ class CostModelPlan(Plan):
         as written.
       verbose: rank 0 prints the decisions once (default True).
 
-    :meth:`prepare` (called by the exchange at its first step, on every rank) records the
-    world size, density and wire, and measures the model when none was given.
+    A plan is a value: :meth:`prepare` (called by the exchange at its first step, on every rank)
+    returns a copy that holds the :attr:`cost_model` in use (measured when none was given) and
+    the :attr:`decisions` for the exchange's gradients, world size, density and wire; its
+    :meth:`buckets` follow them.
     """
 
     name = "cost_model"
@@ -244,27 +246,36 @@ class CostModelPlan(Plan):
         self.model = model
         self.fuse_dense = fuse_dense
         self.verbose = bool(verbose)
-        self.decisions: list[Decision] | None = None
-        self._context = None
+        #: after :meth:`prepare`: the model the decisions were made with, and Eq. 1's outcome per
+        #: tensor (in layout order); None before
+        self.cost_model: CostModel | None = None
+        self.decisions: tuple[Decision, ...] | None = None
 
     def config(self):
         return {"plan": self.name, "cost_model": "measured" if self.model is None else repr(self.model),
                 "fuse_dense": self.fuse_dense}
 
-    def prepare(self, comm, exchange) -> None:
+    def prepare(self, comm, exchange, layout: Layout) -> "CostModelPlan":
+        """This plan with Eq. 1 decided for every tensor of ``layout`` (a copy; collective when
+        the model is measured: :func:`measure_cost_model`); rank 0 prints the decisions once
+        when ``verbose``."""
         if exchange.algorithm not in ALLGATHER_ALGORITHMS:
             raise ValueError(_algorithm_error(exchange.algorithm))
         model = self.model
         if model is None:
             model = measure_cost_model(comm, exchange.algorithm, exchange.options, exchange.density, exchange.wire)
-        self._context = (model, comm.size, exchange.density, exchange.wire.value_bytes, comm.rank,
-                         exchange.algorithm, exchange.options)
+        prepared = CostModelPlan(self.model, self.fuse_dense, self.verbose)
+        prepared.cost_model = model
+        prepared.decisions = tuple(decide(model, layout, comm.size, exchange.density, exchange.wire.value_bytes,
+                                          self.fuse_dense, exchange.algorithm, exchange.options))
+        if self.verbose and comm.rank == 0:
+            print(prepared.report(model, comm.size, exchange.density), flush=True)
+        return prepared
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
-        if self._context is None:
-            raise RuntimeError("CostModelPlan.buckets() before prepare(): the exchange prepares the plan")
-        model, workers, density, value_bytes, rank, algorithm, options = self._context
-        self.decisions = decide(model, layout, workers, density, value_bytes, self.fuse_dense, algorithm, options)
+        if self.decisions is None or len(self.decisions) != len(layout):
+            raise RuntimeError("CostModelPlan.buckets() for gradients it was not prepared for: the exchange "
+                               "prepares the plan (prepare()) with its layout")
         out = []
         i = len(layout) - 1
         while i >= 0:
@@ -277,8 +288,6 @@ class CostModelPlan(Plan):
                 first -= 1
             out.append(_bucket(layout, len(out), first, i + 1, algorithm="dense"))
             i = first - 1
-        if self.verbose and rank == 0:
-            print(self.report(model, workers, density), flush=True)
         return out
 
     def report(self, model: CostModel, workers: int, density: float, limit: int = 12) -> str:

@@ -203,10 +203,11 @@ def _merge_aliases(plan, bucket_bytes, selection, algorithm):
     return make_selection(selection, check_algorithm(algorithm))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Settings:
-    """The validated settings of one exchange (the module docstring explains each).  Make them
-    with :meth:`of`; :meth:`config` is their serialisation.
+    """The validated settings of one exchange (the module docstring explains each): an immutable
+    value (:meth:`replace` makes a changed copy).  Make them with :meth:`of`; :meth:`config` is
+    their serialisation.
 
     Attributes:
       algorithm: ``"auto"`` or a registered aggregator's name.
@@ -240,27 +241,30 @@ class Settings:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.algorithm = check_algorithm(self.algorithm)
-        self.density = check_density(self.density)
-        self.wire_dtype = get_wire(self.wire_dtype).name
-        self.options = dict(self.options)
+        # each field as validated and normalised (the dataclass is frozen: set once, here)
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("algorithm", check_algorithm(self.algorithm))
+        put("density", check_density(self.density))
+        put("wire_dtype", get_wire(self.wire_dtype).name)
+        put("options", dict(self.options))
         if self.algorithm != AUTO:
             check_option_names(self.algorithm, self.options)
             get_aggregator(self.algorithm, **self.options)  # validates the options
-        self.plan = make_grouping(self.plan, self.algorithm)
+        put("plan", make_grouping(self.plan, self.algorithm))
         _checks.choice("memory", self.memory, (AUTO, *available_memories()))
         if self.memory == AUTO:
             if self.momentum is not None:
                 raise ValueError(f"momentum={self.momentum!r} needs memory='momentum' (momentum correction); with "
                                  f"memory='auto' the momentum is the optimizer's")
         else:
-            self.momentum = check_memory(self.memory, self.momentum).get("momentum")
-        self.pipeline = check_pipeline(self.pipeline)
-        self.clip_norm = check_clip_norm(self.clip_norm)
+            put("momentum", check_memory(self.memory, self.momentum).get("momentum"))
+        put("pipeline", check_pipeline(self.pipeline))
+        put("clip_norm", check_clip_norm(self.clip_norm))
         if not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical={self.hierarchical!r} is not supported; accepted: True (a two-level "
                              f"exchange: inside each host, then across hosts) or False (every rank alike)")
-        self.hierarchical = bool(self.hierarchical)
         if self.algorithm == AUTO:
             _check_auto(self)
 

@@ -107,7 +107,7 @@ def loss_scaled(exchange, grads, scale, names=None) -> list:
     gradient: ``grads / scale`` go through the exchange on every rank, whatever they hold, and a
     bucket that is not finite on some rank comes back NaN on every rank (the engine's
     ``nonfinite_result``), so that every rank's finite test fails together."""
-    _engine(exchange).nonfinite_result = "nan"
+    _engine(exchange).on_nonfinite("nan")
     # an Embedding's tf.IndexedSlices stay row-sparse (the layout marks them: plan.TensorSpec.rows)
     return exchange_tensors(exchange, [on_values(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads],
                             names=names)

@@ -84,7 +84,7 @@ def _check_config(name):
         host, dev = _pair(algorithm, options)
         for step in range(4):
             g = _grads(step)
-            _same_list(host.exchange_numpy(g), dev.exchange_numpy(_devs(g)))
+            _same_list(host.engine.exchange_numpy(g), dev.engine.exchange_numpy(_devs(g)))
         assert dev.space.on_device and not host.space.on_device
         _same_state(host, dev)
     return check
@@ -143,7 +143,7 @@ def check_host_algorithms_copy_each_gradient_to_the_host_once():
             host, dev = _pair(algorithm, options)
             for step in range(2):
                 g = _grads(step)
-                _same_list(host.exchange_numpy(g), dev.exchange_numpy(_devs(g)))
+                _same_list(host.engine.exchange_numpy(g), dev.engine.exchange_numpy(_devs(g)))
             buckets = dev.engine.bucket_states
             assert dev.space.on_device and all(not b.memory.space.on_device for b in buckets), algorithm
             assert all(b._staging is not None and b._staging.size == b.spec.size for b in buckets), algorithm
@@ -156,9 +156,9 @@ def check_device_result_stays_on_device_flat():
     host, dev = _pair("topk", {})
     for step in range(2):
         flat = np.concatenate([x.reshape(-1) for x in _grads(step)])
-        out = dev.exchange_numpy(_dev(flat))
+        out = dev.engine.exchange_numpy(_dev(flat))
         assert out.shape == (N,)
-        _same_bits(out, host.exchange_numpy(flat))
+        _same_bits(out, host.engine.exchange_numpy(flat))
 
 
 def check_pipelined_steps():
@@ -179,8 +179,8 @@ def check_nonfinite_round_skipped_on_device():
         g = _grads(step, nonfinite=step == 1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = dev.exchange_numpy(_devs(g))
-            _same_list(host.exchange_numpy(g), out)
+            out = dev.engine.exchange_numpy(_devs(g))
+            _same_list(host.engine.exchange_numpy(g), out)
         if step == 1:
             assert any("not finite" in str(w.message) for w in caught)
             assert all(not np.any(_host(o)) for o in out)
@@ -192,8 +192,8 @@ def check_state_restored_onto_device():
     host, dev = _pair("topk", {"memory": "momentum"})
     for step in range(2):
         g = _grads(step)
-        host.exchange_numpy(g)
-        dev.exchange_numpy(_devs(g))
+        host.engine.exchange_numpy(g)
+        dev.engine.exchange_numpy(_devs(g))
     saved = dev.get_state()
     from tfsparse.exchange import GradientExchange
 
@@ -201,7 +201,7 @@ def check_state_restored_onto_device():
     resumed.set_state(saved)
     for step in range(2, 4):
         g = _grads(step)
-        _same_list(host.exchange_numpy(g), resumed.exchange_numpy(_devs(g)))
+        _same_list(host.engine.exchange_numpy(g), resumed.exchange_numpy(_devs(g)))
     _same_state(host, resumed)
 
 
@@ -210,7 +210,7 @@ def check_clip_norm_on_device():
     host, dev = _pair("topk", {"clip_norm": 2.0})
     for step in range(3):
         g = _grads(step)
-        h, d = host.exchange_numpy(g), dev.exchange_numpy(_devs(g))
+        h, d = host.engine.exchange_numpy(g), dev.engine.exchange_numpy(_devs(g))
         for a, b in zip(h, d):  # the float64 norm is summed in another order: not bit for bit
             np.testing.assert_allclose(_host(b).reshape(a.shape), a, rtol=1e-5, atol=1e-6)
 
@@ -219,11 +219,11 @@ def check_host_exchange_takes_device_arrays():
     _setup()
     host, other = _pair("topk", {})
     g = _grads(0)
-    out = other.exchange_numpy(g)  # built on the host
-    got = other.exchange_numpy(_devs(_grads(1)))
+    out = other.engine.exchange_numpy(g)  # built on the host
+    got = other.engine.exchange_numpy(_devs(_grads(1)))
     assert all(isinstance(o, np.ndarray) for o in got + out)
-    host.exchange_numpy(g)
-    for a, b in zip(host.exchange_numpy(_grads(1)), got):
+    host.engine.exchange_numpy(g)
+    for a, b in zip(host.engine.exchange_numpy(_grads(1)), got):
         _same_bits(b, a)
 
 

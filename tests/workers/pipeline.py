@@ -82,7 +82,7 @@ def nice(tid):
 
 
 # the communication thread runs ahead of the training's threads (quiet waits, their nice raised)
-quiet = exchange._xcomm.quiet_pause
+quiet = exchange.engine._xcomm.quiet_pause
 # a synchronous exchange built afterwards: its communication thread level with the training's
 sync = tfsparse.GradientExchange("dense", 1.0)
 total = sync.exchange_numpy(np.full(3, comm.rank + 1.0, np.float32))
@@ -90,6 +90,6 @@ runner = getattr(sync._runner, "_thread", None)
 save_result(comm.rank, x=x, y=y, w0=w0[0], b0=w0[1], w=model.trainable_weights[0].numpy(),
             b=model.trainable_weights[1].numpy(), pending=state["pending"], in_flight=np.array(in_flight),
             epoch_bytes=np.array(record.bytes), quiet=np.array(-1.0 if quiet is None else quiet),
-            nice_comm=np.array(nice(exchange._runner._thread.native_id)),
+            nice_comm=np.array(nice(exchange.engine._runner._thread.native_id)),
             nice_main=np.array(nice(threading.get_native_id())), sync_total=total,
             nice_sync=np.array(nice(runner.native_id) if runner is not None else nice(threading.get_native_id())))

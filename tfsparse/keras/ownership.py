@@ -108,17 +108,17 @@ def _apply_without_momentum(sgd, taken: bool) -> None:
 
 
 def fit_optimizer(exchange, optimizer) -> None:
-    """Fits ``exchange`` (not yet built) to ``optimizer``, the optimizer that applies its
-    gradients: ``memory="auto"`` is decided (:meth:`~tfsparse.exchange.GradientExchange.decide_memory`)
+    """Fits ``exchange`` (a :class:`~tfsparse.pipelined.Pipelined`, not yet built) to
+    ``optimizer``, the optimizer that applies its gradients: ``memory="auto"`` is decided (:meth:`~tfsparse.exchange.GradientExchange.decide_memory`)
     and the optimizer applies its updates without its momentum exactly while it trains through an
     exchange that took it over; then :func:`check_optimizer`.  On a built exchange the memory stays
     as decided."""
     if optimizer is None:
         return
     momentum = _momentum_to_take(optimizer)
-    exchange.decide_memory(momentum)
+    exchange.engine.decide_memory(momentum)
     if momentum is not None:
-        _apply_without_momentum(_innermost(optimizer), exchange.takes_momentum)
+        _apply_without_momentum(_innermost(optimizer), exchange.engine.takes_momentum)
     check_optimizer(exchange, optimizer)
 
 

@@ -53,6 +53,9 @@ check_extended_hooks()  # the OneDeviceExtended hooks SparseExtended overrides e
 
 
 class SparseExtended(OneDeviceExtended):
+    """The ``OneDeviceExtended`` of :class:`SparseStrategy` (overrides: the module docstring): one replica on
+    ``device``, whose gradient all-reduce runs ``exchange``; ``uneven_data``: as :class:`SparseStrategy`'s."""
+
     def __init__(self, container, device, exchange: Pipelined, uneven_data: str = "end"):
         super().__init__(container, device)
         self.exchange = exchange
@@ -154,7 +157,7 @@ class SparseExtended(OneDeviceExtended):
             # Keras exchanges the accumulated gradient inside a tf.cond, once per applied update;
             # TensorFlow orders that cond after nothing else of the step, so the metric averaging
             # takes a communicator and thread of its own instead of queueing behind the buckets
-            self.exchange.request_side_channel()
+            self.exchange.engine.request_side_channel()
         self._names = [str(v.path) for v in model.trainable_variables]
 
     def _names_for(self, values, optimizer=None):
@@ -211,7 +214,7 @@ class SparseExtended(OneDeviceExtended):
         rank's own gradients, and a rank that overflowed would skip the step (and its
         all-reduce) alone while the others wait for it.  Here the exchange runs first, on the
         unscaled gradients of every rank, whatever they hold: a bucket that is not finite on
-        some rank is skipped on every rank and returns NaN (``GradientExchange.nonfinite_result = "nan"``),
+        some rank is skipped on every rank and returns NaN (``GradientExchange.on_nonfinite("nan")``),
         so the test below -- on the exchanged sum, identical on every rank -- agrees everywhere:
         all ranks apply the step, or all skip it and halve their loss scale.  The summed
         gradients are kept for the all-reduce that the finite branch then asks for."""
@@ -440,6 +443,7 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
 
     @property
     def checkpointer(self) -> Checkpointer:
+        """What saves and restores :attr:`exchange`'s state (every rank's residual, the aggregators' state)."""
         return self.extended.checkpointer
 
     def adopt_exchange(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
@@ -454,10 +458,13 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
 
     @property
     def algorithm(self) -> str:
+        """The algorithm the exchange runs (with ``"auto"``: ``"auto"`` before the first gradients,
+        ``"dense"`` while it measures, then its choice)."""
         return self.exchange.algorithm
 
     @property
     def density(self) -> float:
+        """The fraction of gradient elements each rank sends: the exchange's density now."""
         return self.exchange.density
 
     # -- Keras saving: the exchange's state in the model file ---------------
@@ -465,11 +472,23 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         return "Layer"  # Keras' saving walks this object's own attributes as it does a layer's
 
     def save_own_variables(self, store):
+        """Keras' saving: the exchange's state into ``store`` (every rank's when it was gathered since the last
+        round, else this rank's own) -- unless a ``DistributedOptimizer`` owns the exchange and saves it.
+
+        Args:
+          store: Keras' weights store, written into.
+        """
         if not self.extended.saved_by_optimizer:
             for key, value in self.checkpointer.entries().items():
                 store[key] = value
 
     def load_own_variables(self, store):
+        """Keras' loading: this rank's exchange state from ``store`` -- unless a ``DistributedOptimizer`` owns
+        the exchange and restores it.
+
+        Args:
+          store: Keras' weights store, read from.
+        """
         if not self.extended.saved_by_optimizer:
             self.checkpointer.restore(store)
 
