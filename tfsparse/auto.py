@@ -101,6 +101,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        """The candidate as rank 0's lines name it: ``"dense over float16"``, ``"gtopk at density 0.01"``
+        (followed by ``" over <wire>"`` for a sparse candidate on a wire other than float32)."""
         if self.algorithm == "dense":
             return f"dense over {self.wire_dtype}"
         return f"{self.algorithm} at density {self.density}" + (
@@ -130,6 +132,17 @@ MEASURING = next(i for i, c in enumerate(CANDIDATES) if c.algorithm == "dense" a
 
 @dataclass(frozen=True)
 class Prediction:
+    """One candidate as :func:`predict` prices it.
+
+    Attributes:
+      candidate: the :class:`Candidate`.
+      comm_s: the exchange's communication per step, seconds: the timing model's, plus the hosts' sums
+        and broadcasts for a two-level exchange.
+      local_s: its local work per step (selection, encoding, decoding), seconds, from the measurements.
+      step_s: the predicted step: compute + ``comm_s`` + ``local_s``.
+      score: ``step_s * candidate.epochs``, proportional to the time to accuracy.
+    """
+
     candidate: Candidate
     comm_s: float  # the exchange's communication, timing model
     local_s: float  # its local work (selection, encoding, decoding), measured
@@ -158,6 +171,7 @@ class Decision:
 
     @property
     def candidate(self) -> Candidate:
+        """The chosen :class:`Candidate` (``CANDIDATES[index]``)."""
         return CANDIDATES[self.index]
 
     def describe(self, workers: int, hosts: int | None = None) -> str:
@@ -200,6 +214,8 @@ class Verdict:
     reference_s: float  # dense over float16's measured step
 
     def describe(self, two_level: bool = False) -> str:
+        """The line rank 0 prints at the trial's end: the candidate kept, or the switch to dense over float16
+        and the arguments that pin it (``two_level``: with ``hierarchical=True``)."""
         tried, dense = CANDIDATES[self.tried], CANDIDATES[MEASURING]
         measured = (f"{tried.label} measured {1e3 * self.step_s:.0f} ms a step, x{tried.epochs} epochs, against "
                     f"dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}")

@@ -27,6 +27,8 @@ def warmup() -> float:
 
 
 def main(argv=None) -> int:
+    """``tfsparse``'s entry point on ``argv`` (default ``sys.argv[1:]``): ``warmup`` compiles the kernels,
+    says where they are cached and returns 0; without a command, prints the help and returns 2."""
     parser = argparse.ArgumentParser(prog="tfsparse", description="tfsparse's command line (tfsparse-run launches jobs)")
     parser.add_argument("--version", action="version", version=f"tfsparse {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -88,6 +88,15 @@ def local_names() -> set[str]:
 
 
 def is_local(name: str, here: set[str]) -> bool:
+    """Whether the host ``name`` is this machine: one of ``here``, or a loopback address (``127.*``).
+
+    Args:
+      name: a host's name or address (without ``user@``).
+      here: this machine's names and addresses (:func:`local_names`).
+
+    Returns:
+      True when ``name`` is this machine.
+    """
     return name in here or name.startswith("127.")
 
 

@@ -62,6 +62,17 @@ UNEVEN_POLICIES = ("end", "join", "error")
 
 
 def check_uneven_policy(uneven_data) -> str:
+    """``uneven_data`` checked to be one of :data:`UNEVEN_POLICIES`.
+
+    Args:
+      uneven_data: ``"end"``, ``"join"`` or ``"error"`` (see :func:`agree_on_data`).
+
+    Returns:
+      ``uneven_data`` itself.
+
+    Raises:
+      ValueError: for any other value, naming the accepted ones.
+    """
     _checks.choice("uneven_data", uneven_data, UNEVEN_POLICIES, accepted=(
         "'end' (when one rank's data runs out, every rank ends the epoch at that step), 'join' (ranks that ran "
         "out contribute zero-weighted batches until every rank is done, as Horovod's join) or 'error' (raise "

@@ -85,10 +85,12 @@ class TwoLevel:
 
     @property
     def leader(self) -> bool:
+        """Whether this rank is its host's leader (the first of its ranks), which talks across hosts."""
         return self.up.rank == 0
 
     @property
     def local_size(self) -> int:
+        """The number of ranks on this rank's host."""
         return self.up.size
 
     @_timed("sum_seconds")

@@ -58,6 +58,8 @@ class NetSpec:
 
     @classmethod
     def parse(cls, text: str) -> "NetSpec":
+        """The spec ``--net`` asks for with ``text`` (``RATE[,latency=DELAY]``, e.g. ``"1gbit,latency=50us"``);
+        ValueError for an option other than ``latency=``, or a rate below 8 kbit/s."""
         head, *options = [part.strip() for part in str(text).split(",")]
         latency = 0.0
         for option in options:
@@ -179,10 +181,12 @@ class EmulatedNetwork:
 
     # names ---------------------------------------------------------------
     def namespace(self, rank) -> str:
+        """The name of ``rank``'s network namespace, ``tfsnet<pid>-<rank>`` (``"sw"``: the switch's)."""
         return f"{NS_PREFIX}{self.owner}-{rank}"
 
     @property
     def switch(self) -> str:
+        """The switch's namespace (``tfsnet<pid>-sw``), which holds the bridge ``br0``."""
         return self.namespace("sw")
 
     @property
@@ -191,6 +195,7 @@ class EmulatedNetwork:
         return f"tn{self.owner}x"
 
     def address(self, rank: int) -> str:
+        """The IPv4 address of ``rank``'s ``eth0``: the subnet's ``.10`` + ``rank`` (the subnet is chosen on entry)."""
         return str(self.subnet.network_address + 10 + rank)
 
     @property
@@ -200,11 +205,14 @@ class EmulatedNetwork:
 
     # launch glue -----------------------------------------------------------
     def mpirun_args(self) -> list[str]:
+        """mpirun's flags for the emulated subnet: Open MPI restricted to TCP (``btl tcp,self``), its TCP and
+        out-of-band channels to the subnet, and :meth:`environment`'s PMIx setting exported to the ranks."""
         cidr = str(self.subnet)
         return ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", cidr,
                 "--mca", "oob_tcp_if_include", cidr, "-x", "PMIX_MCA_ptl_tcp_if_include"]
 
     def environment(self) -> dict:
+        """What mpirun's environment needs: ``PMIX_MCA_ptl_tcp_if_include``, the PMIx server on the subnet."""
         return {"PMIX_MCA_ptl_tcp_if_include": str(self.subnet)}
 
     def wrap(self, command: list[str]) -> list[str]:
@@ -233,6 +241,8 @@ class EmulatedNetwork:
         return False
 
     def close(self) -> None:
+        """Removes the namespaces and links built so far (ending what still runs in the namespaces); never
+        raises, and a second call does nothing."""
         _remove(self._namespaces, self._links)
         self._namespaces, self._links = [], []
 
@@ -333,6 +343,7 @@ class EmulatedHosts(EmulatedNetwork):
         self._daemons: list[subprocess.Popen] = []
 
     def name(self, host: int) -> str:
+        """The hostname of 0-based ``host``: ``h1``, ``h2``, ..."""
         return f"h{host + 1}"
 
     def host_list(self, nprocs: int) -> str:
@@ -348,12 +359,15 @@ class EmulatedHosts(EmulatedNetwork):
         return f"ssh -F {self.folder}/ssh_config"
 
     def mpirun_args(self) -> list[str]:
+        """mpirun's flags for the emulated hosts: remote ranks started through ssh (:attr:`agent`), shared memory
+        (``vader``) between the ranks of one host, TCP over the emulated subnet between hosts."""
         cidr = str(self.subnet)
         return ["--mca", "plm_rsh_agent", self.agent, "--mca", "btl", "tcp,vader,self",
                 "--mca", "btl_tcp_if_include", cidr, "--mca", "oob_tcp_if_include", cidr,
                 "-x", "PMIX_MCA_ptl_tcp_if_include"]
 
     def wrap(self, command: list[str]) -> list[str]:
+        """``command`` as it is: each rank starts inside its host's namespaces, through the host's sshd."""
         return list(command)  # the ranks start inside their host, through its sshd
 
     def _shape(self, namespace: str, device: str) -> None:
@@ -373,6 +387,8 @@ class EmulatedHosts(EmulatedNetwork):
         return self
 
     def close(self) -> None:
+        """Ends the hosts' sshds (and, with the namespaces, whatever they started), removes the namespaces and
+        links, and deletes the run's keys and ssh configuration."""
         for daemon in self._daemons:
             if daemon.poll() is None:
                 daemon.kill()

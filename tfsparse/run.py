@@ -389,6 +389,8 @@ class LauncherWatch:
         self._usable = os.path.isdir("/proc")
 
     def lingers(self) -> bool:
+        """Whether the launcher has outlived its last live descendant by more than ``linger`` seconds; always
+        False without ``/proc``, and before the launcher has had a child."""
         if not self._usable:
             return False
         if live_descendants(self.pid):
@@ -402,6 +404,7 @@ class LauncherWatch:
         return now - self._alone_since > self.linger
 
     def message(self, name: str = "mpirun") -> str:
+        """The line that says the launcher ``name`` (its pid) was ended for outliving its ranks."""
         return (f"{name} (pid {self.pid}) was still running {self.linger:g} s after the last "
                 f"of its ranks had ended (Open MPI's runtime hangs so at times after an MPI_Abort); "
                 f"ended it, exit status 1")
@@ -547,6 +550,8 @@ def check_job_hosts(hosts: str | None, extra: list[str], command: list[str], env
 
 
 def make_parser() -> argparse.ArgumentParser:
+    """The parser of ``tfsparse-run``'s own options (mpirun's flags and the program are split off first,
+    :func:`split_argv`)."""
     parser = argparse.ArgumentParser(
         prog="tfsparse-run", usage="tfsparse-run -np N [options] [mpirun flags] [--] program [args...]",
         description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -557,6 +562,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """``tfsparse-run``'s entry point: ``argv`` (default ``sys.argv[1:]``) split into its own options,
+    mpirun's flags and the program, and the job run in the foreground -- on this machine or the hosts
+    given, on an emulated network (``--net``) or on emulated hosts (``--emulate-hosts``); ``--dry-run``
+    prints the mpirun command line instead.  Returns the exit status: the last job's; 1 when a host
+    cannot start its ranks or the emulation fails; 130 after Ctrl-C.  Invalid arguments exit through
+    argparse (status 2)."""
     parser = make_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -32,6 +32,18 @@ SMALL_TENSOR = 1024 * 128
 
 
 def check_density(density, name: str = "density") -> float:
+    """``density`` checked to be a fraction of the gradient: a finite real number in ``(0, 1]``.
+
+    Args:
+      density: the value to check.
+      name: the argument's name in the error message (default ``"density"``).
+
+    Returns:
+      ``density`` as a float.
+
+    Raises:
+      ValueError: when it is not a number in ``(0, 1]``.
+    """
     return _checks.real(name, density, 0.0, 1.0, lo_open=True,
                         hint=f" (the fraction of gradient elements each rank sends), e.g. {name}=0.01")
 
@@ -88,6 +100,14 @@ class WarmUp:
         return WarmUp(math.ceil(self.epochs * steps_per_epoch), ramp=self.ramp, target=self.target)
 
     def with_target(self, target: float) -> "WarmUp":
+        """A copy of this warm-up that ramps to ``target``.
+
+        Args:
+          target: the density after the warm-up, in ``(0, 1]``.
+
+        Returns:
+          A new :class:`WarmUp`; this one is left as it is.
+        """
         w = copy.copy(self)
         w.target = check_density(target, "target")
         return w

@@ -83,24 +83,31 @@ class HostSpace:
         return np.asarray(a)
 
     def zeros(self, n: int):
+        """A new float32 vector of ``n`` zeros."""
         return np.zeros(int(n), np.float32)
 
     def empty(self, n: int):
+        """A new float32 vector of ``n`` elements, not initialised."""
         return np.empty(int(n), np.float32)
 
     def full(self, n: int, value: float):
+        """A new float32 vector of ``n`` elements, each ``value``."""
         return np.full(int(n), value, np.float32)
 
     def fill(self, x, value: float) -> None:
+        """``x[:] = value``, in place."""
         x.fill(value)
 
     def copy(self, out, a) -> None:
+        """``out[:] = a`` (``a`` flattened; numpy's ``same_kind`` casting)."""
         np.copyto(out, np.reshape(a, -1), casting="same_kind")
 
     def add(self, a, b, out) -> None:
+        """``out = a + b`` (``a`` flattened; ``out`` may be ``a`` or ``b``)."""
         np.add(np.reshape(a, -1), b, out=out, casting="same_kind")
 
     def plus(self, a, b):
+        """A new vector ``a + b``."""
         return a + b
 
     def momentum(self, u, m, g, r, out) -> None:
@@ -117,9 +124,11 @@ class HostSpace:
             return bool(np.isfinite(np.dot(x, x))) or bool(np.isfinite(x).all())
 
     def zero_nonfinite(self, x) -> None:
+        """NaN and +-Inf elements of ``x`` set to 0, in place."""
         np.nan_to_num(x, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
 
     def zero_at(self, x, idx) -> None:
+        """``x[idx] = 0``, in place."""
         x[idx] = 0.0
 
     def add_at(self, x, where, values) -> None:
@@ -138,9 +147,11 @@ class HostSpace:
         x[:] = values
 
     def to_host(self, x):
+        """``x`` as a host array: ``x`` itself (a host vector already is one)."""
         return x
 
     def from_host(self, x):
+        """``x`` as a float32 numpy array (no copy when it already is one)."""
         return np.asarray(x, np.float32)
 
     def outputs(self, n: int) -> HostOutputs:
@@ -156,11 +167,15 @@ class HostSpace:
         return result.to_dense(n, out)
 
     def concat(self, parts):
+        """The vectors ``parts`` joined into one new vector (the copy counted as ``copy`` traffic,
+        :mod:`tfsparse.traffic`)."""
         nbytes = sum(int(np.size(p)) for p in parts) * 4
         traffic.count("copy", read=nbytes, written=nbytes)
         return np.concatenate(parts)
 
     def clip_by_global_norm(self, arrays, max_norm: float) -> list:
+        """DGC's local clipping of the host arrays ``arrays`` by their global L2 norm
+        (:func:`clip_by_global_norm`): new arrays when scaled, the inputs otherwise."""
         return clip_by_global_norm(arrays, max_norm)
 
 
@@ -193,43 +208,60 @@ class CudaSpace(HostSpace):
         return self._k.as_device(a).reshape(shape)
 
     def zeros(self, n: int):
+        """A new float32 device vector of ``n`` zeros (filled by a kernel)."""
         return self.full(n, 0.0)
 
     def empty(self, n: int):
+        """A new float32 device vector of ``n`` elements, not initialised (``cuda.device_array``)."""
         return self._cuda.device_array(int(n), np.float32)
 
     def full(self, n: int, value: float):
+        """A new float32 device vector of ``n`` elements, each ``value`` (filled by a kernel)."""
         out = self.empty(n)
         self._k.fill(out, value)
         return out
 
     def fill(self, x, value: float) -> None:
+        """``x[:] = value`` on the device, in place."""
         self._k.fill(x, value)
 
     def copy(self, out, a) -> None:
+        """``out[:] = a`` on the device (``a``: a float32 device array, viewed in place, or a host
+        array, copied to the device first)."""
         out.copy_to_device(self._k.as_device(a))
 
     def add(self, a, b, out) -> None:
+        """``out = a + b`` by one kernel (float32 device vectors of one length; ``out`` may be ``a``
+        or ``b``)."""
         self._k.add(a, b, out)
 
     def plus(self, a, b):
+        """A new device vector ``a + b``."""
         out = self.empty(a.size)
         self._k.add(a, b, out)
         return out
 
     def momentum(self, u, m, g, r, out) -> None:
+        """``u = m*u + g; out = u + r`` by one kernel, rounded as numpy rounds it
+        (:func:`tfsparse.ops.cuda.momentum_step`)."""
         self._k.momentum_step(u, m, g, r, out)
 
     def all_finite(self, x) -> bool:
+        """Whether no element of the device vector ``x`` is NaN or +-Inf: one kernel, one flag
+        read back to the host."""
         return self._k.all_finite(x)
 
     def zero_nonfinite(self, x) -> None:
+        """NaN and +-Inf elements of ``x`` set to 0 on the device, in place."""
         self._k.zero_nonfinite(x)
 
     def zero_at(self, x, idx) -> None:
+        """``x[idx] = 0`` on the device (``idx``: host or device int64 indices)."""
         self._k.zero_at(x, idx)
 
     def add_at(self, x, where, values) -> None:
+        """``x[where] += values`` on the device: a slice by the elementwise add, unique indices by
+        :func:`tfsparse.ops.cuda.scatter_add` (no two threads add to one element: deterministic)."""
         values = np.ascontiguousarray(values, np.float32)
         if isinstance(where, slice):
             part = x[where]
@@ -241,6 +273,7 @@ class CudaSpace(HostSpace):
         x.copy_to_device(values)
 
     def to_host(self, x):
+        """A host copy (numpy) of the device vector ``x``."""
         return x.copy_to_host()
 
     def host_copies(self, arrays, staging):
@@ -262,9 +295,12 @@ class CudaSpace(HostSpace):
         return self._cuda.pinned_array(int(n), np.float32)
 
     def from_host(self, x):
+        """A device copy of the host array ``x``, as contiguous float32."""
         return self._cuda.to_device(np.ascontiguousarray(x, np.float32))
 
     def outputs(self, n: int) -> _FreshOutputs:
+        """No result vectors to hand out: the device's :meth:`decode` allocates each result itself
+        (``take()`` gives None)."""
         return _FreshOutputs()
 
     def decode(self, result, n: int, out=None):
@@ -284,6 +320,7 @@ class CudaSpace(HostSpace):
         return out
 
     def concat(self, parts):
+        """The device vectors ``parts`` copied one after the other into one new device vector."""
         out = self.empty(sum(int(p.size) for p in parts))
         off = 0
         for p in parts:
@@ -292,6 +329,10 @@ class CudaSpace(HostSpace):
         return out
 
     def clip_by_global_norm(self, arrays, max_norm: float) -> list:
+        """DGC's local clipping on the device: the global L2 norm of ``arrays`` from float64 sums of squares
+        (one kernel per array, atomic partial sums: the last bits may differ from the host's), and each array
+        scaled by ``max_norm / norm`` into a new one when the norm is above ``max_norm``; ``arrays`` as they are
+        when it is not, or when it is not finite."""
         norm = math.sqrt(sum(self._k.sum_squares(a.reshape(-1)) for a in arrays))
         if not math.isfinite(norm) or norm <= max_norm:
             return list(arrays)

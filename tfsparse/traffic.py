@@ -36,11 +36,13 @@ class Traffic:
         self._lock = threading.Lock()
 
     def add(self, stage: str, read: int, written: int) -> None:
+        """Adds ``read`` and ``written`` bytes to ``stage`` (from any thread)."""
         with self._lock:
             self.read[stage] += read
             self.written[stage] += written
 
     def bytes(self) -> int:
+        """The bytes read and written so far, over every stage."""
         return sum(self.read.values()) + sum(self.written.values())
 
     def passes(self, gradient_bytes: float, rounds: int = 1) -> dict:

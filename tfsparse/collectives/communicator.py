@@ -71,6 +71,8 @@ class Request:
 
     @tracked
     def wait(self):
+        """Waits for the operation (once: later calls return the same value); the array received, or None for
+        a send."""
         if not self._done:
             self._value = self._wait_fn()
             self._done = True
@@ -200,6 +202,7 @@ class Communicator(ABC):
 
     @tracked
     def barrier(self) -> None:
+        """Returns once every rank has called it (at once on a world of one rank)."""
         if self.size > 1:
             self._barrier()
 
@@ -230,12 +233,15 @@ class Communicator(ABC):
 
     @tracked
     def send(self, x: np.ndarray, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``x`` to rank ``dest`` with ``tag``; counts its bytes."""
         self._check_peer(dest, "dest")
         x = np.ascontiguousarray(x)
         self._count(x.nbytes)
         self._send(x, dest, tag)
 
     def isend(self, x: np.ndarray, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send of ``x`` to rank ``dest`` with ``tag``; counts its bytes and returns the
+        :class:`Request` to wait on."""
         self._check_peer(dest, "dest")
         x = np.ascontiguousarray(x)
         self._count(x.nbytes)

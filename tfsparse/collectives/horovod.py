@@ -28,6 +28,11 @@ def horovod_available() -> bool:
 
 
 class HorovodCommunicator(Communicator):
+    """Communicator on Horovod's collectives (``horovod.tensorflow``, run eagerly on numpy data), with
+    point-to-point messages over mpi4py on the same MPI world (``comm``, default ``MPI.COMM_WORLD``;
+    Horovod is initialised on it when it is not yet).  Each collective is named ``prefix`` + its kind + a
+    call counter, the name by which Horovod matches it across the ranks."""
+
     name = "horovod"
     # two eager Horovod collectives in flight at once from two threads are refused ("a tensor
     # with the same name as another tensor that is currently being processed"), whatever
@@ -105,6 +110,7 @@ class HorovodCommunicator(Communicator):
         self._p2p._send(x, dest, tag)
 
     def progress(self):
+        """Moves the point-to-point messages in flight, which go over MPI (:meth:`MPICommunicator.progress`)."""
         self._p2p.progress()
 
     def _isend(self, x, dest, tag):

@@ -63,12 +63,19 @@ class InProcessWorld:
         return items
 
     def run(self, fn, *args):
+        """Runs ``fn(comm, *args)`` for every rank's communicator, one thread each, and returns the results in
+        rank order (each waited for at most ``4 * timeout`` seconds)."""
         with ThreadPoolExecutor(self.size) as pool:
             futures = [pool.submit(fn, c, *args) for c in self.comms]
             return [f.result(timeout=self.timeout * 4) for f in futures]
 
 
 class InProcessCommunicator(Communicator):
+    """The communicator of rank ``rank`` of an :class:`InProcessWorld` (``channel``: which duplicate of it).
+    Collectives meet on the world's board (every rank posts a copy, every rank reads them all; sums in
+    rank order, the same bits on every rank); point-to-point messages go through queues, a receive
+    waiting at most the world's ``timeout``.  It forms groups (:meth:`Communicator.split`)."""
+
     name = "inprocess"
     forms_groups = True
 

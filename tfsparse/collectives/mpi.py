@@ -44,6 +44,8 @@ class MPICommunicator(Communicator):
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
     def progress(self):
+        """Lets Open MPI's progress engine move the messages in flight: one ``Iprobe`` (any source, any tag),
+        which receives nothing."""
         # any MPI call runs Open MPI's progress engine; a probe that matches nothing changes nothing
         self.comm.Iprobe()  # any source, any tag
 

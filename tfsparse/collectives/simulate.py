@@ -199,6 +199,8 @@ class Schedule:
         return priced_rounds(self.phases, ab, gamma, cores, prefer)
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> float:
+        """The step's predicted seconds under the model: the sum over the rounds of :meth:`rounds`
+        (:func:`seconds_of`)."""
         return seconds_of(self.phases, ab, gamma, cores, prefer)
 
 

@@ -122,6 +122,7 @@ class CommThread:
 
     @property
     def alive(self) -> bool:
+        """Whether the thread still runs (False once :meth:`close` has stopped it)."""
         return self._thread.is_alive()
 
     def take_precedence(self, offset: int = PRECEDENCE_NICE) -> bool:

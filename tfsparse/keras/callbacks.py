@@ -53,6 +53,8 @@ class BroadcastInitialState(keras.callbacks.Callback):
         self.done = False
 
     def on_train_begin(self, logs=None):
+        """At the first ``fit`` only: every rank takes ``root_rank``'s model variables and optimizer variables
+        (ValueError when ``root_rank`` is not a rank of the world)."""
         if self.done:
             return
         comm = runtime.communicator()
@@ -105,14 +107,18 @@ class CommunicationStats(keras.callbacks.Callback):
         self._writer = None
 
     def on_train_begin(self, logs=None):
+        """Forgets the settings recorded by an earlier ``fit``."""
         self._labels = {}
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Resets the exchange's statistics, so that the epoch's logs count this epoch's steps only."""
         ex = exchange_of(self.model)
         if ex is not None:
             ex.stats.reset()
 
     def on_epoch_end(self, epoch, logs=None):
+        """Adds :attr:`KEYS` to the epoch's logs from the exchange's statistics and records the epoch's algorithm
+        and wire (rank 0 also writes them under ``log_dir`` when one was given)."""
         ex = exchange_of(self.model)
         if ex is None or logs is None:
             return
@@ -138,6 +144,8 @@ class CommunicationStats(keras.callbacks.Callback):
         self._writer.flush()
 
     def on_train_end(self, logs=None):
+        """Puts each epoch's algorithm and wire into the ``History`` (the keys :attr:`LABELS`), when that
+        History's epochs are the ones this callback recorded."""
         history = getattr(self.model, "history", None)
         epochs = list(getattr(history, "epoch", None) or [])
         # the History of this fit (it sets model.history at each epoch's end): its epochs are ours
@@ -189,9 +197,12 @@ class MetricAverage(keras.callbacks.Callback):
             logs[k] = float(v)
 
     def on_train_batch_end(self, batch, logs=None):
+        """Replaces the metric states by their mean over the ranks (the batch's logs take the averaged results)
+        and agrees on ``stop_training``: any rank's stop stops every rank."""
         self._average_metric_states(logs, bool(getattr(self.model, "stop_training", False)))
 
     def on_test_batch_end(self, batch, logs=None):
+        """Replaces the metric states by their mean over the ranks; the batch's logs take the averaged results."""
         self._average_metric_states(logs, None)
 
     def _average_metric_states(self, logs, stop):
@@ -210,6 +221,8 @@ class MetricAverage(keras.callbacks.Callback):
                     logs[key] = float(value)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Averages the model's moving statistics and the epoch's numeric logs (except :attr:`PER_RANK`) over
+        the ranks, and agrees on ``stop_training``."""
         average_moving_statistics(self.model)
         self._average(logs, bool(getattr(self.model, "stop_training", False)))
 
@@ -222,6 +235,7 @@ class MetricAverage(keras.callbacks.Callback):
                 self._allreduce(np.concatenate([x.reshape(-1) for x in values]) if values else np.empty(0), stop))
 
     def on_test_end(self, logs=None):
+        """Averages ``evaluate``'s numeric logs (except :attr:`PER_RANK`) over the ranks."""
         self._average(logs)
 
 
@@ -231,6 +245,8 @@ class StepCountCheck(keras.callbacks.Callback):
     collective).  It takes no arguments."""
 
     def on_train_begin(self, logs=None):
+        """Compares this rank's steps per epoch (-1: unknown) with every rank's; raises
+        :class:`~tfsparse.StepCountMismatch` on every rank when they differ."""
         steps = self.params.get("steps")
         runtime.check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
 
@@ -251,6 +267,7 @@ class ReplicaCheck(keras.callbacks.Callback):
         self.every = _checks.integer("every", every, 1, hint=" (epochs between checks)")
 
     def on_epoch_end(self, epoch, logs=None):
+        """After every ``every``-th epoch: :func:`~tfsparse.keras.replicas.check_replicas` (collective)."""
         if (epoch + 1) % self.every == 0:
             check_replicas(self.model, what=f"at the end of epoch {epoch + 1}")
 
@@ -350,6 +367,8 @@ class ModelCheckpoint(_RankZeroOnly):
         self._batches = 0
 
     def set_model(self, model):
+        """Sets the model; rank 0's Keras ``ModelCheckpoint`` gets it behind a wrapper whose ``save`` and
+        ``save_weights`` write each file whole (a temporary file, renamed into place)."""
         super().set_model(model)
         if self._active:
             self.callback.set_model(_AtomicSaves(model))
@@ -360,6 +379,8 @@ class ModelCheckpoint(_RankZeroOnly):
             checkpointer.gather()
 
     def on_train_batch_end(self, batch, logs=None):
+        """With an integer ``save_freq``: gathers every rank's exchange state (collective) at every
+        ``save_freq``-th batch, before rank 0's Keras callback decides whether to save."""
         if isinstance(self.save_freq, int):
             self._batches += 1
             if self._batches % self.save_freq == 0:
@@ -367,6 +388,8 @@ class ModelCheckpoint(_RankZeroOnly):
         super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        """With ``save_freq="epoch"``: gathers every rank's exchange state (collective) before rank 0's Keras
+        callback decides whether to save."""
         if self.save_freq == "epoch":
             self._gather()
         super().on_epoch_end(epoch, logs)
@@ -395,6 +418,7 @@ class DSyncWarmUp(keras.callbacks.Callback):
             " (the number of synchronous float32 epochs before the pipelined, compressed ones)"))
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Sets the exchange's ``dsync`` for the epoch: True during the first ``epochs`` epochs, False after."""
         require_exchange(self.model, "DSyncWarmUp").dsync = epoch < self.epochs
 
 
@@ -559,6 +583,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- restore ------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        """Reads the backup and agrees with every rank on it (collective: the ranks raise together when they
+        would resume from different backups); when there is one, loads it (the weights, the optimizer's state,
+        this rank's exchange state) and makes ``fit`` start at the epoch the backup reached."""
         from .saving import load_weights
 
         self._epoch = self._batch = self._since_save = 0
@@ -585,6 +612,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- save ---------------------------------------------------------------
     def on_train_batch_end(self, batch, logs=None):
+        """Counts the batch; with an integer ``save_freq``, writes a backup every ``save_freq`` batches
+        (collective)."""
         self._batch += 1
         if self.save_freq == "epoch":
             return
@@ -594,6 +623,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
+        """Records the epoch as completed; with ``save_freq="epoch"``, writes a backup (collective)."""
         self._epoch, self._batch = epoch + 1, 0
         if self.save_freq == "epoch":
             self._save()
@@ -622,6 +652,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- the end of a successful fit ------------------------------------------
     def on_train_end(self, logs=None):
+        """Clears the initial epoch the restore set; with ``delete_checkpoint``, once every rank has finished
+        ``fit``, rank 0 deletes the backup, and no rank returns before it is gone."""
         set_initial_epoch(self.model, None)  # a later fit on this model starts where it is asked to
         if not self.delete_checkpoint:
             return

@@ -78,6 +78,9 @@ class DensitySchedule(keras.callbacks.Callback):
         return self.target
 
     def on_train_begin(self, logs=None):
+        """Takes the exchange's density as ``target`` when none was given; a :class:`~tfsparse.schedules.WarmUp` is
+        converted to steps (this ``fit``'s steps per epoch), given the target when it has none, and set as the
+        exchange's per-round schedule."""
         ex = self._exchange()
         if self.target is None:
             self.target = float(ex.density)
@@ -86,6 +89,8 @@ class DensitySchedule(keras.callbacks.Callback):
             ex.schedule = warm if warm.target is not None else warm.with_target(self.target)
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Sets the exchange's density to :meth:`density_at` the epoch and records it in ``history`` (with
+        ``verbose``, rank 0 prints a change); with a ``WarmUp``, only records the density of the coming round."""
         ex = self._exchange()
         if self.warmup is not None:  # the exchange sets the density per step
             self.history.append(ex.schedule(ex.rounds_started))

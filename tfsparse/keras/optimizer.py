@@ -130,10 +130,13 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def algorithm(self) -> str:
+        """The algorithm the exchange runs (with ``"auto"``: ``"auto"`` before the first gradients,
+        ``"dense"`` while it measures, then its choice)."""
         return self.exchange.algorithm
 
     @property
     def density(self) -> float:
+        """The fraction of gradient elements each rank sends: the exchange's density now."""
         return self.exchange.density
 
     @property
@@ -142,10 +145,26 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.exchange.residual
 
     def build(self, var_list):
+        """Builds the wrapper as ``LossScaleOptimizer`` does (the loss scale, its step counter, then the inner
+        optimizer), after refusing variables that are not floating point (ValueError).
+
+        Args:
+          var_list: the variables the optimizer trains.
+        """
         check_float_variables(var_list)
         super().build(var_list)  # LossScaleOptimizer's: the scale and its counter, then the inner optimizer
 
     def apply(self, grads, trainable_variables=None):
+        """Exchanges ``grads`` over the ranks and has the inner optimizer apply them: their mean (the exchanged sum
+        divided by the world size) on this route; under a ``SparseStrategy``, the strategy's all-reduce
+        exchanges them and Keras averages.  With ``loss_scale`` on, the step is applied, or skipped with the
+        scale halved, by whether the exchanged gradients are finite: the same decision on every rank.  A
+        missing (None) gradient raises ValueError.
+
+        Args:
+          grads: the gradients, one per variable.
+          trainable_variables: the variables they belong to (default: those the optimizer was built for).
+        """
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -196,6 +215,15 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         self.step_counter.assign_add(1)
 
     def scale_loss(self, loss):
+        """``loss`` multiplied by the dynamic loss scale with ``loss_scale`` on (the initial scale before the
+        wrapper is built), else as the inner optimizer scales it.
+
+        Args:
+          loss: the loss value.
+
+        Returns:
+          The scaled loss.
+        """
         return super().scale_loss(loss) if self.loss_scale else self.inner_optimizer.scale_loss(loss)
 
     def _start_from_root(self, variables) -> None:
@@ -215,20 +243,25 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             broadcast_variables(list(variables), 0, comm)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Not supported: raises ValueError (the exchange is a stateful collective)."""
         raise ValueError("DistributedOptimizer exchanges gradients with a stateful collective and "
                          "cannot be used with stateless_apply")
 
     @property
     def learning_rate(self):
+        """The inner optimizer's learning rate (setting it sets the inner one's)."""
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
+        """Sets the inner optimizer's learning rate (ignored while the wrapper is being constructed, before it
+        has one)."""
         if hasattr(self, "inner_optimizer"):
             self.inner_optimizer.learning_rate = learning_rate
 
     @property
     def iterations(self):
+        """The inner optimizer's step counter."""
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list):
@@ -253,11 +286,24 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- checkpoints: every rank's exchange state ---------------------------
     def save_own_variables(self, store):
+        """Keras' saving: ``LossScaleOptimizer``'s variables, then the exchange's state
+        (:meth:`tfsparse.checkpoint.Checkpointer.entries`: every rank's when it was gathered since the last
+        round, as ``ModelCheckpoint`` does, else this rank's own).
+
+        Args:
+          store: Keras' weights store, written into.
+        """
         super().save_own_variables(store)
         for key, value in self.checkpointer.entries().items():
             store[key] = value
 
     def load_own_variables(self, store):
+        """Keras' loading: the optimizer's variables from ``store``, then this rank's exchange state from the
+        checkpoint entries in it (:meth:`tfsparse.checkpoint.Checkpointer.restore`).
+
+        Args:
+          store: Keras' weights store, read from.
+        """
         keys = list(store.keys())
         super().load_own_variables({k: store[k] for k in keys if not is_entry(k)})
         self.checkpointer.restore({k: store[k] for k in keys if is_entry(k)})
@@ -272,6 +318,15 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """The wrapper that :meth:`get_config`'s ``config`` describes.
+
+        Args:
+          config: a dictionary from :meth:`get_config`.
+          custom_objects: Keras' custom objects, for deserializing the inner optimizer.
+
+        Returns:
+          A new ``DistributedOptimizer`` made with the config's arguments.
+        """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)

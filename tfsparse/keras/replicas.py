@@ -72,6 +72,14 @@ def variables_of(model, optimizers=()) -> list:
 
 
 def name_of(variable) -> str:
+    """The name a replica check gives ``variable``: its ``path`` (Keras 3), else its ``name``.
+
+    Args:
+      variable: a Keras or TensorFlow variable.
+
+    Returns:
+      The name as a string (``"?"`` when the variable has neither).
+    """
     return str(getattr(variable, "path", None) or getattr(variable, "name", "?"))
 
 

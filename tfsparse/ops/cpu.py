@@ -171,6 +171,9 @@ def _radix(xu, k: int):
 
 
 def topk_abs(x, k):
+    """Exact top-``k`` by magnitude (:func:`tfsparse.ops.topk_abs`): the candidates at or above a
+    sampled lower key in one streaming pass and the top ``k`` among them, or -- small inputs, dense
+    ``k``, an unlucky sample -- the radix select's k-th key and one count + write pass."""
     x = as_f32(x)
     n = x.size
     k = C.check_k(k, n)
@@ -191,6 +194,8 @@ def topk_abs(x, k):
 
 
 def kth_largest_abs(x, k):
+    """The exact k-th largest ``|x|`` as float32 (:func:`tfsparse.ops.kth_largest_abs`): found
+    among the sampled candidates where they hold it, else by the radix select."""
     x = as_f32(x)
     k = C.check_k(k, x.size)
     if k == 0:
@@ -204,6 +209,8 @@ def kth_largest_abs(x, k):
 
 
 def sample_threshold(x, k, ratio=0.01, seed=0):
+    """DGC's sampled estimate of the k-th largest ``|x|`` (:func:`tfsparse.ops.sample_threshold`):
+    the keys at the stratified sample positions and their ``ceil(k * s / n)``-th largest."""
     x = as_f32(x)
     n = x.size
     k = C.check_k(k, n)
@@ -217,6 +224,8 @@ def sample_threshold(x, k, ratio=0.01, seed=0):
 
 
 def select_threshold(x, t):
+    """Every element with ``|x| >= t`` (:func:`tfsparse.ops.select_threshold`) in one streaming
+    pass; ``(idx, val)``, ``idx`` ascending."""
     x = as_f32(x)
     traffic.count("select", read=x.nbytes)
     with _threads_for(x.size):
@@ -224,6 +233,8 @@ def select_threshold(x, t):
 
 
 def hash_select(x, t, capacity, seed=0):
+    """DRAGONN's table of ``capacity`` slots (:func:`tfsparse.ops.hash_select`) in one pass over
+    ``x``; ``(idx, val)`` in slot order, -1 and 0.0 in the empty slots."""
     x = as_f32(x)
     capacity = C.check_capacity(capacity)
     a, b = C.hash_params(seed, C.SALT_HASH)
@@ -240,6 +251,10 @@ def _as_index(idx) -> np.ndarray:
 
 
 def scatter_add(n, idx, val, out=None):
+    """``dense[idx[j]] += val[j]`` (:func:`tfsparse.ops.scatter_add`), each element summed in payload
+    order, into ``out`` (a contiguous float32 array of shape ``(n,)``, TypeError otherwise) or new
+    zeros; negative indices are skipped, and an index ``>= n`` raises IndexError before anything
+    is written."""
     n = int(n)
     idx = _as_index(idx)
     val = as_f32(val)
@@ -373,6 +388,8 @@ def densify_into(out, idx, val, starts, add=True) -> bool:
 
 
 def quantize_int8(x):
+    """Pipe-SGD's int8 quantization (:func:`tfsparse.ops.quantize_int8`): ``(q, scale)``, ``q`` all
+    zero when ``max|x|`` is 0 or not finite."""
     x = as_f32(x)
     with _threads_for(x.size):
         amax = C.key_to_float(_max_key(x.view(np.uint32))) if x.size else np.float32(0.0)
@@ -384,12 +401,15 @@ def quantize_int8(x):
 
 
 def dequantize_int8(q, scale):
+    """``float32(q) * scale`` as a new float32 vector (:func:`tfsparse.ops.dequantize_int8`)."""
     q = np.ascontiguousarray(q, dtype=np.int8).reshape(-1)
     with _threads_for(q.size):
         return _dequantize(q, np.float32(scale), np.empty(q.size, np.float32))
 
 
 def truncate_fp16(x):
+    """IEEE binary16 by mantissa truncation (:func:`tfsparse.ops.truncate_fp16`), a new float16
+    vector."""
     x = as_f32(x)
     with _threads_for(x.size):
         return _truncate_fp16(x.view(np.uint32), np.empty(x.size, np.uint16)).view(np.float16)
@@ -534,6 +554,8 @@ def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
 
 
 def chunk_l1_norms(x, chunk=32768):
+    """The L1 norm of each ``chunk``-element chunk of ``x`` (:func:`tfsparse.ops.chunk_l1_norms`),
+    float32; the read is counted as ``select`` traffic."""
     x = as_f32(x)
     chunk = C.check_chunk(chunk)
     traffic.count("select", read=x.nbytes)

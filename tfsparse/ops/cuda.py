@@ -182,6 +182,8 @@ def _empty_payload():
 
 
 def topk_abs(x, k):
+    """Exact top-``k`` by magnitude on the device (:func:`tfsparse.ops.topk_abs`): the radix select's
+    k-th key, then the order-preserving compaction; ``(idx, val)`` device arrays, ``idx`` ascending."""
     xd, xu = _as_x(x)
     n = xd.size
     k = C.check_k(k, n)
@@ -197,6 +199,8 @@ def topk_abs(x, k):
 
 
 def kth_largest_abs(x, k):
+    """The exact k-th largest ``|x|`` (:func:`tfsparse.ops.kth_largest_abs`) by the radix select,
+    read back as a host ``np.float32`` (NaN for ``k == 0``)."""
     xd, xu = _as_x(x)
     k = C.check_k(k, xd.size)
     if k == 0:
@@ -205,6 +209,9 @@ def kth_largest_abs(x, k):
 
 
 def sample_threshold(x, k, ratio=0.01, seed=0):
+    """DGC's sampled threshold (:func:`tfsparse.ops.sample_threshold`): the stratified samples'
+    keys gathered on the device and their ``ceil(k * s / n)``-th largest found by the radix
+    select, read back as a host ``np.float32`` (NaN for ``k == 0``)."""
     xd, xu = _as_x(x)
     n = xd.size
     k = C.check_k(k, n)
@@ -223,6 +230,8 @@ def _ge_params(tkey: int, n: int):
 
 
 def select_threshold(x, t):
+    """Every element with ``|x| >= t`` (:func:`tfsparse.ops.select_threshold`) by the
+    order-preserving compaction; ``(idx, val)`` device arrays, ``idx`` ascending."""
     xd, xu = _as_x(x)
     if xd.size == 0:
         return _empty_payload()
@@ -240,6 +249,9 @@ def _hash_table(xu, tkey: int, m: int, seed):
 
 
 def hash_select(x, t, capacity, seed=0):
+    """DRAGONN's table of ``capacity`` slots (:func:`tfsparse.ops.hash_select`) on the device: the
+    ``hash`` kernel's ``atomicMax`` per slot, then each slot's value gathered (0.0 for an empty
+    slot); ``(table, val)`` device arrays in slot order."""
     xd, xu = _as_x(x)
     m = C.check_capacity(capacity)
     if m == 0:
@@ -268,6 +280,9 @@ def hash_survivors(x, t, capacity, seed=0):
 
 
 def scatter_add(n, idx, val, out=None):
+    """``dense[idx[j]] += val[j]`` on the device (:func:`tfsparse.ops.scatter_add`) by float atomic
+    adds, into ``out`` or a new zeroed vector; negative indices are skipped, and an index ``>= n``
+    raises IndexError once the launch is done (the entries in range are added by then)."""
     n = int(n)
     idx_dtype = np.int32 if getattr(idx, "dtype", None) == np.int32 else np.int64
     di = as_device(idx, idx_dtype)
@@ -291,6 +306,8 @@ def scatter_add(n, idx, val, out=None):
 
 
 def quantize_int8(x):
+    """Pipe-SGD's int8 quantization (:func:`tfsparse.ops.quantize_int8`) on the device:
+    ``(q, scale)``, ``q`` an int8 device array, ``scale`` a host ``np.float32``."""
     xd, xu = _as_x(x)
     n = xd.size
     q = cuda.device_array(n, np.int8)
@@ -305,6 +322,8 @@ def quantize_int8(x):
 
 
 def dequantize_int8(q, scale):
+    """``float32(q) * scale`` into a new float32 device vector
+    (:func:`tfsparse.ops.dequantize_int8`)."""
     dq = as_device(q, np.int8)
     out = cuda.device_array(dq.size, np.float32)
     if dq.size:
@@ -313,6 +332,8 @@ def dequantize_int8(q, scale):
 
 
 def truncate_fp16(x):
+    """IEEE binary16 by mantissa truncation (:func:`tfsparse.ops.truncate_fp16`), a new float16
+    device array."""
     xd, xu = _as_x(x)
     out = cuda.device_array(xd.size, np.uint16)
     if xd.size:
@@ -321,6 +342,8 @@ def truncate_fp16(x):
 
 
 def chunk_l1_norms(x, chunk=32768):
+    """The L1 norm of each ``chunk``-element chunk of ``x`` (:func:`tfsparse.ops.chunk_l1_norms`):
+    a block per chunk, summed in float64, returned as a float32 device vector."""
     xd, _ = _as_x(x)
     chunk = C.check_chunk(chunk)
     m = C.num_chunks(xd.size, chunk)
@@ -398,6 +421,7 @@ def sum_squares(x) -> float:
 
 
 def fill(out, value) -> None:
+    """``out[:] = float32(value)`` in place (a float32 device vector)."""
     out = _f32_dev(out)
     if out.size:
         _K["fill_f32"][_K.grid(out.size), _K.tpb](out, np.float32(value))

@@ -28,6 +28,7 @@ def _order_desc(keys: np.ndarray) -> np.ndarray:
 
 
 def topk_abs(x, k):
+    """The ``k`` largest keys, ties to the lowest index (a full sort): ``(idx, val)``, ``idx`` ascending."""
     x = _flat(x)
     k = C.check_k(k, x.size)
     sel = np.sort(_order_desc(mag_keys(x))[:k]).astype(np.int64)
@@ -35,6 +36,7 @@ def topk_abs(x, k):
 
 
 def kth_largest_abs(x, k):
+    """The k-th largest key as float32, by a full sort (NaN for ``k == 0``)."""
     x = _flat(x)
     k = C.check_k(k, x.size)
     if k == 0:
@@ -58,6 +60,8 @@ def sample_positions(n: int, s: int, seed: int) -> np.ndarray:
 
 
 def sample_threshold(x, k, ratio=0.01, seed=0):
+    """The ``ceil(k * s / n)``-th largest key among the ``s`` samples at :func:`sample_positions`,
+    as float32 (NaN for ``k == 0``)."""
     x = _flat(x)
     n = x.size
     k = C.check_k(k, n)
@@ -70,12 +74,16 @@ def sample_threshold(x, k, ratio=0.01, seed=0):
 
 
 def select_threshold(x, t):
+    """Every element whose key is at least ``threshold_key(t)``: ``(idx, val)``, ``idx``
+    ascending."""
     x = _flat(x)
     sel = np.nonzero(mag_keys(x) >= np.uint32(C.threshold_key(t)))[0].astype(np.int64)
     return sel, x[sel]
 
 
 def hash_slots(i: np.ndarray, capacity: int, seed: int) -> np.ndarray:
+    """The slot of each index of ``i`` in a table of ``capacity`` slots: the multiply-shift hash drawn
+    by ``seed`` (``h = (a * i + b) >> 32``), scaled to the table (``(h * capacity) >> 32``)."""
     a, b = C.hash_params(seed, C.SALT_HASH)
     h = (a * i.astype(np.uint64) + b) >> np.uint64(32)
     return ((h * np.uint64(capacity)) >> np.uint64(32)).astype(np.int64)
@@ -94,6 +102,8 @@ def hash_select(x, t, capacity, seed=0):
 
 
 def scatter_add(n, idx, val, out=None):
+    """``np.add.at`` of the payload into ``out`` (in place) or new zeros, negative indices skipped; an
+    index ``>= n`` raises IndexError."""
     idx = np.asarray(idx).reshape(-1)
     val = np.asarray(val, dtype=np.float32).reshape(-1)
     dense = np.zeros(int(n), dtype=np.float32) if out is None else out
@@ -105,6 +115,8 @@ def scatter_add(n, idx, val, out=None):
 
 
 def quantize_int8(x):
+    """``(q, scale)``: ``scale = max|x| / 127``, ``q = clip(rint(x * (127 / max|x|)), -127, 127)``;
+    ``q`` all zero when ``max|x|`` is 0 or not finite."""
     x = _flat(x)
     amax = C.key_to_float(mag_keys(x).max()) if x.size else np.float32(0)
     scale = np.float32(amax / np.float32(127))
@@ -116,6 +128,7 @@ def quantize_int8(x):
 
 
 def dequantize_int8(q, scale):
+    """``float32(q) * float32(scale)``."""
     return np.asarray(q).reshape(-1).astype(np.float32) * np.float32(scale)
 
 
@@ -130,6 +143,7 @@ def truncate_fp16(x):
 
 
 def chunk_l1_norms(x, chunk=32768):
+    """Each chunk's sum of ``|x|`` in float64 (the last chunk padded with zeros), as float32."""
     x = _flat(x)
     chunk = C.check_chunk(chunk)
     m = C.num_chunks(x.size, chunk)

@@ -48,6 +48,9 @@ def set_path(path: str | None) -> None:
 
 
 def get_path() -> str:
+    """The execution path in use, ``"cpu"`` or ``"cuda"``: the one :func:`set_path` forced, else
+    the default (``"cuda"`` when TensorFlow sees a GPU and ``numba.cuda`` is usable), chosen at the
+    first call and kept."""
     if _PATH[0] is None:
         _PATH[0] = _default_path()
     return _PATH[0]

@@ -43,10 +43,27 @@ class NoneCompressor:
 
     @staticmethod
     def compress(tensor):
+        """``tensor`` as it is, with no context.
+
+        Args:
+          tensor: the tensor to send.
+
+        Returns:
+          ``(tensor, None)``.
+        """
         return tensor, None
 
     @staticmethod
     def decompress(tensor, ctx):
+        """``tensor`` as it is.
+
+        Args:
+          tensor: the tensor received.
+          ctx: the context :meth:`compress` returned (None; unused).
+
+        Returns:
+          ``tensor``.
+        """
         return tensor
 
 
@@ -56,12 +73,29 @@ class FP16Compressor:
 
     @staticmethod
     def compress(tensor):
+        """A float tensor cast to float16, with its own dtype as the context; any other tensor as it is.
+
+        Args:
+          tensor: the tensor to send.
+
+        Returns:
+          ``(tensor as float16, its dtype)`` for a float tensor that is not float16, else ``(tensor, None)``.
+        """
         if tensor.dtype.is_floating and tensor.dtype != tf.float16:
             return tf.cast(tensor, tf.float16), tensor.dtype
         return tensor, None
 
     @staticmethod
     def decompress(tensor, ctx):
+        """``tensor`` cast back to the dtype :meth:`compress` recorded.
+
+        Args:
+          tensor: the tensor received.
+          ctx: the context :meth:`compress` returned: the tensor's dtype, or None (nothing to cast).
+
+        Returns:
+          The tensor in its original dtype.
+        """
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
@@ -127,6 +161,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` has been called, and :func:`shutdown` not since."""
     return _state["topology"] is not None
 
 
@@ -137,28 +172,36 @@ def _topo(key: str) -> int:
 
 
 def rank() -> int:
+    """This process's rank in the job; ValueError before :func:`init`."""
     _topo("local_rank")
     return runtime.rank()
 
 
 def size() -> int:
+    """The number of ranks in the job; ValueError before :func:`init`."""
     _topo("local_rank")
     return runtime.size()
 
 
 def local_rank() -> int:
+    """This rank's index among the ranks on its host, in rank order; ValueError before :func:`init`."""
     return _topo("local_rank")
 
 
 def local_size() -> int:
+    """The number of ranks on this rank's host; ValueError before :func:`init`."""
     return _topo("local_size")
 
 
 def cross_rank() -> int:
+    """This rank's index among the ranks with its local rank (one per host that has one, in rank order);
+    ValueError before :func:`init`."""
     return _topo("cross_rank")
 
 
 def cross_size() -> int:
+    """The number of ranks with this rank's local rank: the hosts that have such a rank; ValueError before
+    :func:`init`."""
     return _topo("cross_size")
 
 

@@ -106,6 +106,13 @@ class HorovodOptimizer(_SparseOptimizer):
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
 
     def build(self, var_list):
+        """Builds the wrapper (:meth:`tfsparse.keras.DistributedOptimizer.build`) and, with
+        ``backward_passes_per_step > 1``, this rank's gradient accumulators: kept apart from the optimizer's
+        variables, so that no broadcast overwrites them, no replica check compares them and no file saves them.
+
+        Args:
+          var_list: the variables the optimizer trains.
+        """
         super().build(var_list)
         if self.backward_passes_per_step > 1:
             # each rank's own partial sums: outside the optimizer's variables (as Horovod keeps them),
@@ -118,6 +125,16 @@ class HorovodOptimizer(_SparseOptimizer):
         return super()._divisor() / self.gradient_predivide_factor
 
     def apply(self, grads, trainable_variables=None):
+        """Applies ``grads``, each divided by ``gradient_predivide_factor`` first: exchanged and applied at once
+        (:meth:`tfsparse.keras.DistributedOptimizer.apply`) -- or, with ``backward_passes_per_step=N > 1``,
+        added to this rank's accumulators, whose sum every ``N``-th call exchanges (divided by ``N`` with
+        ``average_aggregated_gradients``), applies and zeroes; the calls in between only advance
+        ``iterations``.  A missing (None) gradient takes the first way, which names it in a ValueError.
+
+        Args:
+          grads: the gradients, one per variable.
+          trainable_variables: the variables they belong to (default: those the optimizer was built for).
+        """
         grads = list(grads)
         if self.gradient_predivide_factor != 1.0:
             grads = [_scaled(g, 1.0 / self.gradient_predivide_factor) for g in grads]
@@ -150,6 +167,9 @@ class HorovodOptimizer(_SparseOptimizer):
         keras.ops.cond(keras.ops.equal(local.passes, n), exchange_and_apply, count_pass)
 
     def get_config(self):
+        """The wrapper's configuration (:meth:`tfsparse.keras.DistributedOptimizer.get_config`) with Horovod's
+        arguments: ``op``, ``gradient_predivide_factor``, ``backward_passes_per_step`` and
+        ``average_aggregated_gradients``."""
         return {**super().get_config(), "op": self.op, "gradient_predivide_factor": self.gradient_predivide_factor,
                 "backward_passes_per_step": self.backward_passes_per_step,
                 "average_aggregated_gradients": self.average_aggregated_gradients}

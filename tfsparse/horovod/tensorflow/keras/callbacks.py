@@ -49,6 +49,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local.add(id(var))
 
     def on_batch_end(self, batch, logs=None):
+        """After the first batch only: every rank takes ``root_rank``'s model and optimizer variables, except
+        the random-seed states and the variables registered as local."""
         if self.broadcast_done:
             return
         comm = _comm()
@@ -72,6 +74,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device
 
     def on_epoch_end(self, epoch, logs=None):
+        """Checks that every rank's epoch logs have the same numeric keys (collective), then replaces each such
+        value by its mean over the ranks."""
         if not logs:
             return
         comm = _comm()
@@ -114,6 +118,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.current_epoch = None
 
     def on_train_begin(self, logs=None):
+        """Takes the optimizer's learning rate as ``initial_lr`` when none was given; without ``staircase``, takes
+        ``steps_per_epoch`` from ``fit`` when none was given (ValueError when the epochs' length is unknown)."""
         if self.initial_lr is None:
             self.initial_lr = _learning_rate(self.model.optimizer)
         if not self.staircase and not self.steps_per_epoch:
@@ -123,9 +129,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                                  f"per epoch (a dataset of unknown length); accepted: steps_per_epoch=<steps>")
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Records the epoch, for the adjustments at its batches."""
         self.current_epoch = epoch
 
     def on_batch_begin(self, batch, logs=None):
+        """From ``start_epoch`` up to ``end_epoch``: sets the learning rate, at the epoch's first batch
+        (``staircase``) or at every batch from the fractional epoch; with ``momentum_correction``, an SGD's
+        velocity is scaled by the new rate over the old one."""
         epoch = self.current_epoch
         if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
             return
@@ -147,6 +157,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                 velocity.assign(velocity * ratio)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Adds the learning rate to the epoch's logs as ``lr``."""
         if logs is not None:
             logs["lr"] = _learning_rate(self.model.optimizer)
 
@@ -168,6 +179,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.verbose = verbose
 
     def on_epoch_end(self, epoch, logs=None):
+        """Adds ``lr`` to the epoch's logs; after the warm-up's last epoch, with ``verbose``, rank 0 prints that
+        the warm-up has ended."""
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
