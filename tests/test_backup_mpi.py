@@ -121,7 +121,7 @@ def test_max_restarts_relaunches_a_killed_job_which_resumes_from_its_backup(tmp_
 
 # -- one process (P = 1): what the backup holds and which one is restored -----------------------
 
-def _one_process_fit(directory, epochs_before_crash=None, **kwargs):
+def _one_process_fit(directory, epochs_before_crash=None, steps_per_execution=1, **kwargs):
     """A fresh model in a fresh SparseStrategy (P = 1), fit for 4 epochs of 6 steps with a
     BackupAndRestore on ``directory``; interrupted after ``epochs_before_crash`` epochs when given.
     Returns (callback, weights, epochs run)."""
@@ -143,7 +143,8 @@ def _one_process_fit(directory, epochs_before_crash=None, **kwargs):
     with tfsparse.SparseStrategy("topk", 0.1, communicator=tfsparse.init()).scope():
         model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(5)])
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=steps_per_execution)
     callback = BackupAndRestore(directory, **kwargs)
     try:
         history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
@@ -191,3 +192,37 @@ def test_batch_backups_record_the_batch_and_one_on_an_epochs_last_batch_resumes_
     np.testing.assert_array_equal(resumed, live)
     last = _progress(backup / BackupAndRestore.LATEST)  # kept (delete_checkpoint=False): the end of epoch 4
     assert (last["epoch"], last["batch"], last["id"]) == (4, 0, callback.restored["id"])
+
+
+def test_batch_backups_count_batches_not_calls_under_steps_per_execution(tmp_path):
+    """steps_per_execution=2: Keras calls on_train_batch_end once per two batches (indices 1, 3,
+    5); save_freq=4 counts batches, as Keras does: backups after batches 4, 8 and 12 (the end of
+    epoch 2), not after every 4th call (which left epoch 1, batch 1 -- a call count -- as the last)."""
+    backup = tmp_path / "backup"
+    _one_process_fit(backup, 2, steps_per_execution=2, save_freq=4)
+    assert {k: v for k, v in _progress(backup / BackupAndRestore.LATEST).items() if k in ("epoch", "batch")} == \
+        {"epoch": 2, "batch": 0}
+
+
+def test_model_checkpoint_gathers_where_keras_saves_under_steps_per_execution(tmp_path, monkeypatch):
+    """tfsparse's ModelCheckpoint gathers every rank's exchange state at exactly the batches where
+    rank 0's Keras ModelCheckpoint saves, with an integer save_freq and steps_per_execution > 1."""
+    import keras
+
+    import tfsparse
+    from tfsparse.keras.callbacks import ModelCheckpoint
+
+    events = []
+    monkeypatch.setattr(ModelCheckpoint, "_gather", lambda self: events.append("gather"))
+    monkeypatch.setattr(keras.callbacks.ModelCheckpoint, "_save_model",
+                        lambda self, epoch, batch, logs: events.append("save"))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((96, 12), dtype=np.float32), rng.integers(0, 5, 96)
+    with tfsparse.SparseStrategy("topk", 0.1, communicator=tfsparse.init()).scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(5)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=2)
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+              callbacks=[ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=4)])
+    # 18 batches in 9 calls: saves after batches 4, 8, 12, 16 -- each preceded by its gather
+    assert events == ["gather", "save"] * 4
+

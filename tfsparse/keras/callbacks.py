@@ -337,6 +337,32 @@ class _AtomicSaves:
         return getattr(self._wrapped, name)
 
 
+class _BatchCount:
+    """Keras' count of the batches since the last save (``ModelCheckpoint._should_save_on_batch``):
+    by the batch indices Keras passes, not by the calls -- with ``steps_per_execution`` > 1 a call
+    ends several batches -- so that every rank decides to save at the batch rank 0's Keras
+    callback does.  ``every``: ``save_freq``."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.last: int | None = None  # the batch index of the last call
+        self.since = 0  # batches since the last save
+
+    def add(self, batch: int) -> int:
+        """Counts the call that ends batch index ``batch``; returns how many batches it ended."""
+        added = batch + 1 if self.last is None or batch <= self.last else batch - self.last
+        self.last = batch
+        self.since += added
+        return added
+
+    def due(self) -> bool:
+        """Whether ``every`` batches have ended since the last save (and restarts the count)."""
+        if self.since < self.every:
+            return False
+        self.since = 0
+        return True
+
+
 class ModelCheckpoint(_RankZeroOnly):
     """``keras.callbacks.ModelCheckpoint`` for multi-process training: rank 0 writes, and the
     file holds **every rank's** exchange state -- residual (error feedback is per rank) and
@@ -364,7 +390,7 @@ class ModelCheckpoint(_RankZeroOnly):
     def __init__(self, filepath, save_freq="epoch", **kwargs):
         super().__init__(keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs), runtime.rank())
         self.save_freq = save_freq
-        self._batches = 0
+        self._count = _BatchCount(save_freq) if isinstance(save_freq, int) else None
 
     def set_model(self, model):
         """Sets the model; rank 0's Keras ``ModelCheckpoint`` gets it behind a wrapper whose ``save`` and
@@ -379,11 +405,12 @@ class ModelCheckpoint(_RankZeroOnly):
             checkpointer.gather()
 
     def on_train_batch_end(self, batch, logs=None):
-        """With an integer ``save_freq``: gathers every rank's exchange state (collective) at every
-        ``save_freq``-th batch, before rank 0's Keras callback decides whether to save."""
-        if isinstance(self.save_freq, int):
-            self._batches += 1
-            if self._batches % self.save_freq == 0:
+        """With an integer ``save_freq``: gathers every rank's exchange state (collective) where
+        ``save_freq`` batches have ended since the last save (counted as Keras counts them), before
+        rank 0's Keras callback decides whether to save."""
+        if self._count is not None:
+            self._count.add(batch)
+            if self._count.due():
                 self._gather()
         super().on_train_batch_end(batch, logs)
 
@@ -517,7 +544,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.double_checkpoint = bool(double_checkpoint)
         self._epoch = 0  # epochs completed
         self._batch = 0  # batches completed in the current epoch
-        self._since_save = 0
+        self._count = _BatchCount(save_freq) if save_freq != "epoch" else None
         self._run_id = ""
         self.restored: dict | None = None
         """The progress of the backup the last ``fit`` resumed from (``epoch``, ``batch``, ...), or None."""
@@ -588,7 +615,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         this rank's exchange state) and makes ``fit`` start at the epoch the backup reached."""
         from .saving import load_weights
 
-        self._epoch = self._batch = self._since_save = 0
+        self._epoch = self._batch = 0
+        if self._count is not None:
+            self._count = _BatchCount(self.save_freq)
         self.restored = None
         view = self._read()
         self._agree(view)
@@ -612,14 +641,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- save ---------------------------------------------------------------
     def on_train_batch_end(self, batch, logs=None):
-        """Counts the batch; with an integer ``save_freq``, writes a backup every ``save_freq`` batches
-        (collective)."""
-        self._batch += 1
-        if self.save_freq == "epoch":
+        """Counts the batches the call ended (several with ``steps_per_execution`` > 1); with an
+        integer ``save_freq``, writes a backup (collective) once ``save_freq`` batches have ended
+        since the last one."""
+        self._batch = batch + 1
+        if self._count is None:
             return
-        self._since_save += 1
-        if self._since_save >= self.save_freq:
-            self._since_save = 0
+        self._count.add(batch)
+        if self._count.due():
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
