@@ -21,6 +21,16 @@ def dry_run(capsys, *argv):
     return shlex.split(capsys.readouterr().out)
 
 
+def test_dry_run_with_an_emulated_network_says_what_it_leaves_out(capsys):
+    """--dry-run prints the mpirun command alone; with --net or --emulate-hosts it says on stderr
+    that the emulation wraps that command when the job runs."""
+    for extra in (["--net", "1gbit"], ["--emulate-hosts", "2"], []):
+        assert run.main(["--dry-run", "-np", "2", *extra, "python", "t.py"]) == 0
+        out, err = capsys.readouterr()
+        assert shlex.split(out)[-1] == "t.py"
+        assert ("--net and --emulate-hosts set up their network namespaces" in err) == bool(extra)
+
+
 def usage_error(capsys, *argv):
     with pytest.raises(SystemExit) as info:
         run.main(list(argv))

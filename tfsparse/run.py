@@ -604,6 +604,10 @@ def main(argv=None) -> int:
             return 130
     if args.dry_run:
         print(shlex.join(cmd))
+        if spec is not None or args.emulate_hosts is not None:
+            print("tfsparse-run: --dry-run prints the job's mpirun command alone: --net and --emulate-hosts set up "
+                  "their network namespaces (and ssh daemons) when the job runs, and wrap this command then",
+                  file=sys.stderr)
         return 0
     problems = check_job_hosts(args.hosts, mpi_flags + shlex.split(args.mpi_args), command, env)
     if problems:
