@@ -50,6 +50,8 @@ class ExchangeStats:
         self.reset()
 
     def reset(self):
+        """Sets every counter to zero (:class:`~tfsparse.keras.callbacks.CommunicationStats` does at each
+        epoch's start)."""
         self.steps = 0
         self.bytes_sent = 0
         self.sent_elements = 0
@@ -73,10 +75,12 @@ class ExchangeStats:
 
     @property
     def bytes_per_step(self) -> float:
+        """Mean bytes sent per step: ``bytes_sent / steps`` (0.0 before the first)."""
         return self.bytes_sent / self.steps if self.steps else 0.0
 
     @property
     def density(self) -> float:
+        """The fraction of gradient elements sent: ``sent_elements / total_elements`` (0.0 before any)."""
         return self.sent_elements / self.total_elements if self.total_elements else 0.0
 
 

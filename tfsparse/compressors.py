@@ -179,6 +179,7 @@ class TopK(Compressor):
     ascending = True
 
     def compress(self, acc, k, candidates=None):
+        """The exact top-k (:func:`topk_with_values`), taken among ``candidates`` when they hold at least ``k``."""
         return topk_of(acc, k, candidates)
 
     def prefilter(self, n, k, peek):
@@ -193,15 +194,18 @@ class Identity(Compressor):
     ascending = True
 
     def compress(self, acc, k, candidates=None):
+        """Every index ``0 .. n-1`` and a copy of ``acc``."""
         return np.arange(acc.size, dtype=np.int64), acc.copy()
 
     def expected_count(self, n, k):
+        """``n``: every element, whatever ``k``."""
         return n
 
 
 # -- threshold compressors (approximate top-k) ------------------------------------------
 
 def check_small_density(small_density) -> float | None:
+    """``small_density``: None, or checked to be a number in ``(0, 1]`` (as a float); ValueError otherwise."""
     return None if small_density is None else _checks.real("small_density", small_density, 0.0, 1.0, lo_open=True)
 
 
@@ -334,6 +338,7 @@ class DGCSampledThreshold(Compressor):
         return {"rng": np.array(words, dtype=np.uint64)}
 
     def set_state(self, state: dict) -> None:
+        """Restores :meth:`get_state`'s sampler words; an empty state restarts the generator from ``seed``."""
         super().set_state(state)
         if not state:  # nothing saved: start afresh, from the seed
             self._rng = np.random.default_rng(self.seed)
@@ -358,6 +363,7 @@ class DGCSampledThreshold(Compressor):
         return float(np.partition(sample, s - ks)[s - ks])
 
     def compress(self, acc, k, candidates=None):
+        """Steps 1-6 of the class docstring: sampled threshold, adaptation, truncation (``k >= n``: the non-zeros)."""
         k = small_tensor_k(acc.size, int(k), self.small_density)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
@@ -489,6 +495,7 @@ class HashedThreshold(Compressor):
         return Prefilter(C.threshold_key(t), t)
 
     def compress(self, acc, k, candidates=None):
+        """Alg. 1 with this step's seed (the step counter then advances): threshold, hash table, survivors."""
         from . import ops
 
         seed = self.step_seed()
@@ -532,9 +539,11 @@ class HashedThreshold(Compressor):
         return float(m * -math.expm1(passed * math.log1p(-1.0 / m))) if m > 1 else min(1.0, passed)
 
     def get_state(self):
+        """``step``: the step counter, which seeds the next step's hash and sample."""
         return {"step": np.array([self.step], np.int64)}
 
     def set_state(self, state):
+        """Restores the step counter (an empty state: step 0)."""
         super().set_state(state)
         self.step = int(np.asarray(state["step"]).reshape(-1)[0]) if state else 0
 
@@ -607,6 +616,7 @@ class GaussianKThreshold(Compressor):
         return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - rho / 2.0)
 
     def compress(self, acc, k, candidates=None):
+        """``|acc| > t``, the Gaussian ``t`` scaled while at most ``3k/4`` pass (§5.4; fewer non-zeros: all)."""
         k = int(k)
         n = acc.size
         if k <= 0 or n == 0:
@@ -728,6 +738,7 @@ class ReusedThreshold(Compressor):
         return Prefilter(C.threshold_key(self.threshold)) if k > 0 and self.threshold > 0.0 else None
 
     def compress(self, acc, k, candidates=None):
+        """``|acc| >= threshold`` (the exact k-th largest where none is kept), raised and adjusted as the class says."""
         fresh = self.threshold is None
         if fresh:
             self.threshold = kth_largest_magnitude(acc, k, candidates)
@@ -758,9 +769,11 @@ class ReusedThreshold(Compressor):
         return threshold, idx[passing], val[passing]
 
     def get_state(self):
+        """``threshold``: the one the next call starts from (NaN: none, re-evaluate)."""
         return {"threshold": np.array([np.nan if self.threshold is None else self.threshold], np.float64)}
 
     def set_state(self, state):
+        """Restores the kept threshold (NaN or an empty state: None, re-evaluate)."""
         super().set_state(state)
         t = float(np.asarray(state["threshold"], np.float64).reshape(-1)[0]) if state else float("nan")
         self.threshold = None if np.isnan(t) else t

@@ -165,10 +165,13 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
 
     @property
     def density(self) -> float:
+        """The density of the buckets that set none of their own (``k = ceil(density · size)``); where a
+        :attr:`schedule` is set, it replaces the density at the start of every round."""
         return self._density
 
     @density.setter
     def density(self, value) -> None:
+        """Sets it, checked to be a number in ``(0, 1]``."""
         self._density = check_density(value)
 
     @property
@@ -179,6 +182,7 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
 
     @property
     def rounds_done(self) -> int:
+        """Rounds completed: counted when a round's last bucket finishes (restored with the state)."""
         return self._round
 
     @property

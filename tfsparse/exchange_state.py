@@ -34,6 +34,8 @@ class ExchangeState:
         return out
 
     def check_idle(self, what: str) -> None:
+        """Raises RuntimeError, naming ``what`` and the buckets, when a round is in flight: the state
+        must not mix two rounds."""
         busy = sorted(b.spec.index for b in self.bucket_states if b.futures)
         if busy:
             raise RuntimeError(f"{what} while a round is in flight (buckets {busy}); wait() for it first: the "

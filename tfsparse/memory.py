@@ -41,6 +41,12 @@ register_memory = MEMORIES.register  # class decorator: the class under its name
 
 
 def available_memories() -> tuple[str, ...]:
+    """The names ``memory=`` accepts (:func:`get_memory`; the settings add ``"auto"``), sorted.
+
+    Returns:
+      A tuple of names: ``("momentum", "momentum_rows", "none", "residual")`` unless more memories are
+      registered.
+    """
     return MEMORIES.names()
 
 
@@ -111,6 +117,17 @@ class NoMemory(Stateful):
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
+        """The options of this memory: none (the optimizer applies any momentum).
+
+        Args:
+          momentum: must be None.
+
+        Returns:
+          ``{}``.
+
+        Raises:
+          ValueError: when ``momentum`` is given (it needs ``memory="momentum"``).
+        """
         return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
@@ -160,6 +177,17 @@ class ResidualMemory(Stateful):
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
+        """The options of this memory: none (the optimizer applies any momentum).
+
+        Args:
+          momentum: must be None.
+
+        Returns:
+          ``{}``.
+
+        Raises:
+          ValueError: when ``momentum`` is given (it needs ``memory="momentum"``).
+        """
         return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
@@ -282,9 +310,11 @@ class ResidualMemory(Stateful):
         self.acc, self.residual = self.residual, self.acc
 
     def get_state(self):
+        """``residual``: a host copy of the residual (float32)."""
         return {"residual": np.array(self.space.to_host(self.residual), np.float32)}
 
     def set_state(self, state):
+        """Restores the residual in place (zeros where the state holds none)."""
         super().set_state(state)
         self.space.load(self.residual, state.get("residual"))
 
@@ -312,6 +342,17 @@ class MomentumMemory(ResidualMemory):
 
     @staticmethod
     def check_options(momentum=None) -> dict:
+        """The options of momentum correction: its factor.
+
+        Args:
+          momentum: the momentum factor ``m``, in ``[0, 1)``; None: :attr:`DEFAULT_MOMENTUM` (0.9).
+
+        Returns:
+          ``{"momentum": m}``, ``m`` a float.
+
+        Raises:
+          ValueError: when ``momentum`` is not a number in ``[0, 1)``.
+        """
         if momentum is None:
             return {"momentum": MomentumMemory.DEFAULT_MOMENTUM}
         return {"momentum": _checks.real("momentum", momentum, 0.0, 1.0, hi_open=True, hint=", e.g. momentum=0.9")}
@@ -387,9 +428,11 @@ class MomentumMemory(ResidualMemory):
         self.space.zero_nonfinite(self.velocity)
 
     def get_state(self):
+        """``residual`` and ``velocity``: host copies of both (float32)."""
         return {**super().get_state(), "velocity": np.array(self.space.to_host(self.velocity), np.float32)}
 
     def set_state(self, state):
+        """Restores the residual and the velocity in place (zeros for one the state lacks)."""
         super().set_state(state)
         self.space.load(self.velocity, state.get("velocity"))
 

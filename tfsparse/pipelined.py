@@ -115,18 +115,23 @@ class Pipelined:
 
     @property
     def density(self) -> float:
+        """The engine's :attr:`~tfsparse.exchange.GradientExchange.density`; setting it sets the engine's."""
         return self.engine.density
 
     @density.setter
     def density(self, value) -> None:
+        """Sets the engine's density (checked there)."""
         self.engine.density = value
 
     @property
     def schedule(self):
+        """The engine's density schedule (a callable round -> density, or None); setting it sets the
+        engine's."""
         return self.engine.schedule
 
     @schedule.setter
     def schedule(self, value) -> None:
+        """Sets the engine's density schedule."""
         self.engine.schedule = value
 
     # -- steps ------------------------------------------------------------

@@ -52,6 +52,7 @@ class TensorSpec:
 
     @property
     def size(self) -> int:
+        """Elements of the gradient: the product of ``shape``."""
         return int(np.prod(self.shape, dtype=np.int64))
 
 
@@ -90,9 +91,12 @@ class Layout:
         return hash(tuple((s.name, s.shape) for s in self.specs))
 
     def same_shapes(self, other: "Layout") -> bool:
+        """Whether ``other`` holds tensors of the same shapes in the same order (names aside)."""
         return [s.shape for s in self.specs] == [s.shape for s in other.specs]
 
     def describe(self, limit: int = 6) -> str:
+        """The first ``limit`` tensors as ``name[shape]``, comma-separated, and the count of all where there
+        are more."""
         items = [f"{s.name}{list(s.shape)}" for s in self.specs[:limit]]
         more = f", ... ({len(self.specs)} tensors)" if len(self.specs) > limit else ""
         return ", ".join(items) + more
@@ -122,6 +126,7 @@ class BucketSpec:
 
     @property
     def size(self) -> int:
+        """Elements of the bucket: ``stop - start``."""
         return self.stop - self.start
 
 
@@ -148,6 +153,8 @@ class Plan:
         return self
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
+        """The :class:`BucketSpec` s of ``layout``, in the order they are exchanged (bucket ``i`` has ``index``
+        ``i``)."""
         raise TypeError(f"{type(self).__name__} does not define buckets()")
 
     def config(self) -> dict:
@@ -172,6 +179,7 @@ class FusedPlan(Plan):
     name = "fused"
 
     def buckets(self, layout):
+        """One bucket: every tensor of ``layout``, elements ``[0, n)``."""
         return [_bucket(layout, 0, 0, len(layout))]
 
 
@@ -191,9 +199,12 @@ class BucketPlan(Plan):
             raise ValueError("plan='buckets' needs bucket_bytes= (a number of bytes >= 0), e.g. 4 << 20")
 
     def config(self):
+        """The plan's name and its θ, ``bucket_bytes``."""
         return {"plan": self.name, "bucket_bytes": self.bucket_bytes}
 
     def buckets(self, layout):
+        """Walks the tensors last to first and closes a bucket once it holds at least ``bucket_bytes`` bytes
+        of float32 gradient; the first tensor closes the last bucket, whatever its size."""
         out = []
         last = len(layout)
         acc = 0
@@ -239,6 +250,7 @@ class PerTensorPlan(Plan):
         return got
 
     def config(self):
+        """The plan's name and ``assign``'s repr (None without one)."""
         return {"plan": self.name, "assign": None if self.assign is None else repr(self.assign)}
 
     def _overrides(self, spec: TensorSpec) -> dict:
@@ -248,6 +260,8 @@ class PerTensorPlan(Plan):
         return self._check(spec.name, got)
 
     def buckets(self, layout):
+        """One bucket per tensor, last tensor first, each with what ``assign`` gives for it; ValueError where
+        a dict ``assign`` names a tensor that ``layout`` lacks."""
         if isinstance(self.assign, dict):
             names = {s.name for s in layout.specs}
             missing = sorted(set(self.assign) - names)
@@ -259,10 +273,26 @@ class PerTensorPlan(Plan):
 
 
 def available_plans() -> tuple[str, ...]:
+    """The names ``plan=`` accepts (:func:`make_plan`), in the order the plans were registered.
+
+    Returns:
+      A tuple of names: ``("fused", "buckets", "per_tensor")`` unless more plans are registered.
+    """
     return PLANS.names()
 
 
 def check_bucket_bytes(bucket_bytes):
+    """``bucket_bytes`` checked: None (no bucket plan) or GradientFlow's threshold θ in bytes.
+
+    Args:
+      bucket_bytes: None, or an integer >= 0 (0: one bucket per tensor).
+
+    Returns:
+      None, or ``bucket_bytes`` as an int.
+
+    Raises:
+      ValueError: when it is neither None nor an integer >= 0.
+    """
     if bucket_bytes is None:
         return None
     return _checks.integer("bucket_bytes", bucket_bytes, 0, hint=(

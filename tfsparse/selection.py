@@ -95,6 +95,8 @@ class CostModel:
             object.__setattr__(self, name, _checks.real(name, getattr(self, name), 0.0, lo_open=strict))
 
     def t_comp(self, d: int) -> float:
+        """``T_comp(d) = comp_fixed + comp_per_element · d``: the seconds to encode a ``d``-element tensor
+        and decode the K payloads."""
         return self.comp_fixed + self.comp_per_element * d
 
     def t_full(self, d: int, workers: int, value_bytes: int, latency: bool = True,
@@ -123,6 +125,7 @@ class CostModel:
         return asdict(self)
 
     def describe(self) -> str:
+        """The model in one line (α, B and ``T_comp``), as :meth:`CostModelPlan.report` prints it."""
         return (f"alpha={format_time(self.alpha)}, B={format_rate(self.beta)}, T_comp(d) = "
                 f"{format_time(self.comp_fixed)} + {self.comp_per_element * 1e9:.3g} ns*d")
 
@@ -141,9 +144,12 @@ class Decision:
 
     @property
     def saving(self) -> float:
+        """``t_full - t_spr``: the communication seconds compressing saves (Eq. 1's right-hand side)."""
         return self.t_full - self.t_spr
 
     def why(self) -> str:
+        """Eq. 1 with this tensor's numbers, as text: ``T_comp < T_full - T_spr`` where it is compressed,
+        ``>=`` where not."""
         rel = "<" if self.compress else ">="
         return (f"T_comp {format_time(self.t_comp)} {rel} T_full - T_spr = {format_time(self.t_full)} - "
                 f"{format_time(self.t_spr)}")
@@ -252,6 +258,7 @@ class CostModelPlan(Plan):
         self.decisions: tuple[Decision, ...] | None = None
 
     def config(self):
+        """The plan's name, the model (``"measured"`` where none was given, else its repr) and ``fuse_dense``."""
         return {"plan": self.name, "cost_model": "measured" if self.model is None else repr(self.model),
                 "fuse_dense": self.fuse_dense}
 
@@ -273,6 +280,9 @@ class CostModelPlan(Plan):
         return prepared
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
+        """Last tensor first: a bucket of its own for every compressed tensor (the exchange's algorithm),
+        one ``"dense"`` bucket per run of consecutive dense tensors (per dense tensor without
+        ``fuse_dense``); RuntimeError unless :meth:`prepare` decided for ``layout``'s tensors."""
         if self.decisions is None or len(self.decisions) != len(layout):
             raise RuntimeError("CostModelPlan.buckets() for gradients it was not prepared for: the exchange "
                                "prepares the plan (prepare()) with its layout")

@@ -130,6 +130,17 @@ def check_option_names(algorithm: str, options: Mapping) -> None:
 
 
 def check_algorithm(algorithm) -> str:
+    """``algorithm`` checked to be ``"auto"`` or the name of a registered aggregator.
+
+    Args:
+      algorithm: the value of ``algorithm=``.
+
+    Returns:
+      ``algorithm``, as given.
+
+    Raises:
+      ValueError: when it is neither, naming the accepted values.
+    """
     return _checks.choice("algorithm", algorithm, (AUTO, *available_aggregators()))
 
 
@@ -318,6 +329,8 @@ class Settings:
 
     @property
     def memory_options(self) -> dict:
+        """The memory's options: ``{"momentum": momentum}`` where :attr:`momentum` is set (momentum
+        correction), else ``{}`` -- what :func:`tfsparse.memory.get_memory` builds the memory with."""
         return {} if self.momentum is None else {"momentum": self.momentum}
 
     @property

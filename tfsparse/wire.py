@@ -79,6 +79,11 @@ register_wire = WIRES.register  # class decorator: makes ``cls`` available as ``
 
 
 def available_wires() -> tuple[str, ...]:
+    """The names ``wire_dtype=`` accepts (:func:`get_wire`), in the order the wires were registered.
+
+    Returns:
+      A tuple of names: ``("float32", "float16", "bfloat16", "int8")`` unless more wires are registered.
+    """
     return WIRES.names()
 
 
@@ -232,14 +237,20 @@ def _corrupt(wire, nbytes, index_bytes):
 
 @register_wire
 class Float32(Wire):
+    """Values as they are: 4 bytes of float32 each, lossless."""
+
     name = "float32"
     value_bytes = 4
     lossy = False
 
     def encode_with_loss(self, values):
+        """The values' own float32 bytes (no copy where ``values`` is a contiguous float32 vector already)
+        and no loss (None): nothing is lost."""
         return _f32(values).view(np.uint8), None
 
     def decode(self, buf, count):
+        """The first ``4 * count`` bytes of ``buf`` viewed as float32 (no copy where ``buf`` is contiguous uint8
+        already); RuntimeError when ``buf`` is shorter."""
         return self._block(buf, count)[:4 * count].view(np.float32)
 
     def _decode_range(self, buf, count, lo, hi, out, accumulate):
@@ -249,10 +260,17 @@ class Float32(Wire):
 
 @register_wire
 class Float16(Wire):
+    """IEEE binary16, round to nearest even (GradientFlow's fp16 communication, gradientflow-sun2019 §2.3):
+    ``2m`` bytes, plus one scale byte in a message that would overflow (the module docstring's float16
+    overflow)."""
+
     name = "float16"
     value_bytes = 2
 
     def encode_with_loss(self, values):
+        """Rounds to float16 (:func:`tfsparse.ops.cpu.half_encode`); where a finite value would round to Inf,
+        the whole message is encoded scaled instead: every value divided by ``2**e``, ``e`` appended as one
+        byte."""
         values = _f32(values)
         codes, loss, overflowed = _kernels().half_encode(values)
         if not overflowed:
@@ -260,6 +278,9 @@ class Float16(Wire):
         return self._scaled(values)
 
     def encode_loss_into(self, values, loss, buffers=None):
+        """As :meth:`encode_with_loss`, the loss written into ``loss`` and the codes into a buffer taken
+        from ``buffers`` when given (a scaled message is a new one); where the message must be scaled and
+        ``loss`` is ``values`` itself, the values are first recovered exactly from the codes and the loss."""
         values = _f32(values)
         out = None if buffers is None else buffers.take(values.size, np.uint16)
         codes, _, overflowed = _kernels().half_encode(values, loss=loss, out=out)
@@ -309,19 +330,27 @@ class Float16(Wire):
         return nbytes & 1  # an odd length: the scale byte at the end
 
     def max_nbytes(self, count):
+        """``2 * count`` plus the scale byte of a scaled message."""
         return self.nbytes(count) + 1  # with the scale byte
 
 
 @register_wire
 class BFloat16(Wire):
+    """16-bit truncation: the high 16 bits of each float32 (pipe-sgd-li2018 §3.2, "drops the less
+    significant mantissa bits"); ``2m`` bytes, ±Inf and NaN carried."""
+
     name = "bfloat16"
     value_bytes = 2
 
     def encode_with_loss(self, values):
+        """Truncates each value to its high 16 bits (:func:`tfsparse.ops.cpu.bfloat16_encode`); the loss
+        ``values - decoded`` (0 where a value is NaN/Inf)."""
         codes, loss = _kernels().bfloat16_encode(_f32(values))
         return codes.view(np.uint8), loss
 
     def encode_loss_into(self, values, loss, buffers=None):
+        """As :meth:`encode_with_loss` in one pass, the loss written into ``loss`` (``values`` itself
+        allowed) and the codes into a buffer taken from ``buffers`` when given."""
         values = _f32(values)
         out = None if buffers is None else buffers.take(values.size, np.uint16)
         return _kernels().bfloat16_encode(values, loss=loss, out=out)[0].view(np.uint8)
@@ -364,13 +393,20 @@ class Int8(Wire):
     value_bytes = 1
 
     def nbytes(self, count):
+        """``count`` one-byte codes plus a float32 scale per chunk of :data:`INT8_CHUNK` values:
+        ``count + 4 ceil(count / INT8_CHUNK)``."""
         return int(count) + 4 * (-(-int(count) // INT8_CHUNK))
 
     def encode_with_loss(self, values):
+        """Quantizes each chunk of :data:`INT8_CHUNK` values to ``rint(x * 127 / max|x|)``
+        (:func:`tfsparse.ops.cpu.quantize_int8_chunks`); the message is the codes, then the chunks' float32
+        scales."""
         q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
         return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
 
     def encode_loss_into(self, values, loss, buffers=None):
+        """As :meth:`encode_with_loss`, the loss written into ``loss`` (``values`` itself allowed); with
+        ``buffers``, the codes and the scales are written into one message taken from it."""
         values = _f32(values)
         count = values.size
         if buffers is None:
@@ -421,6 +457,8 @@ class Int8(Wire):
         _kernels().dequantize_int8_chunks_into(q, scales, INT8_CHUNK, out, accumulate)
 
     def entries(self, nbytes, index_bytes=0):
+        """Solves ``nbytes = m (index_bytes + 1) + 4 ceil(m / INT8_CHUNK)`` for ``m`` (each entry's index and
+        code, and the scales of their chunks); RuntimeError where no ``m`` fits (a corrupt length)."""
         # nbytes = m * (index_bytes + 1) + 4 * q with q = ceil(m / C) chunks: try the few q near
         # nbytes / ((index_bytes + 1) * C + 4) and keep the consistent one
         nbytes, per = int(nbytes), index_bytes + 1
@@ -461,6 +499,7 @@ class PlainIndices:
         return m * self.index_bytes
 
     def encode(self, idx) -> np.ndarray:
+        """``idx`` as the bytes of contiguous int32 (int64 from ``2**31`` elements), in the order given."""
         return np.ascontiguousarray(idx, dtype=self.itype).reshape(-1).view(np.uint8)
 
     def split(self, buf, wire) -> tuple[np.ndarray, int]:
@@ -487,14 +526,21 @@ class BlockedIndices:
         self.header_bytes = 4 * self.blocks
 
     def nbytes(self, m) -> int:
+        """The counts per block (``header_bytes``) and ``m`` uint16 low parts padded to 4 bytes:
+        ``header_bytes + 4 ceil(m / 2)``."""
         return self.header_bytes + 4 * math.ceil(m / 2)
 
     def encode(self, idx) -> np.ndarray:
+        """The count of indices in each block, then each index's low 16 bits
+        (:func:`tfsparse.ops.cpu.blocked_indices_encode`); ValueError unless ``idx`` ascends strictly
+        within ``[0, n)``."""
         from .ops import cpu
 
         return cpu.blocked_indices_encode(idx, self.n, self.blocks)
 
     def split(self, buf, wire) -> tuple[np.ndarray, int]:
+        """``(indices, values' offset)`` of a message ``[indices | values]``: the int64 indices rebuilt
+        from the counts and the low bits; RuntimeError when the length does not match the counts."""
         from .ops import cpu
 
         if buf.size < self.header_bytes:
@@ -554,6 +600,8 @@ class WireLoss:
         self.parts: list = []
 
     def add(self, where, loss) -> None:
+        """Records ``loss``, one value per element of ``where`` (an int64 index array or a ``slice``); a None
+        loss (a lossless wire) records nothing."""
         if loss is not None:
             self.parts.append((where, loss))
 

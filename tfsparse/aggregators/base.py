@@ -89,6 +89,8 @@ class AllreduceResult:
 
     @property
     def values(self) -> np.ndarray:
+        """The float32 values at ``indices`` (every element for a dense result); an allgather result's
+        ``pieces`` are summed on first access (:func:`sparse_decode`) and kept."""
         if self._values is None:
             self._values = sparse_decode(self.n, self.pieces)
         return self._values

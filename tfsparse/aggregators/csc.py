@@ -55,6 +55,17 @@ SELECTIONS = ("current", "previous")
 
 
 def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` checked to be a number of elements per chunk.
+
+    Args:
+      chunk_size: an integer >= 1 (GradientFlow's is 32768).
+
+    Returns:
+      ``chunk_size`` as an int.
+
+    Raises:
+      ValueError: when it is not an integer >= 1.
+    """
     return _checks.integer("chunk_size", chunk_size, 1,
                            hint=" (elements per chunk), e.g. chunk_size=32768 (GradientFlow's 32K)")
 
@@ -109,6 +120,9 @@ class CoarseSparseAllreduce(Aggregator):
         return min(math.ceil(n / self.chunk_size), math.ceil(k / self.chunk_size))
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
+        """``m`` chunks for ``k``: under ``"previous"``, with a set of ``m`` chunks chosen by the last step, those
+        chunks gathered and encoded for the dense allreduce; otherwise this rank's chunk L1 norms, which
+        :meth:`exchange` allreduces."""
         acc, k = check_acc(acc, k)
         m = self.chunks_for(acc.size, k)
         payload = _CSCPayload(acc, wire, m)
@@ -121,6 +135,8 @@ class CoarseSparseAllreduce(Aggregator):
         return payload
 
     def exchange(self, comm, payload, out=None, settled=None):
+        """The chunk set (the top ``m`` of the allreduced norms, unless known already), the dense
+        allreduce of its elements and, under ``"previous"``, the next step's set (Fig. 18)."""
         acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
         if payload.m == 0:
             self._next = np.empty(0, np.int64)
@@ -149,6 +165,8 @@ class CoarseSparseAllreduce(Aggregator):
         return top_chunks(comm.allreduce(ops.chunk_l1_norms(held, self.chunk_size), op="sum"), m)
 
     def schedule(self, b, n, k, step):
+        """The chunk-norm allreduce (``C`` float32: before the chunks, or after them under
+        ``"previous"`` and before them too at step 1) and the dense allreduce of the ``m`` chunks, taken as full."""
         chunks = math.ceil(n / self.chunk_size)
         m = self.chunks_for(n, k)
         if self.selection == "current" or step == 1:
@@ -158,15 +176,19 @@ class CoarseSparseAllreduce(Aggregator):
             b.allreduce("chunk norms (next step)", chunks, 4)
 
     def period(self):
+        """Step 2 under ``"previous"`` (step 1 allreduces the norms twice), else step 1: every step alike."""
         return ((2, 1.0),) if self.selection == "previous" else ((1, 1.0),)
 
     def reset(self):
+        """Forgets the set chosen for the next step (``"previous"``): that step chooses from its own norms."""
         self._next = np.empty(0, np.int64)
 
     def get_state(self):
+        """``chunks``: the set chosen for the next step, under ``"previous"`` (nothing under ``"current"``)."""
         return {"chunks": self._next.copy()} if self.selection == "previous" else {}
 
     def set_state(self, state):
+        """Restores the next step's chunk set (none where the state holds no ``chunks``)."""
         super().set_state(state)
         chunks = state.get("chunks")
         self._next = np.empty(0, np.int64) if chunks is None else np.asarray(chunks, np.int64).reshape(-1).copy()

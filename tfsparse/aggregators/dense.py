@@ -212,6 +212,7 @@ class DenseAllreduce(Aggregator):
         return partial
 
     def schedule(self, b, n, k, step):
+        """One allreduce of the ``n`` values in the wire's value bytes (Eq. 5), whatever ``k`` and ``step``."""
         b.allreduce("allreduce", n, b.value_bytes)
 
     def _encode(self, wire, values, acc, where: slice, loss: WireLoss, in_place: bool) -> np.ndarray:

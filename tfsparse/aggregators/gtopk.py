@@ -115,12 +115,16 @@ class GTopKAllreduce(Aggregator):
         return self.compressor.on_device
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
+        """The exact local top-k of ``acc`` (Alg. 4 lines 5-7, :class:`~tfsparse.compressors.TopK`) and the index
+        codec of ``k``-entry messages; nothing is encoded before :meth:`exchange`."""
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
         local_idx, local_val = self.select(acc, k, offer.candidates)
         return _GTopKPayload(k, local_idx, local_val, index_codec(acc.size, k), wire)
 
     def schedule(self, b, n, k, step):
+        """The rounds of :func:`tree_schedule` (one ``k``-entry message per sender, a ``2k``-element merge
+        per receiver), then rank 0's broadcasts of the result's length and of the result (Alg. 3 line 19)."""
         msg = b.message(n, k)
         tree = tree_schedule(b.P)  # the fold round (non-power-of-two P), then recursive doubling
         sent = np.zeros(b.P)
@@ -132,6 +136,8 @@ class GTopKAllreduce(Aggregator):
         b.bcast("broadcast result", msg)     # ... then the k-entry result
 
     def exchange(self, comm, payload, out=None, settled=None):
+        """Alg. 3: the ⊤ merges up the tree (:func:`top_merge`) and rank 0's broadcast of the result;
+        ``contributed`` is Alg. 4 line 10's ``Mask ∩ gMask``."""
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size

@@ -196,6 +196,7 @@ class OkTopkAllreduce(Aggregator):
         self.reset()
 
     def reset(self) -> None:
+        """Starts afresh: the counter at 0, no thresholds, boundaries, layout or ``k`` (re-evaluated next call)."""
         self._t = 0
         self._layout = None  # (n, size) the cached state belongs to
         self._k = None
@@ -219,6 +220,7 @@ class OkTopkAllreduce(Aggregator):
                                else np.asarray(self.boundaries, np.int64).copy())}
 
     def set_state(self, state):
+        """Restores :meth:`get_state`'s output over a :meth:`reset` (an empty state: start afresh)."""
         super().set_state(state)
         self.reset()
         if not state:  # nothing saved: start afresh
@@ -241,6 +243,7 @@ class OkTopkAllreduce(Aggregator):
 
     # -- timing (module docstring) ------------------------------------------------------------
     def schedule(self, b, n, k, step):
+        """Step ``step``'s expected messages (module docstring), its phases as :meth:`due` decides them."""
         P = b.P
         fresh, repartition = self.due(step)
         share = k / P                                    # expected entries per (rank, region)

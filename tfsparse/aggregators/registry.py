@@ -10,6 +10,11 @@ register = AGGREGATORS.register  # @register("gtopk"): the class under that name
 
 
 def available_aggregators() -> tuple[str, ...]:
+    """The names ``algorithm=`` accepts besides ``"auto"`` (:func:`get_aggregator`), sorted.
+
+    Returns:
+      A tuple of the registered aggregators' names (``"csc"``, ``"dense"``, ``"dgc"``, ...).
+    """
     return AGGREGATORS.names()
 
 

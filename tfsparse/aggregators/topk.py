@@ -51,6 +51,8 @@ class AllgatherAggregator(Aggregator):
         return self.compressor.on_device
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
+        """The compressor's selection of ``acc`` (from ``offer.candidates`` where given) packed into one
+        ``[indices | values]`` message (:func:`tfsparse.wire.pack_sparse`), what the wire lost recorded."""
         acc, k = check_acc(acc, k)
         idx, val = self.select(acc, k, offer.candidates)
         idx = np.asarray(idx, dtype=np.int64)
@@ -61,6 +63,7 @@ class AllgatherAggregator(Aggregator):
         return _SparsePayload(acc.size, message, idx, codec, wire, loss)
 
     def exchange(self, comm, payload, out=None, settled=None):
+        """One allgather of every rank's message, summed in rank order (:meth:`combine`)."""
         return self.combine(comm.allgather(payload.message), payload)
 
     def combine(self, messages, payload) -> AllreduceResult:
@@ -74,6 +77,9 @@ class AllgatherAggregator(Aggregator):
     DECODE = "sum of the gathered pairs"
 
     def schedule(self, b, n, k, step):
+        """The allgather of the compressor's expected count
+        (:meth:`~tfsparse.compressors.Compressor.expected_count`) and the sum of the ``P`` payloads
+        (:meth:`gather_schedule`)."""
         self.gather_schedule(b, n, self.compressor.expected_count(n, k), k)
 
     def gather_schedule(self, b, n, count, k=None) -> None:
@@ -84,9 +90,12 @@ class AllgatherAggregator(Aggregator):
         b.local(self.DECODE, b.P * count)
 
     def get_state(self):
+        """The compressor's state (DGC's random generator, DRAGONN's step counter; none for the exact
+        top-k)."""
         return self.compressor.get_state()
 
     def set_state(self, state):
+        """Restores the compressor's state."""
         self.compressor.set_state(state)
 
     def __repr__(self):
