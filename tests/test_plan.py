@@ -98,3 +98,25 @@ def test_make_plan_and_validation():
             make_plan(**kwargs)
         for w in words:
             assert w in str(e.value), str(e.value)
+
+
+def test_a_plan_that_prepares_returns_the_plan_to_use():
+    """A plan is a value: a Plan with ``prepares`` whose prepare() returns None (the old contract:
+    fill itself in) is refused with a TypeError saying what prepare must return."""
+    from tfsparse.collectives import InProcessWorld
+    from tfsparse.exchange import GradientExchange
+
+    class FillsItselfIn(FusedPlan):
+        prepares = True
+
+        def prepare(self, comm, exchange, layout):
+            self.ready = True
+
+    def fn(comm):
+        ex = GradientExchange("topk", 0.5, plan=FillsItselfIn(), communicator=comm)
+        with pytest.raises(TypeError, match=r"FillsItselfIn.prepare\(comm, exchange, layout\) returned None; a plan's "
+                                            r"prepare returns the plan to use"):
+            ex.exchange_numpy(np.ones(8, np.float32))
+        return True
+
+    assert InProcessWorld(1, timeout=60).run(fn) == [True]

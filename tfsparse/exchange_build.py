@@ -18,7 +18,7 @@ from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
 from .hierarchy import TwoLevel
 from .memory import keeps_velocity
-from .plan import Layout
+from .plan import Layout, Plan
 from .settings import Settings
 from .space import HOST
 from .wire import get_wire
@@ -117,7 +117,11 @@ class Building:
         if self.plan.prepares:  # collectives of its own: only once every rank is known to agree
             _warm_kernels(comm.rank == 0)
             self._agree(layout, [])
-            self.plan = self.plan.prepare(comm, self, layout)
+            prepared = self.plan.prepare(comm, self, layout)
+            if not isinstance(prepared, Plan):
+                raise TypeError(f"{type(self.plan).__name__}.prepare(comm, exchange, layout) returned {prepared!r}; "
+                                f"a plan's prepare returns the plan to use (itself, or a prepared copy)")
+            self.plan = prepared
         buckets = self._make_buckets(layout)
         _warm_kernels(comm.rank == 0)
         self._agree(layout, buckets)

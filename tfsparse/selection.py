@@ -51,6 +51,7 @@ to other GS algorithms, such as DGC, TopK", §4.3).
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Mapping
@@ -271,7 +272,7 @@ class CostModelPlan(Plan):
         model = self.model
         if model is None:
             model = measure_cost_model(comm, exchange.algorithm, exchange.options, exchange.density, exchange.wire)
-        prepared = CostModelPlan(self.model, self.fuse_dense, self.verbose)
+        prepared = copy.copy(self)  # a subclass stays itself
         prepared.cost_model = model
         prepared.decisions = tuple(decide(model, layout, comm.size, exchange.density, exchange.wire.value_bytes,
                                           self.fuse_dense, exchange.algorithm, exchange.options))

@@ -15,7 +15,7 @@ importable from here.
 """
 from .base import (COMPRESSORS, Candidates, Compressor, Prefilter, check_compressor, check_small_density,  # noqa: F401
                    compressors_by_name, magnitudes, sample_sizes, sampled_count, threshold_select)
-# registered in this order (the order compressors_by_name lists them)
+# each module registers its compressors as it is imported
 from .topk import Identity, TopK, topk_indices, topk_of, topk_prefilter, topk_with_values  # noqa: F401
 from .dgc import DGCSampledThreshold  # noqa: F401
 from .dragonn import HashedThreshold  # noqa: F401
