@@ -123,7 +123,7 @@ class DGCSampledThreshold(Compressor):
             return np.empty(0, np.int64), np.empty(0, np.float32)
         if k >= acc.size:  # density 1: everything (non-zero) is sent, no estimate needed
             idx = threshold_select(acc, 0.0)
-            self.last_threshold = 0.0
+            self.last_threshold, self.last_adaptations = 0.0, 0
             return idx, acc[idx]
         if acc.size <= self.exact_below:
             self.last_threshold, self.last_adaptations = None, 0
