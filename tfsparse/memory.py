@@ -177,17 +177,8 @@ class ResidualMemory(Stateful):
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
-        """The options of this memory: none (the optimizer applies any momentum).
-
-        Args:
-          momentum: must be None.
-
-        Returns:
-          ``{}``.
-
-        Raises:
-          ValueError: when ``momentum`` is given (it needs ``memory="momentum"``).
-        """
+        """No options, as :meth:`NoMemory.check_options`: ``momentum`` given is a ValueError (the
+        optimizer applies its momentum; momentum correction is ``memory="momentum"``)."""
         return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
