@@ -64,8 +64,49 @@ def test_choice_returns_the_value_a_subclass_included():
 def test_init_refuses_an_unknown_cpu_allocator_before_anything(bad):
     import tfsparse
 
-    with pytest.raises(ValueError, match=r"cpu_allocator=.* is not supported; accepted: 'bfc'"):
+    with pytest.raises(ValueError, match=r"cpu_allocator=.* is not supported; accepted: 'auto' \(TFSPARSE_SETUP\), 'bfc'"):
         tfsparse.init(cpu_allocator=bad)
+
+
+@pytest.mark.parametrize("kwargs,env,words", [
+    ({"quiet_workers": "yes"}, {}, "quiet_workers='yes' is not supported; accepted: True, False or 'auto'"),
+    ({"plain_output": 1}, {}, "plain_output=1 is not supported"),
+    ({"thread_priority": None}, {}, "thread_priority=None is not supported"),
+    ({"abort_on_error": "auto"}, {}, "abort_on_error='auto' is not supported; accepted: True or False"),
+    ({"cores_per_rank": "half"}, {}, "cores_per_rank='half' is not supported; accepted: 'auto', 'share'"),
+    ({}, {"TFSPARSE_SETUP": "quiet_workers,colours"}, "TFSPARSE_SETUP='quiet_workers,colours' names 'colours'; "
+     "accepted: 'all', 'none', or names from quiet_workers, plain_output, cores_per_rank"),
+])
+def test_init_refuses_a_bad_switch_before_anything(monkeypatch, kwargs, env, words):
+    import tfsparse
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as err:
+        tfsparse.init(**kwargs)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("text,on", [
+    (None, set()), ("none", set()), ("", set()), ("ALL", {"quiet_workers", "plain_output", "cores_per_rank",
+                                                          "cpu_allocator", "thread_priority"}),
+    (" quiet_workers , cpu_allocator", {"quiet_workers", "cpu_allocator"})])
+def test_the_process_wide_changes_come_from_tfsparse_setup(monkeypatch, text, on):
+    """init()'s "auto" switches: none under a bare launcher, all under tfsparse-run (which sets
+    TFSPARSE_SETUP=all), or those named; an argument other than "auto" wins."""
+    from tfsparse.run import build_command
+    from tfsparse.runtime import _setup_from_environment, _switch
+
+    if text is None:
+        monkeypatch.delenv("TFSPARSE_SETUP", raising=False)
+    else:
+        monkeypatch.setenv("TFSPARSE_SETUP", text)
+    setup = _setup_from_environment()
+    assert setup == on
+    assert _switch("quiet_workers", "auto", setup) == ("quiet_workers" in on)
+    assert _switch("quiet_workers", True, frozenset()) and not _switch("quiet_workers", False, setup)
+    monkeypatch.delenv("TFSPARSE_SETUP", raising=False)
+    assert build_command(2, ["python3", "x.py"])[1]["TFSPARSE_SETUP"] == "all"
 
 
 @pytest.mark.parametrize("kwargs,env,words", [

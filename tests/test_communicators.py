@@ -204,9 +204,11 @@ def test_a_communication_thread_takes_precedence_over_the_others():
         pytest.skip("per-thread nice is Linux's")
     code = """
 import os, threading
-from tfsparse.collectives.thread import CommThread, PRECEDENCE_NICE
+from tfsparse.collectives.thread import CommThread, PRECEDENCE_NICE, allow_precedence
 nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 start = nice()
+assert not CommThread().take_precedence()  # not before init(thread_priority=True) allows it
+allow_precedence(True)
 go = threading.Event()
 before = threading.Thread(target=go.wait)
 before.start()

@@ -4,6 +4,7 @@ Horovod backend, checkpoints, and failure modes that must not hang."""
 import numpy as np
 import pytest
 
+import logging
 import sys
 from pathlib import Path
 
@@ -237,6 +238,28 @@ def test_tfsparse_run_launches_ranks_on_the_mpi_backend_by_default(tmp_path):
                                      "mpi 2 3 3.0 true tf=False"]
 
 
+def test_init_leaves_the_process_alone_unless_tfsparse_run_or_an_argument_asks():
+    """Under a bare launcher (TFSPARSE_SETUP unset or none) init() joins the world and changes
+    nothing the program owns -- stdout, sys.excepthook, warnings filters, loggers, environment,
+    TensorFlow's thread pools, the threads' priority; tfsparse's own kernels still take their
+    share of the cores -- and an uncaught exception on one rank still ends all three, non-zero,
+    with its traceback (aborted at exit).  Under tfsparse-run's TFSPARSE_SETUP=all it makes them
+    all (P = 3 on 2 cores: one core each, TensorFlow's pool too)."""
+    res, text = mpirun(3, "process_setup.py", "fail", timeout=120, env={"TFSPARSE_SETUP": "none"},
+                       expect_fail=True)
+    for r in res:
+        assert r["excepthook_kept"] and r["stdout_kept"] and r["filters_kept"] and not r["priority"], r
+        assert r["allocator"] is None and r["intra"] == r["intra_before"] and r["tf_level"] == 0, r
+        assert r["kernel_threads"] == 1, r
+    assert text.count("RuntimeError: rank 1 fails here") == 1 and "Traceback" in text, text[-3000:]
+    assert "tfsparse: rank 1 stopped with an uncaught RuntimeError; aborting all 3 ranks" in text, text[-3000:]
+    res, _ = mpirun(3, "process_setup.py", timeout=120, env={"TFSPARSE_SETUP": "all"})
+    for r in res:
+        assert not r["excepthook_kept"] and not r["stdout_kept"] and r["priority"], r
+        assert r["allocator"] == "true" and r["intra"] == 1 and r["kernel_threads"] == 1, r
+        assert r["filters_kept"] == (r is res[0]) and r["tf_level"] == (0 if r is res[0] else logging.ERROR), r
+
+
 @pytest.mark.horovod
 def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     _horovod_or_skip()
@@ -244,7 +267,8 @@ def test_horovodrun_launch_uses_the_horovod_backend(tmp_path):
     script.write_text(HELLO)  # horovodrun next to sys.executable: a venv need not be activated
     run_locked([launcher("horovodrun"), "-np", "2", "-H", "localhost:2",
                 sys.executable, str(script), str(tmp_path)], timeout=180)
-    assert hello_lines(tmp_path) == ["horovod 0 2 2.0 true tf=True", "horovod 1 2 2.0 true tf=True"]
+    # horovodrun sets no TFSPARSE_SETUP: init() leaves TensorFlow's allocator as it was
+    assert hello_lines(tmp_path) == ["horovod 0 2 2.0 None tf=True", "horovod 1 2 2.0 None tf=True"]
 
 
 @pytest.mark.parametrize("case, algorithm, route, row", [

@@ -7,7 +7,10 @@
 Adds ``--oversubscribe`` on this machine alone (no host list) and, with ``-H`` or an mpirun
 ``--hostfile``, only when more processes are asked for than the hosts' slots; the run-as-root
 flags when run by root; ``--bind-to none`` (TensorFlow manages its own threads); and exports
-``PYTHONUNBUFFERED=1`` so ranks' output is not held back.  Every rank, on every host, gets the
+``PYTHONUNBUFFERED=1`` so ranks' output is not held back and ``TFSPARSE_SETUP=all`` (unless
+set): :func:`tfsparse.init` then makes its process-wide changes (workers kept quiet, plain
+output, each rank its share of the cores, TensorFlow's reusing allocator, the communication
+thread's priority), which it leaves alone under a bare ``mpirun``.  Every rank, on every host, gets the
 launching shell's ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, ``VIRTUAL_ENV`` and every
 ``TFSPARSE_*`` and ``NUMBA_*`` variable (:data:`FORWARDED`), as well as the caller's ``-x`` list.
 
@@ -135,7 +138,9 @@ Launch one process per worker through mpirun with the right flags: adds
 --oversubscribe on this machine alone (with -H or --hostfile: only beyond the
 hosts' slots), the run-as-root flags when run by root, --bind-to none
 (TensorFlow manages its own threads), and exports PYTHONUNBUFFERED=1 so that
-the ranks' output is not held back. PATH, PYTHONPATH, LD_LIBRARY_PATH,
+the ranks' output is not held back and TFSPARSE_SETUP=all (tfsparse.init's
+process-wide changes: quiet workers, plain output, a share of the cores each,
+TensorFlow's reusing allocator, the communication thread's priority). PATH, PYTHONPATH, LD_LIBRARY_PATH,
 VIRTUAL_ENV and every TFSPARSE_* and NUMBA_* variable reach every rank. Other
 hosts are first asked over ssh (no prompts, seconds) whether they can start
 their ranks; one that cannot is named and the job does not start.
@@ -272,6 +277,7 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TFSPARSE_SETUP", "all")  # tfsparse.init()'s process-wide changes, all of them
     # Open MPI 4.1's aggregation of identical help messages (e.g. every rank's MPI_Abort notice)
     # can fail to unpack ("Data unpack would read past end of buffer ... show_help.c", open-mpi/ompi
     # #8356); seen once in this project's CI (a departing-rank test), where mpirun then hung

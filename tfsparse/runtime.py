@@ -14,11 +14,26 @@ _BACKENDS = ("auto", "mpi", "horovod")
 _state: dict = {"comm": None, "local_rank": 0, "backend": None, "watch": None}
 
 
-def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_error: bool = True,
-         cores_per_rank: int | str | None = "auto", plain_output: bool = True,
-         cpu_allocator: str | None = "bfc", stall_warning: float | str | None = "auto",
-         stall_timeout: float | str | None = "auto") -> Communicator:
+#: the process-wide changes :func:`init` can make, each under an argument of its own; its
+#: ``"auto"`` default makes it where ``TFSPARSE_SETUP`` names it (``tfsparse-run`` sets ``all``)
+SETUP = ("quiet_workers", "plain_output", "cores_per_rank", "cpu_allocator", "thread_priority")
+
+
+def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_workers: bool | str = "auto",
+         plain_output: bool | str = "auto", cores_per_rank: int | str | None = "auto",
+         cpu_allocator: str | None = "auto", thread_priority: bool | str = "auto",
+         stall_warning: float | str | None = "auto", stall_timeout: float | str | None = "auto") -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
+
+    By default it joins the world and changes nothing else in the process but what keeps a
+    failure from hanging the job (``abort_on_error``, the watch thread).  Each other change to
+    the process -- its output, warnings filters and ``sys.excepthook``, TensorFlow's and Numba's
+    thread pools, an environment variable, the threads' priorities -- has an argument of its own
+    (:data:`SETUP`).  Its default, ``"auto"``, makes the change where the environment variable
+    ``TFSPARSE_SETUP`` names it: ``all``, ``none``, or names from :data:`SETUP` separated by
+    commas.  ``tfsparse-run`` sets ``TFSPARSE_SETUP=all`` (unless it is set): launched by it, a
+    rank gets them all; under ``mpirun`` or ``horovodrun`` none, unless given (``-x
+    TFSPARSE_SETUP=all``) or asked for by argument.
 
     Args:
       backend: ``"mpi"`` (mpi4py, the default engine), ``"horovod"`` (Horovod's
@@ -26,30 +41,47 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         ``"auto"``: Horovod when the job was launched by ``horovodrun`` (and Horovod imports),
         else MPI.  ``None`` reads ``TFSPARSE_BACKEND`` (default ``auto``).  MPI is the default
         because it measured the faster one, dense and sparse (docs/keras.md, "Backends").
-      quiet_workers: on ranks other than 0, silence Keras' interactive output (progress
-        bars), Python warnings and TensorFlow's/absl's Python loggers below ERROR, so only rank 0
-        prints (TensorFlow's C++ start-up lines are governed by ``TF_CPP_MIN_LOG_LEVEL``, which
-        ``tfsparse-run`` sets to 2).
-      plain_output: when stdout is not a terminal (a pipe, a log file, ``mpirun``'s
-        forwarding), drop the ANSI colour codes Keras' progress bars write anyway.
-      abort_on_error: an exception that reaches the top of a rank (uncaught) prints its
-        traceback and then ends *every* rank with ``MPI_Abort`` -- instead of the other ranks
-        waiting forever in a collective (a pending pipelined round included); and a rank whose
-        program ends while another still waits for it in a collective (``fit`` returned early
-        on one rank) makes that rank abort the job within 10 s, naming the rank that left
-        (:class:`~tfsparse.collectives.watchdog.DepartureWatch`; needs MPI_THREAD_MULTIPLE).
-      cores_per_rank: how many threads this rank's kernels may use: ``"auto"`` (default) --
-        its share of the node's cores, ``max(1, cores // ranks_on_this_node)``, for the Numba
-        kernels and, when TensorFlow is imported and not yet started, TensorFlow's intra-op pool
-        (several ranks on one node otherwise oversubscribe the cores and every kernel slows
-        down); an integer: that many; ``None``: leave the libraries' defaults.
-      cpu_allocator: ``"bfc"`` (default) -- TensorFlow's best-fit-with-coalescing allocator for
-        host memory (``TF_CPU_ALLOCATOR_USE_BFC=true``, set for this process when the variable is
-        not set already; it takes effect when TensorFlow has not allocated host memory yet, as at
-        the start of a program): it keeps and reuses the memory of freed tensors.  TensorFlow's
-        default hands every large tensor back to the system, so each step's gradients and
-        temporaries are mapped afresh and page-faulted in again, page by page (the
-        measured cost: docs/getting-started.md, ``init``).  ``None``: TensorFlow's default.
+      abort_on_error: an exception that reaches the top of a rank (uncaught) ends *every*
+        rank with ``MPI_Abort`` once Python has printed its traceback, as the process exits --
+        instead of the other ranks waiting forever in a collective (a pending pipelined round
+        included); and a rank whose program ends while another still waits for it in a
+        collective (``fit`` returned early on one rank) makes that rank abort the job within
+        10 s, naming the rank that left (:class:`~tfsparse.collectives.watchdog.DepartureWatch`;
+        needs MPI_THREAD_MULTIPLE).  Registered with ``atexit``; ``sys.excepthook`` is left
+        alone (``quiet_workers`` chains it).  Not in an interactive session.
+      quiet_workers: ``True``: on ranks other than 0, silence Keras' interactive output (progress
+        bars), Python warnings (a filter) and TensorFlow's/absl's Python loggers below ERROR, so
+        only rank 0 prints (TensorFlow's C++ start-up lines are governed by
+        ``TF_CPP_MIN_LOG_LEVEL``, which ``tfsparse-run`` sets to 2); and, with
+        ``abort_on_error``, chain ``sys.excepthook`` on every rank so that one failure prints one
+        traceback: a rank whose error follows another rank's, or is an agreement's error every
+        rank raises alike, prints one line naming it, and the job is aborted from the hook.
+        ``"auto"`` (default): where ``TFSPARSE_SETUP`` names it.
+      plain_output: ``True``: when stdout is not a terminal (a pipe, a log file, ``mpirun``'s
+        forwarding), replace ``sys.stdout`` by a stream that drops the ANSI colour codes Keras'
+        progress bars write anyway.  ``"auto"`` (default): where ``TFSPARSE_SETUP`` names it.
+      cores_per_rank: how many threads this rank's kernels may use: ``"share"`` -- its share of
+        the node's cores, ``max(1, cores // ranks_on_this_node)``, for tfsparse's Numba kernels
+        (a limit they set around each launch) and, when TensorFlow is imported and not yet
+        started, TensorFlow's intra-op pool (several ranks on one node otherwise oversubscribe
+        the cores and every kernel slows down); an integer: that many; ``None``: leave the
+        libraries' defaults.  ``"auto"`` (default): ``"share"`` where ``TFSPARSE_SETUP`` names
+        ``cores_per_rank``, else the share for tfsparse's kernels alone (TensorFlow's pools are
+        the process's).
+      cpu_allocator: ``"bfc"`` -- TensorFlow's best-fit-with-coalescing allocator for host
+        memory (``TF_CPU_ALLOCATOR_USE_BFC=true``, set in this process's environment when the
+        variable is not set already; it takes effect when TensorFlow has not allocated host
+        memory yet, as at the start of a program): it keeps and reuses the memory of freed
+        tensors.  TensorFlow's default hands every large tensor back to the system, so each
+        step's gradients and temporaries are mapped afresh and page-faulted in again, page by
+        page (the measured cost: docs/getting-started.md, ``init``).  ``None``: TensorFlow's
+        default.  ``"auto"`` (default): ``"bfc"`` where ``TFSPARSE_SETUP`` names
+        ``cpu_allocator``, else ``None``.
+      thread_priority: ``True``: a pipelined exchange's communication thread may run ahead of
+        the process's other threads, which it renices
+        (:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`; Linux, no privilege
+        needed, and the raised nice values stay).  ``"auto"`` (default): where
+        ``TFSPARSE_SETUP`` names it.
       stall_warning: seconds a collective of the exchange (or a per-step agreement) may wait
         before rank 0 logs which ranks have not arrived and what each was last doing (its round;
         the collective it waits in, or how long ago it left its last one); repeated every that many
@@ -69,8 +101,16 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
       ValueError: an argument outside its accepted values (before any communication), or a
         ``backend`` other than the one this process joined with already.
     """
+    setup = _setup_from_environment()
+    _checks.choice("abort_on_error", abort_on_error, (True, False), accepted="True or False")
+    quiet_workers = _switch("quiet_workers", quiet_workers, setup)
+    plain_output = _switch("plain_output", plain_output, setup)
+    thread_priority = _switch("thread_priority", thread_priority, setup)
     _check_cores(cores_per_rank)
     _check_allocator(cpu_allocator)
+    pools = cores_per_rank != "auto" or "cores_per_rank" in setup  # TensorFlow's thread pools too
+    if cpu_allocator == "auto":
+        cpu_allocator = "bfc" if "cpu_allocator" in setup else None
     stall_warning = _stall_seconds("stall_warning", stall_warning, "TFSPARSE_STALL_WARNING", 60.0)
     stall_timeout = _stall_seconds("stall_timeout", stall_timeout, "TFSPARSE_STALL_TIMEOUT", None)
     if _state["comm"] is not None:
@@ -101,11 +141,17 @@ def init(backend: str | None = None, *, quiet_workers: bool = True, abort_on_err
         comm = MPICommunicator()
         local = _mpi_local_rank()
     _state.update(comm=comm, local_rank=local, backend=backend)
-    if abort_on_error and comm.size > 1:
+    if abort_on_error and quiet_workers and comm.size > 1:
         _abort_on_uncaught_exception(comm.rank, comm.size)
     if comm.size > 1 and (abort_on_error or stall_warning is not None or stall_timeout is not None):
         _watch(abort_on_error, stall_warning, stall_timeout)
-    _share_cores(cores_per_rank, backend)
+    if abort_on_error and comm.size > 1:  # after the watch's own atexit call: runs before it
+        _abort_at_exit(comm.rank, comm.size)
+    _share_cores(cores_per_rank, backend, pools)
+    if thread_priority:
+        from .collectives import thread
+
+        thread.allow_precedence(True)
     if quiet_workers and comm.rank != 0:
         _quiet_worker()
     if plain_output:
@@ -201,26 +247,51 @@ def _ranks_on_this_node(backend: str) -> int:
         node.Free()
 
 
+def _setup_from_environment() -> frozenset:
+    """The names of :data:`SETUP` that ``TFSPARSE_SETUP`` switches on (unset or ``none``: none;
+    ``all``: all; else names separated by commas)."""
+    text = os.environ.get("TFSPARSE_SETUP", "").strip()
+    if text.lower() in ("", "none"):
+        return frozenset()
+    if text.lower() == "all":
+        return frozenset(SETUP)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETUP]
+    if unknown:
+        raise ValueError(f"TFSPARSE_SETUP={text!r} names {', '.join(map(repr, unknown))}; accepted: 'all', "
+                         f"'none', or names from {', '.join(SETUP)} separated by commas")
+    return frozenset(names)
+
+
+def _switch(name: str, value, setup: frozenset) -> bool:
+    """One of :func:`init`'s switches: True, False, or ``"auto"`` (on where ``setup`` names it)."""
+    _checks.choice(name, value, (True, False, "auto"), accepted="True, False or 'auto' (TFSPARSE_SETUP)")
+    return name in setup if value == "auto" else value
+
+
 def _check_cores(cores_per_rank) -> None:
-    ok = cores_per_rank in (None, "auto") or (isinstance(cores_per_rank, int) and not isinstance(cores_per_rank, bool)
+    ok = cores_per_rank in (None, "auto", "share") or (isinstance(cores_per_rank, int) and not isinstance(cores_per_rank, bool)
                                               and cores_per_rank >= 1)
     if not ok:
-        raise ValueError(f"cores_per_rank={cores_per_rank!r} is not supported; accepted: 'auto', an integer >= 1, "
-                         f"or None")
+        raise ValueError(f"cores_per_rank={cores_per_rank!r} is not supported; accepted: 'auto', 'share', an "
+                         f"integer >= 1, or None")
 
 
-_ALLOCATORS = ("bfc", None)
+_ALLOCATORS = ("auto", "bfc", None)
 
 
 def _check_allocator(cpu_allocator) -> None:
     _checks.choice("cpu_allocator", cpu_allocator, _ALLOCATORS, accepted=(
-        "'bfc' (TensorFlow's reusing allocator for host memory) or None (TensorFlow's default)"))
+        "'auto' (TFSPARSE_SETUP), 'bfc' (TensorFlow's reusing allocator for host memory) or None (TensorFlow's "
+        "default)"))
 
 
-def _share_cores(cores_per_rank, backend: str) -> None:
+def _share_cores(cores_per_rank, backend: str, pools: bool) -> None:
+    """Limits tfsparse's kernels (a limit they set around each launch: the process's Numba
+    setting stays) and, when ``pools``, TensorFlow's thread pools to ``cores_per_rank``."""
     if cores_per_rank is None:
         return
-    if cores_per_rank == "auto":
+    if cores_per_rank in ("auto", "share"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores // _ranks_on_this_node(backend))
     else:
@@ -230,7 +301,7 @@ def _share_cores(cores_per_rank, backend: str) -> None:
     cpu.set_thread_limit(threads)
     import sys
 
-    if "tensorflow" in sys.modules:
+    if pools and "tensorflow" in sys.modules:
         tf = sys.modules["tensorflow"]
         try:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -252,8 +323,9 @@ def _raised_alike_everywhere(exc) -> bool:
 
 
 def _abort_on_uncaught_exception(rank: int, size: int) -> None:
-    """Chains ``sys.excepthook``: one traceback per failure, then ``MPI_Abort`` on the world
-    (:func:`~tfsparse.collectives.watchdog.abort_world`).
+    """Chains ``sys.excepthook`` (``init(quiet_workers=True, abort_on_error=True)``): one
+    traceback per failure, then ``MPI_Abort`` on the world
+    (:func:`~tfsparse.collectives.watchdog.abort_world`), from the hook.
 
     The rank that fails first prints its traceback and tells the others (each prints one line
     naming it) before it aborts the job; a rank whose own exception comes after another rank's
@@ -289,16 +361,52 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
 
                 time.sleep(10.0)  # the rank that printed the traceback aborts the job meanwhile
             gone = watch.gone() if watch is not None else []
-            cause = (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
-                     f"finished or fit returned early on that rank)") if gone else ""
             from mpi4py import MPI
 
             from .collectives.watchdog import abort_world
 
-            abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}{cause}; "
-                                        f"aborting all {size} ranks (MPI_Abort)\n")
+            abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}"
+                                        f"{_departed(gone)}; aborting all {size} ranks (MPI_Abort)\n")
 
     sys.excepthook = hook
+
+
+def _abort_at_exit(rank: int, size: int) -> None:
+    """Registers an ``atexit`` call that ends every rank with ``MPI_Abort`` when this process
+    exits because of an uncaught exception (Python has printed its traceback and left it in
+    ``sys.last_value``); a normal exit, ``sys.exit`` (the departure watch sees that one) and an
+    interactive session, where an earlier error leaves ``sys.last_value`` too, abort nothing.
+    ``sys.excepthook`` stays the program's own.  Registered after mpi4py's finalisation, so it
+    runs before it (which could wait for the ranks still in a collective)."""
+    import atexit
+    import sys
+
+    def at_exit():
+        exc = getattr(sys, "last_value", None)
+        if exc is None or hasattr(sys, "ps1") or sys.flags.interactive:
+            return
+        watch = _state.get("watch")
+        if watch is not None and _raised_alike_everywhere(exc) and rank != 0:
+            import time
+
+            time.sleep(10.0)  # every rank raised it: rank 0's abort ends the job meanwhile
+        gone = watch.gone() if watch is not None else []
+        from mpi4py import MPI
+
+        from .collectives.watchdog import abort_world
+
+        abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {type(exc).__name__}"
+                                    f"{_departed(gone)}; aborting all {size} ranks (MPI_Abort)\n")
+
+    atexit.register(at_exit)
+
+
+def _departed(gone: list) -> str:
+    """What an abort's message says of the ranks ``gone`` that had ended before it."""
+    if not gone:
+        return ""
+    return (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
+            f"finished or fit returned early on that rank)")
 
 
 def _stall_seconds(name: str, value, variable: str, default):

@@ -25,6 +25,14 @@ _STOP = object()
 PRECEDENCE_NICE = 5
 
 _AHEAD: set = set()  # native ids of the communication threads that took precedence
+_ALLOWED: list = [False]  # whether take_precedence may renice (tfsparse.init(thread_priority=...))
+
+
+def allow_precedence(allowed: bool) -> None:
+    """Lets :meth:`CommThread.take_precedence` renice the process's threads from now on (or not):
+    off until :func:`tfsparse.init` switches it on (``thread_priority``), since it changes every
+    other thread of the user's process."""
+    _ALLOWED[0] = bool(allowed)
 
 
 class _Starter:
@@ -137,9 +145,10 @@ class CommThread:
         (Open MPI over TCP), on a node where training keeps every core busy: a message ready to
         move then waits at most a scheduler's wake-up for this thread, instead of its time slice
         behind the training's threads.  Linux only (per-thread nice); returns whether this
-        thread now runs ahead of the others.  (A thread that ends while the others are reniced
-        leaves its id to be reused: the window is a few system calls.)"""
-        if not sys.platform.startswith("linux") or not self._thread.is_alive():
+        thread now runs ahead of the others -- never before :func:`allow_precedence` (``tfsparse.init(
+        thread_priority=True)``).  (A thread that ends while the others are reniced leaves its id
+        to be reused: the window is a few system calls.)"""
+        if not _ALLOWED[0] or not sys.platform.startswith("linux") or not self._thread.is_alive():
             return False
         me = self._thread.native_id
         try:

@@ -1,7 +1,8 @@
 """A rank that leaves early must not leave the others waiting forever.
 
 An uncaught exception already ends every rank (``tfsparse.init(abort_on_error=True)``:
-``MPI_Abort`` from ``sys.excepthook``), and ``mpirun`` ends the job when a rank is killed by
+``MPI_Abort`` as the failing process exits, or from the ``sys.excepthook`` that
+``quiet_workers`` chains), and ``mpirun`` ends the job when a rank is killed by
 a signal.  What neither catches is a rank whose program *ends normally* while the others
 still need it -- ``fit`` returned early on one rank (``stop_training`` set there alone, a
 callback order that makes ranks stop at different epochs), or a script that runs one more
