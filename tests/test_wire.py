@@ -157,15 +157,17 @@ def test_index_dtype():
 
 
 @pytest.mark.parametrize("name", WIRES)
-def test_encode_with_loss(name):
-    """loss = value - decode(encode(value)), in one pass; 0 where a value is NaN/Inf."""
+def test_encode_writes_its_loss(name):
+    """encode(x, loss): loss = value - decode(encode(value)), in the same pass, and the same
+    message as encode(x); 0 where a value is NaN/Inf (everywhere on the lossless wire)."""
     w = get_wire(name)
     x = data(9000, seed=5)
     x[[7, 8]] = [np.inf, np.nan]
-    buf, loss = w.encode_with_loss(x)
+    loss = np.full_like(x, 7.0)
+    buf = w.encode(x, loss)
     np.testing.assert_array_equal(buf, w.encode(x))
     if name == "float32":
-        assert loss is None
+        assert not loss.any()
         return
     dec = w.decode(buf, x.size)
     finite = np.isfinite(x) & np.isfinite(dec)
@@ -174,28 +176,29 @@ def test_encode_with_loss(name):
     assert loss[7] == 0 and loss[8] == 0 and np.isfinite(loss).all()
     big = data(100, seed=6)
     big[3] = 3e6  # a scaled float16 message: the loss of the scaled encoding
-    buf, loss = w.encode_with_loss(big)
+    loss = np.empty_like(big)
+    buf = w.encode(big, loss)
     np.testing.assert_allclose(loss, big - w.decode(buf, big.size), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", WIRES)
 @pytest.mark.parametrize("overflow", [False, True])
-def test_encode_loss_into_the_values_themselves(name, overflow):
-    """One pass for a dense exchange's residual: the message of encode_with_loss, and its loss
-    written into a given vector -- the encoded values themselves (finite), too; a float16 message
-    that must be scaled is scaled from the values taken back exactly (signed zeros included)."""
+def test_encode_writes_its_loss_over_the_values_themselves(name, overflow):
+    """One pass for a dense exchange's residual: the message of encode(x), and its loss written
+    into a given vector -- the encoded values themselves (finite), too; a float16 message that
+    must be scaled is scaled from the values taken back exactly (signed zeros included)."""
     w = get_wire(name)
     x = data(9000, seed=8)
     x[::50] = -0.0
     if overflow:
         x[[3, 4]] = [3e6, -70000.0]
-    buf, loss = w.encode_with_loss(x.copy())
-    want = np.zeros_like(x) if loss is None else loss
-    into = np.full_like(x, 7.0)
-    np.testing.assert_array_equal(w.encode_loss_into(x.copy(), into), buf)
-    np.testing.assert_array_equal(into.view(np.uint32), want.view(np.uint32))
+    buf = w.encode(x.copy())
+    want = np.full_like(x, 7.0)
+    np.testing.assert_array_equal(w.encode(x.copy(), want), buf)
+    if name == "float32":
+        assert not want.any()
     y = x.copy()
-    np.testing.assert_array_equal(w.encode_loss_into(y, y), buf)
+    np.testing.assert_array_equal(w.encode(y, y), buf)
     np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
@@ -292,7 +295,8 @@ def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
         for name, codes_of in (("float16", lambda v: v.astype(np.float16).view(np.uint16)),
                                ("bfloat16", lambda v: (v.view(np.uint32) >> 16).astype(np.uint16))):
             w = get_wire(name)
-            buf, loss = w.encode_with_loss(x)
+            loss = np.empty_like(x)
+            buf = w.encode(x, loss)
             want_dec = w.decode(buf, x.size)
             out += [buf.view(np.uint16) == codes_of(x), loss.view(np.uint32) == (x - want_dec).view(np.uint32)]
             table = codes16.view(np.float16).astype(np.float32) if name == "float16" else \
@@ -319,14 +323,14 @@ def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes, pooled):
     chunks a piece boundary cuts summed piece by piece and quantized after; float16 and bfloat16:
     every piece summed and encoded in one pass, float16 encoding again, scaled, where a sum
     overflows -- gives the message and the loss (over acc) of its definition: every sum first,
-    then encode_loss_into; and a sum that is not finite is reported (finite False).  ``pooled``:
+    then encode with the loss over acc; and a sum that is not finite is reported (finite False).  ``pooled``:
     messages taken from a pool (as the dense aggregator's), acc written by streaming stores."""
     def sum_then_encode(wire, pieces, acc):
         for g, r, at in pieces:
             np.add(g, r, out=acc[at:at + g.size])
         if not np.isfinite(acc).all():
             return None, False
-        return wire.encode_loss_into(acc, acc), True
+        return wire.encode(acc, acc), True
 
     rng = np.random.default_rng(len(sizes))
     n = sum(sizes)

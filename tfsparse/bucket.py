@@ -169,7 +169,8 @@ class Bucket:
         if self._staging is not None:  # the gradients live on a device, the memory on the host
             arrays = space.host_copies(arrays, self._staging)
         aggregator = self.aggregator_at(density)
-        k = k_from_density(int(self.spec.size), density) if aggregator.uses_memory else int(self.spec.size)
+        size = int(self.spec.size)
+        k = k_from_density(size, density) if aggregator.uses_memory else size
         wire = FLOAT32 if dsync else self.wire
         acc, offer, finite = self.compensation.run(comm, arrays, aggregator, k, wire)
         return aggregator, aggregator.encode(comm, acc, k, wire, offer), finite

@@ -106,9 +106,9 @@ def _kernels():
 
 
 class Wire:
-    """One value encoding.  Subclasses implement :meth:`encode_with_loss`, :meth:`_decode_range`
-    (which :meth:`decode_into` runs) and :meth:`entries`; ``value_bytes`` is the nominal size of
-    one value on the wire."""
+    """One value encoding.  Subclasses implement :meth:`encode`, :meth:`_decode_range` (which
+    :meth:`decode_into` runs) and :meth:`entries`; a wire with :attr:`fuses_compensation`,
+    :meth:`compensate_encode` too; ``value_bytes`` is the nominal size of one value on the wire."""
 
     name = "base"
     value_bytes = 4
@@ -116,38 +116,31 @@ class Wire:
     #: whether :meth:`compensate_encode` fuses the error feedback's sum into the encoding
     fuses_compensation = False
 
-    def encode(self, values) -> np.ndarray:
-        """float32 values -> one ``uint8`` buffer."""
-        return self.encode_with_loss(values)[0]
+    def encode(self, values, loss=None, buffers=None) -> np.ndarray:
+        """float32 ``values`` -> one ``uint8`` message.
 
-    def encode_with_loss(self, values) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(encode(values), values - decode(encode(values)))`` in one pass; the loss is 0
-        where a value is NaN/Inf (it travels as it is, or poisons its int8 chunk), None for a
-        lossless wire."""
-        raise TypeError(f"{type(self).__name__} does not define encode_with_loss()")
+        Args:
+          values: the float32 values (a vector).
+          loss: None, or a contiguous float32 vector of their size to write what the encoding
+            lost into, ``values - decode(message)``, in the same pass: 0 where a value is NaN/Inf
+            (it travels as it is, or poisons its int8 chunk), and 0 everywhere on a lossless wire.
+            ``values`` itself is allowed -- where a dense exchange builds the new residual in
+            place -- and the values must then be finite.
+          buffers: a :class:`tfsparse.buffers.Reusable` to take the message from (a scaled
+            float16 message is a new one); None: a new array.
 
-    def encode_loss_into(self, values, loss, buffers=None) -> np.ndarray:
-        """:meth:`encode` of float32 ``values``, writing what the encoding lost into ``loss`` (a
-        contiguous float32 vector of their size; ``values`` itself allowed, which then holds the
-        loss afterwards) -- one pass, where a dense exchange builds the new residual in place.
-        With ``loss`` over ``values``, the values must be finite.  ``buffers``: a
-        :class:`tfsparse.buffers.Reusable` the message is taken from."""
-        buf, lost = self.encode_with_loss(values)
-        if lost is None:
-            if np.shares_memory(buf, loss):  # float32 travels as it is: keep it before the zeros
-                buf = buf.copy()
-            loss.fill(0.0)
-        else:
-            loss[:] = lost
-        return buf
+        Returns:
+          The message: what :meth:`decode` reads back.
+        """
+        raise TypeError(f"{type(self).__name__} does not define encode()")
 
     def compensate_encode(self, pieces, acc, buffers=None, stream=False) -> tuple[np.ndarray, bool]:
-        """:meth:`encode_loss_into` of ``acc`` (the loss written over it) where ``acc`` is first
+        """:meth:`encode` of ``acc`` with its loss written over it where ``acc`` is first
         the error feedback's sum: ``pieces`` are ``(g, r, at)``, float32 vectors whose sum
         ``g + r`` belongs at ``acc[at:at + g.size]``, covering ``acc`` in order (``g`` and ``r``
         do not overlap ``acc``: a wire may read them again).  Returns ``(message, finite)``:
         whether every sum is finite -- if not, the message and ``acc`` are undefined.  The same
-        message and loss as summing first and :meth:`encode_loss_into` after, in one pass; only a
+        message and loss as summing first and :meth:`encode` with ``loss=acc`` after, in one pass; only a
         wire with :attr:`fuses_compensation` offers it (the others are summed by the memory and
         encoded by the aggregator).  ``stream``: ``acc`` leaves the cache anyway
         (non-temporal stores where the wire uses them)."""
@@ -243,10 +236,15 @@ class Float32(Wire):
     value_bytes = 4
     lossy = False
 
-    def encode_with_loss(self, values):
-        """The values' own float32 bytes (no copy where ``values`` is a contiguous float32 vector already)
-        and no loss (None): nothing is lost."""
-        return _f32(values).view(np.uint8), None
+    def encode(self, values, loss=None, buffers=None):
+        """The values' own float32 bytes (no copy where ``values`` is a contiguous float32 vector
+        already, unless ``loss`` is over them); ``loss`` filled with zeros: nothing is lost."""
+        buf = _f32(values).view(np.uint8)
+        if loss is not None:
+            if np.shares_memory(buf, loss):  # the values travel as they are: keep them before the zeros
+                buf = buf.copy()
+            loss.fill(0.0)
+        return buf
 
     def decode(self, buf, count):
         """The first ``4 * count`` bytes of ``buf`` viewed as float32 (no copy where ``buf`` is contiguous uint8
@@ -267,32 +265,25 @@ class Float16(Wire):
     name = "float16"
     value_bytes = 2
 
-    def encode_with_loss(self, values):
-        """Rounds to float16 (:func:`tfsparse.ops.cpu.half_encode`); where a finite value would round to Inf,
-        the whole message is encoded scaled instead: every value divided by ``2**e``, ``e`` appended as one
-        byte."""
-        values = _f32(values)
-        codes, loss, overflowed = _kernels().half_encode(values)
-        if not overflowed:
-            return codes.view(np.uint8), loss
-        return self._scaled(values)
-
-    def encode_loss_into(self, values, loss, buffers=None):
-        """As :meth:`encode_with_loss`, the loss written into ``loss`` and the codes into a buffer taken
-        from ``buffers`` when given (a scaled message is a new one); where the message must be scaled and
-        ``loss`` is ``values`` itself, the values are first recovered exactly from the codes and the loss."""
+    def encode(self, values, loss=None, buffers=None):
+        """Rounds to float16 (:func:`tfsparse.ops.cpu.half_encode`), the codes in a buffer taken
+        from ``buffers`` when given; where a finite value would round to Inf, the whole message
+        is encoded scaled instead (a new one): every value divided by ``2**e``, ``e`` appended as
+        one byte.  Where the message must be scaled and ``loss`` is ``values`` itself, the values
+        are first recovered exactly from the codes and the loss."""
         values = _f32(values)
         out = None if buffers is None else buffers.take(values.size, np.uint16)
         codes, _, overflowed = _kernels().half_encode(values, loss=loss, out=out)
         if not overflowed:
             return codes.view(np.uint8)
-        if np.shares_memory(values, loss):  # the values are the loss now: take them back (exactly)
+        if loss is not None and np.shares_memory(values, loss):  # the values are the loss now: take them back
             decoded = _kernels().HALF_TABLE[codes]
             with np.errstate(invalid="ignore"):
                 values = np.where(np.isinf(decoded) & (loss != 0), loss,  # overflowed: the kernel kept x
                                   np.where(loss == 0, decoded, decoded + loss)).astype(np.float32)
         buf, lost = self._scaled(values)
-        loss[:] = lost
+        if loss is not None:
+            loss[:] = lost
         return buf
 
     fuses_compensation = True
@@ -300,7 +291,7 @@ class Float16(Wire):
     def compensate_encode(self, pieces, acc, buffers=None, stream=False):
         """Each piece summed, encoded and its loss written in one pass
         (:func:`tfsparse.ops.cpu.add_encode16`).  Where a sum overflows float16, the sums are
-        made again and :meth:`encode_loss_into` scales them (rare: gradients beyond 65504)."""
+        made again and :meth:`encode` scales them (rare: gradients beyond 65504)."""
         return _compensate_encode16(self, pieces, acc, buffers, stream, half=True)
 
     def _scaled(self, values):
@@ -342,15 +333,9 @@ class BFloat16(Wire):
     name = "bfloat16"
     value_bytes = 2
 
-    def encode_with_loss(self, values):
-        """Truncates each value to its high 16 bits (:func:`tfsparse.ops.cpu.bfloat16_encode`); the loss
-        ``values - decoded`` (0 where a value is NaN/Inf)."""
-        codes, loss = _kernels().bfloat16_encode(_f32(values))
-        return codes.view(np.uint8), loss
-
-    def encode_loss_into(self, values, loss, buffers=None):
-        """As :meth:`encode_with_loss` in one pass, the loss written into ``loss`` (``values`` itself
-        allowed) and the codes into a buffer taken from ``buffers`` when given."""
+    def encode(self, values, loss=None, buffers=None):
+        """Truncates each value to its high 16 bits (:func:`tfsparse.ops.cpu.bfloat16_encode`),
+        the codes in a buffer taken from ``buffers`` when given."""
         values = _f32(values)
         out = None if buffers is None else buffers.take(values.size, np.uint16)
         return _kernels().bfloat16_encode(values, loss=loss, out=out)[0].view(np.uint8)
@@ -381,7 +366,7 @@ def _compensate_encode16(wire, pieces, acc, buffers, stream, half):
     for g, r, at in pieces:  # some sum overflowed float16: the whole message is scaled
         np.add(g, r, out=acc[at:at + g.size])
         traffic.count("compensate", read=8 * g.size, written=4 * g.size)
-    return wire.encode_loss_into(acc, acc, buffers), True
+    return wire.encode(acc, acc, buffers), True
 
 
 @register_wire
@@ -397,16 +382,10 @@ class Int8(Wire):
         ``count + 4 ceil(count / INT8_CHUNK)``."""
         return int(count) + 4 * (-(-int(count) // INT8_CHUNK))
 
-    def encode_with_loss(self, values):
+    def encode(self, values, loss=None, buffers=None):
         """Quantizes each chunk of :data:`INT8_CHUNK` values to ``rint(x * 127 / max|x|)``
-        (:func:`tfsparse.ops.cpu.quantize_int8_chunks`); the message is the codes, then the chunks' float32
-        scales."""
-        q, scales, loss = _kernels().quantize_int8_chunks(_f32(values), INT8_CHUNK)
-        return np.concatenate([q.view(np.uint8), scales.view(np.uint8)]), loss
-
-    def encode_loss_into(self, values, loss, buffers=None):
-        """As :meth:`encode_with_loss`, the loss written into ``loss`` (``values`` itself allowed); with
-        ``buffers``, the codes and the scales are written into one message taken from it."""
+        (:func:`tfsparse.ops.cpu.quantize_int8_chunks`); the message is the codes, then the
+        chunks' float32 scales (one message taken from ``buffers`` when given)."""
         values = _f32(values)
         count = values.size
         if buffers is None:
@@ -423,7 +402,7 @@ class Int8(Wire):
         """Every chunk that lies within one piece is summed, quantized and its loss written in
         one pass (:func:`tfsparse.ops.cpu.add_quantize_int8_chunks`); the few chunks a piece
         boundary cuts are summed piece by piece, then quantized in place.  The same message and
-        loss as summing first and :meth:`encode_loss_into` after."""
+        loss as summing first and :meth:`encode` with ``loss=acc`` after."""
         k = _kernels()
         count, C = acc.size, INT8_CHUNK
         buf = np.empty(self.nbytes(count), np.uint8) if buffers is None else buffers.take(self.nbytes(count), np.uint8)
@@ -573,7 +552,8 @@ def pack_sparse(idx, val, codec, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.n
     """One message ``[indices by codec | values encoded by wire]``; returns ``(buffer, loss)``
     where ``loss`` is what the encoding lost on each value (None for float32).  ``codec``: an
     index codec (:func:`index_codec`)."""
-    enc, loss = wire.encode_with_loss(val)
+    loss = np.empty(np.size(val), np.float32) if wire.lossy else None
+    enc = wire.encode(val, loss)
     return np.concatenate([codec.encode(idx), enc]), loss
 
 
@@ -590,7 +570,7 @@ class WireLoss:
     """This rank's record of ``value - decode(encode(value))`` for the values it encoded.
 
     ``where`` is an int64 index array or a ``slice`` of the exchanged vector.  Aggregators
-    record every encoding they perform (:meth:`add`, with :meth:`Wire.encode_with_loss`'s loss)
+    record every encoding they perform (:meth:`add`, with the loss :meth:`Wire.encode` wrote)
     and keep, at the end of the exchange, the losses of the values that reached the global
     result (:meth:`restrict`); the memory adds them to the residual.  Nothing is recorded for
     a lossless wire.

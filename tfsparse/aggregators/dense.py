@@ -220,8 +220,9 @@ class DenseAllreduce(Aggregator):
         they stand for -- written over ``acc[where]`` (``in_place``, the message in a reused
         buffer), or recorded in ``loss``."""
         if in_place:
-            return wire.encode_loss_into(values, acc[where], self.buffers)
-        buf, lost = wire.encode_with_loss(values)
+            return wire.encode(values, acc[where], self.buffers)
+        lost = np.empty(np.size(values), np.float32) if wire.lossy else None
+        buf = wire.encode(values, lost)
         loss.add(where, lost)
         return buf
 

@@ -29,15 +29,11 @@ class _BatchCount:
         self.last: int | None = None  # the batch index of the last call
         self.since = 0  # batches since the last save
 
-    def add(self, batch: int) -> int:
-        """Counts the call that ends batch index ``batch``; returns how many batches it ended."""
-        added = batch + 1 if self.last is None or batch <= self.last else batch - self.last
+    def due(self, batch: int) -> bool:
+        """Counts the call that ends batch index ``batch``; returns whether ``every`` batches have
+        ended since the last save (and then restarts the count)."""
+        self.since += batch + 1 if self.last is None or batch <= self.last else batch - self.last
         self.last = batch
-        self.since += added
-        return added
-
-    def due(self) -> bool:
-        """Whether ``every`` batches have ended since the last save (and restarts the count)."""
         if self.since < self.every:
             return False
         self.since = 0
@@ -217,8 +213,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batch = batch + 1
         if self._count is None:
             return
-        self._count.add(batch)
-        if self._count.due():
+        if self._count.due(batch):
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):

@@ -379,10 +379,8 @@ class ModelCheckpoint(_RankZeroOnly):
         """With an integer ``save_freq``: gathers every rank's exchange state (collective) where
         ``save_freq`` batches have ended since the last save (counted as Keras counts them), before
         rank 0's Keras callback decides whether to save."""
-        if self._count is not None:
-            self._count.add(batch)
-            if self._count.due():
-                self._gather()
+        if self._count is not None and self._count.due(batch):
+            self._gather()
         super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):

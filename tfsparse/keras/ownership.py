@@ -118,7 +118,7 @@ def fit_optimizer(exchange, optimizer) -> None:
     momentum = _momentum_to_take(optimizer)
     exchange.engine.decide_memory(momentum)
     if momentum is not None:
-        _apply_without_momentum(_innermost(optimizer), exchange.engine.takes_momentum)
+        _apply_without_momentum(_innermost(optimizer), exchange.takes_momentum)
     check_optimizer(exchange, optimizer)
 
 
