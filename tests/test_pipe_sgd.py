@@ -181,7 +181,7 @@ def test_dsync_rounds_then_pipelined_and_back_lose_nothing():
         grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
         applied, sent = [], []
         for s, dsync in enumerate([True, True, False, False, True, True]):
-            ex.dsync = dsync
+            ex.use_dsync(dsync)
             before = ex.total.bytes_sent
             applied.append(ex.step(grads[s]))
             sent.append(ex.total.bytes_sent - before)
@@ -206,11 +206,11 @@ def test_dsync_rounds_then_pipelined_and_back_lose_nothing():
 
 
 def test_epoch_ends_leave_nothing_in_flight():
-    """With ``sync_points`` (set by SparseStrategy for fit), an epoch's last pipelined round is
+    """With epochs marked (``mark_epochs``, by SparseStrategy for fit), an epoch's last pipelined round is
     finished in its own step and held; the next step applies it as usual."""
     def fn(comm):
         ex = exchanges(comm, 2)
-        ex.sync_points = (0, 3)
+        ex.mark_epochs(3)
         flights = []
         for s in range(6):
             ex.step(grads_of(comm.rank, s))

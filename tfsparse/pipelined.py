@@ -82,14 +82,39 @@ class Pipelined:
                              f"pin the algorithm for Pipe-SGD (e.g. algorithm='dense', wire_dtype='int8', pipeline=2)")
         if self.depth > 1:
             engine.run_ahead()  # its rounds move while the next step computes
-        self.dsync = False  # D-Sync warm-up: synchronous float32 rounds
+        self._dsync = False  # D-Sync warm-up: synchronous float32 rounds (use_dsync)
         # (first round, steps): a pipelined round that ends an epoch is waited for in its own step
-        self.sync_points: tuple | None = None
+        self._sync_points: tuple | None = None  # (mark_epochs)
         self._pipelined = False  # the mode of the round being started
         self._owed: dict = {}       # bucket -> {round index: (carry, pipelined)}
         self._next_owed: dict = {}  # bucket -> the round in flight whose result the next step takes
         self._held: dict = {}       # bucket -> that result, finished
         self._restored = None       # a restored ``pending`` not yet placed in the buckets (before the build)
+
+    @property
+    def dsync(self) -> bool:
+        """Whether the rounds started now are D-Sync's (synchronous, float32): :meth:`use_dsync`."""
+        return self._dsync
+
+    def use_dsync(self, on: bool) -> None:
+        """D-Sync warm-up (pipe-sgd-li2018 §4; :class:`~tfsparse.keras.callbacks.DSyncWarmUp` calls
+        it at each epoch's beginning, alike on every rank): ``on``, the rounds started from now on
+        are synchronous and over float32; off, in the configured pipelined, compressed mode --
+        the first pipelined step after the warm-up applies zeros."""
+        self._dsync = bool(on)
+
+    @property
+    def sync_points(self) -> tuple | None:
+        """``(first round, steps)`` as :meth:`mark_epochs` set them, or None."""
+        return self._sync_points
+
+    def mark_epochs(self, steps: int | None) -> None:
+        """Epochs of ``steps`` rounds start at the next round (the strategy calls it when Keras
+        distributes a ``fit`` dataset): a pipelined round that ends an epoch is waited for in its
+        own step, so that nothing is in flight between epochs (a callback, a checkpoint or the
+        validation then sees every gradient applied but the one held for the next step).
+        ``None`` (an epoch of unknown length): no such points."""
+        self._sync_points = (self.engine.rounds_started, int(steps)) if steps else None
 
     def config(self) -> dict:
         """The engine's settings as plain values (:meth:`GradientExchange.config`)."""
@@ -154,7 +179,7 @@ class Pipelined:
         i = b.spec.index
         if i == 0:
             self._place_restored()
-            self._pipelined = self.depth > 1 and not self.dsync
+            self._pipelined = self.depth > 1 and not self._dsync
         carry = None
         previous = self._next_owed.get(i)
         # (not in two levels: there a host's ranks must finish and start alike, and only its leader
@@ -171,7 +196,7 @@ class Pipelined:
             # then complete, too); synchronous after pipelined rounds: added to this round's,
             # so that no gradient is lost
             carry = self._take(b)
-        index = self.engine.begin(b, arrays, dsync=self.dsync)
+        index = self.engine.begin(b, arrays, dsync=self._dsync)
         if carry is not None:
             self._owed.setdefault(i, {})[index] = (carry, self._pipelined)
         return index
@@ -183,7 +208,7 @@ class Pipelined:
         if not pipelined:
             out = engine.finish(b, index)
             return out if carry is None else engine.space.plus(out, carry)
-        first, steps = self.sync_points or (0, 0)
+        first, steps = self._sync_points or (0, 0)
         if steps and index >= first and (index - first + 1) % steps == 0:
             self._held[b.spec.index] = engine.finish(b, index)  # an epoch's last step: nothing stays in flight
         else:

@@ -400,7 +400,7 @@ class DSyncWarmUp(keras.callbacks.Callback):
     >>> strategy = tfsparse.SparseStrategy("dense", 1.0, wire_dtype="int8", pipeline=2)
     >>> model.fit(..., callbacks=[tfsparse.keras.callbacks.DSyncWarmUp(epochs=4)])
 
-    Sets ``exchange.dsync`` at each epoch's beginning (every rank at the same epoch; a resumed
+    Switches the exchange's D-Sync (:meth:`~tfsparse.pipelined.Pipelined.use_dsync`) at each epoch's beginning (every rank at the same epoch; a resumed
     run with ``initial_epoch`` continues the schedule).  The first pipelined step after the
     warm-up applies a zero gradient, as the first step of a pipelined run does.
 
@@ -414,8 +414,8 @@ class DSyncWarmUp(keras.callbacks.Callback):
             " (the number of synchronous float32 epochs before the pipelined, compressed ones)"))
 
     def on_epoch_begin(self, epoch, logs=None):
-        """Sets the exchange's ``dsync`` for the epoch: True during the first ``epochs`` epochs, False after."""
-        require_exchange(self.model, "DSyncWarmUp").dsync = epoch < self.epochs
+        """Switches the exchange's D-Sync for the epoch: on during the first ``epochs`` epochs, off after."""
+        require_exchange(self.model, "DSyncWarmUp").use_dsync(epoch < self.epochs)
 
 
 def rank_zero_only(callback: keras.callbacks.Callback) -> keras.callbacks.Callback:

@@ -100,7 +100,7 @@ class SparseExtended(OneDeviceExtended):
             steps = card if card >= 0 else None
         running = keras_distributing()
         if running == "fit":  # not its validation data: the epochs are the training data's batches
-            self.exchange.sync_points = (self.exchange.rounds_started, steps) if steps else None
+            self.exchange.mark_epochs(steps)
             self._start_epochs(steps)
         self._pending_steps = None
         if self.exchange.comm.size > 1 and running in ("fit", "validation", "evaluate") and tf.executing_eagerly():
@@ -203,7 +203,7 @@ class SparseExtended(OneDeviceExtended):
         fit_optimizer(exchange, optimizer)
         if exchange is not current:
             steps = (current.sync_points or (None, None))[1]
-            exchange.sync_points = (exchange.rounds_started, steps) if steps else None
+            exchange.mark_epochs(steps)
             self.exchange = exchange
             if not self.saved_by_optimizer:
                 self.checkpointer = Checkpointer(exchange)
