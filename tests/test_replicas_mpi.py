@@ -12,7 +12,7 @@ from mpi_harness import mpirun
 ALGORITHMS = ("dense", "topk", "gtopk", "oktopk", "dragonn", "dgc", "gaussiank", "csc")
 CASES = {
     2: [f"text-{a}-adam" for a in ALGORITHMS] + ["text-topk-sgd", "text-gtopk-sgd", "transformer-mixed_bfloat16",
-                                                 "refit-strategy", "refit-optimizer", "gan-strategy", "gan-optimizer",
+                                                 "finetune-strategy", "finetune-optimizer", "refit-strategy", "refit-optimizer", "gan-strategy", "gan-optimizer",
                                                  "diverge-strategy", "diverge-optimizer", "diverge-strategy-validation",
                                                  "auto-strategy-measured", "auto-optimizer-gtopk"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
