@@ -171,3 +171,25 @@ def test_one_registry_for_every_family_of_named_stages():
     assert sorted(compressors_by_name()) == ["dgc", "dragonn", "gaussiank", "identity", "topk"]
     with pytest.raises(ValueError, match="compressor='oktopk' is not supported"):
         check_compressor("oktopk")
+
+
+@pytest.mark.parametrize("top,aborts", [("__main__", True), ("runpy", True), ("_pytest.python", False)])
+def test_only_an_exception_that_ends_the_program_aborts_the_job_at_exit(monkeypatch, top, aborts):
+    """init()'s abort at exit reads the uncaught exception Python leaves in sys.last_value --
+    only where its traceback starts at the program's top level (a script, python -m): pytest, an
+    interactive or IPython session leave one there for errors they handled."""
+    import sys
+
+    from tfsparse.runtime import _uncaught_exception
+
+    scope = {"__name__": top}
+    exec("try:\n    raise RuntimeError('x')\nexcept RuntimeError as e:\n    caught = e\n", scope)
+    exc = scope["caught"]
+    monkeypatch.setattr(sys, "last_value", exc, raising=False)
+    monkeypatch.setattr(sys, "last_traceback", exc.__traceback__, raising=False)
+    assert (_uncaught_exception() is exc) == aborts
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # an interactive session: never
+    assert _uncaught_exception() is None
+    monkeypatch.delattr(sys, "ps1")
+    monkeypatch.setattr(sys, "last_value", None)
+    assert _uncaught_exception() is None

@@ -10,8 +10,9 @@ gradient (Alg. 1 initialises ``g_sum`` of iterations ``1-K .. 0`` to zero).  ``d
 synchronous exchange.
 
 Its engine's communication thread runs ahead of the training's threads
-(:meth:`GradientExchange.run_ahead <tfsparse.exchange_build.Building.run_ahead>`): over MPI it
-waits quietly and the process's other threads run five nice levels below it
+(:meth:`GradientExchange.run_ahead <tfsparse.exchange_build.Building.run_ahead>`): over MPI,
+where ``tfsparse.init(thread_priority=...)`` allows it (under ``tfsparse-run``), it waits
+quietly and the process's other threads run five nice levels below it
 (:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`), so that the round in flight
 moves while the next step's compute keeps the cores busy.
 
@@ -22,12 +23,13 @@ instead of its own result (*owed*).  The held result is explicit state (``pendin
 
 The Keras layer tells it, by explicit calls, what it cannot see:
 
-* :attr:`dsync` -- Pipe-SGD's D-Sync warm-up (pipe-sgd-li2018 §4): while True, rounds run
-  synchronous over a float32 wire (``tfsparse.keras.callbacks.DSyncWarmUp`` sets it per epoch);
+* :meth:`use_dsync` -- Pipe-SGD's D-Sync warm-up (pipe-sgd-li2018 §4): while on, rounds run
+  synchronous over a float32 wire (``tfsparse.keras.callbacks.DSyncWarmUp`` calls it per epoch);
 * :meth:`flush` -- finish the round in flight and hold its result: before evaluation, before a
   checkpoint's state is read, at the end of ``fit``;
-* :attr:`sync_points` -- ``(first round, steps per epoch)``: an epoch's last pipelined round is
-  finished in its own step, so that nothing is in flight while the epoch's callbacks run.
+* :meth:`mark_epochs` -- the steps per epoch, from the next round on (the strategy calls it): an
+  epoch's last pipelined round is finished in its own step, so that nothing is in flight while
+  the epoch's callbacks run.
 
 Its interface is explicit: the pipelining above; :attr:`density` and :attr:`schedule`, which
 set the engine's; the engine's settings, statistics and decisions, read-only (``settings``,

@@ -32,8 +32,8 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
     (:data:`SETUP`).  Its default, ``"auto"``, makes the change where the environment variable
     ``TFSPARSE_SETUP`` names it: ``all``, ``none``, or names from :data:`SETUP` separated by
     commas.  ``tfsparse-run`` sets ``TFSPARSE_SETUP=all`` (unless it is set): launched by it, a
-    rank gets them all; under ``mpirun`` or ``horovodrun`` none, unless given (``-x
-    TFSPARSE_SETUP=all``) or asked for by argument.
+    rank gets them all; under ``mpirun`` or ``horovodrun`` none, unless the variable reaches
+    the ranks (exported; ``mpirun -x TFSPARSE_SETUP=all``) or an argument asks.
 
     Args:
       backend: ``"mpi"`` (mpi4py, the default engine), ``"horovod"`` (Horovod's
@@ -47,8 +47,9 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
         included); and a rank whose program ends while another still waits for it in a
         collective (``fit`` returned early on one rank) makes that rank abort the job within
         10 s, naming the rank that left (:class:`~tfsparse.collectives.watchdog.DepartureWatch`;
-        needs MPI_THREAD_MULTIPLE).  Registered with ``atexit``; ``sys.excepthook`` is left
-        alone (``quiet_workers`` chains it).  Not in an interactive session.
+        needs MPI_THREAD_MULTIPLE).  Registered with ``atexit``, so it runs once Python has
+        joined the program's non-daemon threads; ``sys.excepthook`` is left alone
+        (``quiet_workers`` chains it).  Not in an interactive or IPython session.
       quiet_workers: ``True``: on ranks other than 0, silence Keras' interactive output (progress
         bars), Python warnings (a filter) and TensorFlow's/absl's Python loggers below ERROR, so
         only rank 0 prints (TensorFlow's C++ start-up lines are governed by
@@ -80,7 +81,9 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
       thread_priority: ``True``: a pipelined exchange's communication thread may run ahead of
         the process's other threads, which it renices
         (:meth:`~tfsparse.collectives.thread.CommThread.take_precedence`; Linux, no privilege
-        needed, and the raised nice values stay).  ``"auto"`` (default): where
+        needed, and the raised nice values stay), and then waits quietly (it tests its requests
+        and sleeps between tests, instead of Open MPI's busy polling); off, it keeps Open MPI's
+        waits at the training's priority.  ``"auto"`` (default): where
         ``TFSPARSE_SETUP`` names it.
       stall_warning: seconds a collective of the exchange (or a per-step agreement) may wait
         before rank 0 logs which ranks have not arrived and what each was last doing (its round;
@@ -371,19 +374,37 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
     sys.excepthook = hook
 
 
-def _abort_at_exit(rank: int, size: int) -> None:
-    """Registers an ``atexit`` call that ends every rank with ``MPI_Abort`` when this process
-    exits because of an uncaught exception (Python has printed its traceback and left it in
-    ``sys.last_value``); a normal exit, ``sys.exit`` (the departure watch sees that one) and an
-    interactive session, where an earlier error leaves ``sys.last_value`` too, abort nothing.
-    ``sys.excepthook`` stays the program's own.  Registered after mpi4py's finalisation, so it
-    runs before it (which could wait for the ranks still in a collective)."""
-    import atexit
+def _uncaught_exception():
+    """The exception that ends this process, uncaught, or None: what Python left in
+    ``sys.last_value`` after printing it -- if its traceback starts at the program's top level
+    (``__main__``, or ``runpy`` for ``python -m``).  Others leave ``sys.last_value`` for errors they
+    handled -- pytest for a failed test, an interactive or IPython session for an earlier error
+    -- and those end nothing."""
     import sys
 
+    exc, tb = getattr(sys, "last_value", None), getattr(sys, "last_traceback", None)
+    if exc is None or tb is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return None
+    ipython = sys.modules.get("IPython")
+    if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
+        return None
+    return exc if tb.tb_frame.f_globals.get("__name__") in ("__main__", "runpy") else None
+
+
+def _abort_at_exit(rank: int, size: int) -> None:
+    """Registers an ``atexit`` call that ends every rank with ``MPI_Abort`` when this process
+    exits because of an uncaught exception (:func:`_uncaught_exception`: Python has printed its
+    traceback); a normal exit and ``sys.exit`` (the departure watch sees those) abort nothing.
+    ``sys.excepthook`` stays the program's own.  It runs before mpi4py's finalisation (a
+    ``Py_AtExit`` call, after every ``atexit`` one), which could wait for the ranks still in a
+    collective; and after Python has joined the program's own non-daemon threads -- one blocked
+    for good keeps this rank from getting there (tfsparse's threads are daemons; the excepthook
+    that ``quiet_workers`` chains aborts before that join)."""
+    import atexit
+
     def at_exit():
-        exc = getattr(sys, "last_value", None)
-        if exc is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        exc = _uncaught_exception()
+        if exc is None:
             return
         watch = _state.get("watch")
         if watch is not None and _raised_alike_everywhere(exc) and rank != 0:

@@ -27,7 +27,8 @@ save_result(comm.rank, excepthook_kept=sys.excepthook is excepthook, stdout_kept
             filters_kept=list(warnings.filters) == filters, tf_level=logging.getLogger("tensorflow").level,
             allocator=os.environ.get("TF_CPU_ALLOCATOR_USE_BFC"),
             intra_before=intra, intra=tf.config.threading.get_intra_op_parallelism_threads(),
-            kernel_threads=cpu._THREAD_LIMIT[0], priority=thread._ALLOWED[0])
+            kernel_threads=cpu._THREAD_LIMIT[0], numba_threads=cpu.numba.config.NUMBA_NUM_THREADS,
+            priority=thread._ALLOWED[0])
 if sys.argv[1:] == ["fail"]:
     if comm.rank == 1:
         raise RuntimeError("rank 1 fails here")

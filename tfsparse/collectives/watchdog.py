@@ -290,8 +290,8 @@ class DepartureWatch:
         """The ranks known to have ended, after listening ``wait`` more seconds for notices."""
         deadline = time.monotonic() + wait
         while True:
-            if not self._stop.is_set():
-                self._receive()
+            if not self._thread.is_alive():  # else the watch thread receives them: never both
+                self._receive()  # (both probing one notice, one would wait in Recv for good)
             if self.departed or time.monotonic() >= deadline:
                 return sorted(self.departed)
             time.sleep(0.05)
