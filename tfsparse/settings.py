@@ -111,6 +111,35 @@ def check_pipeline(pipeline) -> int:
         "pipe-sgd-li2018 §3.1 shows K > 2 only adds staleness)"))
 
 
+class Options(Mapping):
+    """An algorithm's options, by name: a read-only mapping (a :class:`Settings` is a value;
+    :meth:`Settings.replace` makes a changed copy).  Equal to a dict of the same items; copied,
+    deep-copied and pickled as one."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping | None = None):
+        object.__setattr__(self, "_items", dict(items or {}))
+
+    def __getitem__(self, name):
+        return self._items[name]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Options are read-only; make changed settings with Settings.replace(options=...)")
+
+    def __reduce__(self):
+        return Options, (dict(self._items),)
+
+    def __repr__(self):
+        return repr(self._items)
+
+
 def check_option_names(algorithm: str, options: Mapping) -> None:
     """Every key of ``options`` must be an option of ``algorithm`` (a keyword that is neither a
     setting nor an option ends up here): a ``ValueError`` names it, the nearest valid keyword, the
@@ -233,7 +262,7 @@ class Settings:
       pipeline: Pipe-SGD's iteration dependency K, 1 or 2.
       clip_norm: DGC's local gradient clipping norm (None: off).
       hierarchical: the two-level exchange (the ranks of a host sum first).
-      options: the algorithm's own options, by name.
+      options: the algorithm's own options, by name (kept as a read-only :class:`Options`).
 
     Raises:
       ValueError: when made, for a value outside its accepted values (naming the argument, the
@@ -249,7 +278,7 @@ class Settings:
     pipeline: int = 1
     clip_norm: float | None = None
     hierarchical: bool = False
-    options: dict = field(default_factory=dict)
+    options: Mapping = field(default_factory=Options)
 
     def __post_init__(self):
         # each field as validated and normalised (the dataclass is frozen: set once, here)
@@ -259,7 +288,7 @@ class Settings:
         put("algorithm", check_algorithm(self.algorithm))
         put("density", check_density(self.density))
         put("wire_dtype", get_wire(self.wire_dtype).name)
-        put("options", dict(self.options))
+        put("options", Options(self.options))
         if self.algorithm != AUTO:
             check_option_names(self.algorithm, self.options)
             get_aggregator(self.algorithm, **self.options)  # validates the options
