@@ -68,25 +68,6 @@ def test_init_refuses_an_unknown_cpu_allocator_before_anything(bad):
         tfsparse.init(cpu_allocator=bad)
 
 
-@pytest.mark.parametrize("kwargs,env,words", [
-    ({"quiet_workers": "yes"}, {}, "quiet_workers='yes' is not supported; accepted: True, False or 'auto'"),
-    ({"plain_output": 1}, {}, "plain_output=1 is not supported"),
-    ({"thread_priority": None}, {}, "thread_priority=None is not supported"),
-    ({"abort_on_error": "auto"}, {}, "abort_on_error='auto' is not supported; accepted: True or False"),
-    ({"cores_per_rank": "half"}, {}, "cores_per_rank='half' is not supported; accepted: 'auto', 'share'"),
-    ({}, {"TFSPARSE_SETUP": "quiet_workers,colours"}, "TFSPARSE_SETUP='quiet_workers,colours' names 'colours'; "
-     "accepted: 'all', 'none', or names from quiet_workers, plain_output, cores_per_rank"),
-])
-def test_init_refuses_a_bad_switch_before_anything(monkeypatch, kwargs, env, words):
-    import tfsparse
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError) as err:
-        tfsparse.init(**kwargs)
-    assert words in str(err.value)
-
-
 @pytest.mark.parametrize("text,on", [
     (None, set()), ("none", set()), ("", set()), ("ALL", {"quiet_workers", "plain_output", "cores_per_rank",
                                                           "cpu_allocator", "thread_priority"}),
@@ -115,8 +96,15 @@ def test_the_process_wide_changes_come_from_tfsparse_setup(monkeypatch, text, on
     ({"stall_timeout": True}, {}, "stall_timeout=True is not valid"),
     ({}, {"TFSPARSE_STALL_TIMEOUT": "ten"}, "TFSPARSE_STALL_TIMEOUT='ten' is not valid; accepted: a number of seconds"),
     ({}, {"TFSPARSE_STALL_WARNING": "-5"}, "TFSPARSE_STALL_WARNING='-5' is not valid"),
+    ({"quiet_workers": "yes"}, {}, "quiet_workers='yes' is not supported; accepted: True, False or 'auto'"),
+    ({"plain_output": 1}, {}, "plain_output=1 is not supported"),
+    ({"thread_priority": None}, {}, "thread_priority=None is not supported"),
+    ({"abort_on_error": "auto"}, {}, "abort_on_error='auto' is not supported; accepted: True or False"),
+    ({"cores_per_rank": "half"}, {}, "cores_per_rank='half' is not supported; accepted: 'auto', 'share'"),
+    ({}, {"TFSPARSE_SETUP": "quiet_workers,colours"}, "TFSPARSE_SETUP='quiet_workers,colours' names 'colours'; "
+     "accepted: 'all', 'none', or names from quiet_workers, plain_output, cores_per_rank"),
 ])
-def test_init_refuses_a_bad_stall_setting_before_anything(monkeypatch, kwargs, env, words):
+def test_init_refuses_a_bad_setting_before_anything(monkeypatch, kwargs, env, words):
     import tfsparse
 
     for k, v in env.items():
