@@ -161,17 +161,26 @@ def test_one_registry_for_every_family_of_named_stages():
         check_compressor("oktopk")
 
 
-@pytest.mark.parametrize("top,aborts", [("__main__", True), ("runpy", True), ("_pytest.python", False)])
-def test_only_an_exception_that_ends_the_program_aborts_the_job_at_exit(monkeypatch, top, aborts):
+@pytest.mark.parametrize("module,function,aborts", [
+    ("__main__", "<module>", True), ("runpy", "_run_module_as_main", True), ("_pytest.python", "<module>", False),
+    ("__main__", "callback", False)])
+def test_only_an_exception_that_ends_the_program_aborts_the_job_at_exit(monkeypatch, module, function, aborts):
     """init()'s abort at exit reads the uncaught exception Python leaves in sys.last_value --
-    only where its traceback starts at the program's top level (a script, python -m): pytest, an
-    interactive or IPython session leave one there for errors they handled."""
+    only where its traceback starts at the program's top level (a script's module code, python
+    -m's runner): pytest, an interactive or IPython session, or C code reporting a callback's
+    error leave one there for errors they handled."""
     import sys
 
     from tfsparse.runtime import _uncaught_exception
 
-    scope = {"__name__": top}
-    exec("try:\n    raise RuntimeError('x')\nexcept RuntimeError as e:\n    caught = e\n", scope)
+    body = "try:\n    raise RuntimeError('x')\nexcept RuntimeError as e:\n    caught = e\n"
+    scope = {"__name__": module}
+    if function == "<module>":
+        exec(body, scope)
+    else:  # the outermost frame is a function's of that name
+        exec(f"def {function}():\n" + "".join(f"    {line}\n" for line in body.splitlines()) + "    return caught\n",
+             scope)
+        scope["caught"] = scope[function]()
     exc = scope["caught"]
     monkeypatch.setattr(sys, "last_value", exc, raising=False)
     monkeypatch.setattr(sys, "last_traceback", exc.__traceback__, raising=False)

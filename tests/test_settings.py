@@ -130,3 +130,21 @@ def test_pipelined_state_set_before_the_build_keeps_the_pending_result():
     for pending, applied in InProcessWorld(3).run(fn):
         np.testing.assert_array_equal(pending, np.full(6, 6.0, np.float32))
         np.testing.assert_array_equal(applied, pending)
+
+
+def test_the_options_are_a_read_only_value():
+    """Settings.options: equal to a dict of its items, refused writes, copies and pickles that
+    stay equal, and replace() for a changed copy."""
+    import copy
+    import pickle
+
+    s = Settings(algorithm="oktopk", density=0.01, options={"tau": 8})
+    assert s.options == {"tau": 8} and {"tau": 8} == s.options and dict(s.options) == {"tau": 8}
+    with pytest.raises(TypeError):
+        s.options["tau"] = 4
+    with pytest.raises(AttributeError, match="read-only; make changed settings with Settings.replace"):
+        s.options._items = {}
+    for twin in (copy.copy(s), copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
+        assert twin.options == s.options and twin.config() == s.config()
+    changed = s.replace(options={**s.options, "tau": 4})
+    assert changed.options == {"tau": 4} and s.options == {"tau": 8} and repr(s.options) == "{'tau': 8}"

@@ -377,7 +377,7 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
 def _uncaught_exception():
     """The exception that ends this process, uncaught, or None: what Python left in
     ``sys.last_value`` after printing it -- if its traceback starts at the program's top level
-    (``__main__``, or ``runpy`` for ``python -m``).  Others leave ``sys.last_value`` for errors they
+    (``__main__``'s module code, or ``runpy``'s for ``python -m``).  Others leave ``sys.last_value`` for errors they
     handled -- pytest for a failed test, an interactive or IPython session for an earlier error
     -- and those end nothing."""
     import sys
@@ -388,7 +388,13 @@ def _uncaught_exception():
     ipython = sys.modules.get("IPython")
     if ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None:
         return None
-    return exc if tb.tb_frame.f_globals.get("__name__") in ("__main__", "runpy") else None
+    top = tb.tb_frame
+    return exc if (top.f_globals.get("__name__"), top.f_code.co_name) in _TOP_LEVEL else None
+
+
+#: (module, function) of the outermost frame of an exception that ends a program: a script's
+#: or ``python -c``'s module code, or ``python -m``'s runner
+_TOP_LEVEL = {("__main__", "<module>"), ("runpy", "_run_module_as_main"), ("runpy", "_run_code")}
 
 
 def _abort_at_exit(rank: int, size: int) -> None:
@@ -455,7 +461,8 @@ def _stall_seconds(name: str, value, variable: str, default):
 def _watch(departures: bool, stall_warning, stall_timeout) -> None:
     """Starts the watch thread (collective: every rank is in init()) -- the departure watch and
     the stall report -- and tells the other ranks at a normal exit that this one is gone.
-    Registered after mpi4py's own ``atexit`` finalisation, so it runs before it."""
+    Its ``atexit`` call runs before mpi4py's finalisation (a ``Py_AtExit`` call, after every
+    ``atexit`` one)."""
     import atexit
 
     from mpi4py import MPI

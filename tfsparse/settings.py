@@ -131,7 +131,7 @@ class Options(Mapping):
         return len(self._items)
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"Options are read-only; make changed settings with Settings.replace(options=...)")
+        raise AttributeError("Options are read-only; make changed settings with Settings.replace(options=...)")
 
     def __reduce__(self):
         return Options, (dict(self._items),)
