@@ -358,28 +358,23 @@ def _abort_on_uncaught_exception(rank: int, size: int) -> None:
                 previous(exc_type, exc, tb)
                 if watch is not None and not alike:
                     watch.announce_failure(exc_type.__name__)
-        finally:
-            if quiet:
-                import time
-
-                time.sleep(10.0)  # the rank that printed the traceback aborts the job meanwhile
-            gone = watch.gone() if watch is not None else []
-            from mpi4py import MPI
-
-            from .collectives.watchdog import abort_world
-
-            abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {exc_type.__name__}"
-                                        f"{_departed(gone)}; aborting all {size} ranks (MPI_Abort)\n")
+        finally:  # quiet: the rank that printed the traceback aborts the job meanwhile
+            _abort_job(rank, size, exc_type.__name__, after=10.0 if quiet else 0.0)
 
     sys.excepthook = hook
+
+
+#: (module, function) of the outermost frame of an exception that ends a program: a script's
+#: or ``python -c``'s module code, or ``python -m``'s runner
+_TOP_LEVEL = {("__main__", "<module>"), ("runpy", "_run_module_as_main"), ("runpy", "_run_code")}
 
 
 def _uncaught_exception():
     """The exception that ends this process, uncaught, or None: what Python left in
     ``sys.last_value`` after printing it -- if its traceback starts at the program's top level
-    (``__main__``'s module code, or ``runpy``'s for ``python -m``).  Others leave ``sys.last_value`` for errors they
-    handled -- pytest for a failed test, an interactive or IPython session for an earlier error
-    -- and those end nothing."""
+    (:data:`_TOP_LEVEL`).  Others leave ``sys.last_value`` for errors they handled -- pytest for
+    a failed test, an interactive or IPython session for an earlier error, C code reporting a
+    callback's -- and those end nothing."""
     import sys
 
     exc, tb = getattr(sys, "last_value", None), getattr(sys, "last_traceback", None)
@@ -390,11 +385,6 @@ def _uncaught_exception():
         return None
     top = tb.tb_frame
     return exc if (top.f_globals.get("__name__"), top.f_code.co_name) in _TOP_LEVEL else None
-
-
-#: (module, function) of the outermost frame of an exception that ends a program: a script's
-#: or ``python -c``'s module code, or ``python -m``'s runner
-_TOP_LEVEL = {("__main__", "<module>"), ("runpy", "_run_module_as_main"), ("runpy", "_run_code")}
 
 
 def _abort_at_exit(rank: int, size: int) -> None:
@@ -410,30 +400,31 @@ def _abort_at_exit(rank: int, size: int) -> None:
 
     def at_exit():
         exc = _uncaught_exception()
-        if exc is None:
-            return
-        watch = _state.get("watch")
-        if watch is not None and _raised_alike_everywhere(exc) and rank != 0:
-            import time
-
-            time.sleep(10.0)  # every rank raised it: rank 0's abort ends the job meanwhile
-        gone = watch.gone() if watch is not None else []
-        from mpi4py import MPI
-
-        from .collectives.watchdog import abort_world
-
-        abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {type(exc).__name__}"
-                                    f"{_departed(gone)}; aborting all {size} ranks (MPI_Abort)\n")
+        if exc is not None:  # an error every rank raised alike: rank 0's abort ends the job meanwhile
+            alike = _state.get("watch") is not None and _raised_alike_everywhere(exc) and rank != 0
+            _abort_job(rank, size, type(exc).__name__, after=10.0 if alike else 0.0)
 
     atexit.register(at_exit)
 
 
-def _departed(gone: list) -> str:
-    """What an abort's message says of the ranks ``gone`` that had ended before it."""
-    if not gone:
-        return ""
-    return (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
-            f"finished or fit returned early on that rank)")
+def _abort_job(rank: int, size: int, name: str, after: float = 0.0) -> None:
+    """Ends every rank (:func:`~tfsparse.collectives.watchdog.abort_world`) for this rank's
+    uncaught exception of type ``name``, ``after`` seconds from now; the message names the ranks
+    that had ended before it (the departure watch's)."""
+    if after:
+        import time
+
+        time.sleep(after)
+    watch = _state.get("watch")
+    gone = watch.gone() if watch is not None else []
+    cause = (f" (rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} had ended: the program "
+             f"finished or fit returned early on that rank)") if gone else ""
+    from mpi4py import MPI
+
+    from .collectives.watchdog import abort_world
+
+    abort_world(MPI.COMM_WORLD, f"tfsparse: rank {rank} stopped with an uncaught {name}{cause}; "
+                                f"aborting all {size} ranks (MPI_Abort)\n")
 
 
 def _stall_seconds(name: str, value, variable: str, default):

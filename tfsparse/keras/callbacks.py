@@ -400,8 +400,9 @@ class DSyncWarmUp(keras.callbacks.Callback):
     >>> strategy = tfsparse.SparseStrategy("dense", 1.0, wire_dtype="int8", pipeline=2)
     >>> model.fit(..., callbacks=[tfsparse.keras.callbacks.DSyncWarmUp(epochs=4)])
 
-    Switches the exchange's D-Sync (:meth:`~tfsparse.pipelined.Pipelined.use_dsync`) at each epoch's beginning (every rank at the same epoch; a resumed
-    run with ``initial_epoch`` continues the schedule).  The first pipelined step after the
+    Switches the exchange's D-Sync (:meth:`~tfsparse.pipelined.Pipelined.use_dsync`) at each
+    epoch's beginning (every rank at the same epoch; a resumed run with ``initial_epoch``
+    continues the schedule).  The first pipelined step after the
     warm-up applies a zero gradient, as the first step of a pipelined run does.
 
     Args:
