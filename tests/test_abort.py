@@ -1,8 +1,10 @@
 """The last resort behind MPI_Abort: a rank whose abort blocks (Open MPI's PMIx_Abort can
-deadlock) still ends, non-zero, so ``mpirun`` ends the job instead of hanging."""
+deadlock) still ends, non-zero, so ``mpirun`` ends the job instead of hanging; and the departure
+watch's messages, sent from two threads, all kept."""
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -42,3 +44,47 @@ def test_a_rank_whose_mpi_abort_blocks_ends_itself_after_the_deadline(caller, ha
     # SIGALRM's default action where the program left it alone, else os._exit(1) from a timer
     assert proc.returncode == (-signal.SIGALRM if handler == "default" else 1), proc.stderr[-2000:]
     assert elapsed < 30, elapsed  # deadline 1 s, plus the interpreter's start and imports
+
+
+class _Pending:
+    """A send request that never completes; counts the ``Test`` calls running at once."""
+    running = 0
+    most = 0
+    guard = threading.Lock()
+
+    def Test(self):
+        with _Pending.guard:
+            _Pending.running += 1
+            _Pending.most = max(_Pending.most, _Pending.running)
+        time.sleep(0)  # lets the other thread run here, as MPI_Test's own call may
+        with _Pending.guard:
+            _Pending.running -= 1
+        return False
+
+
+def test_the_departure_watch_keeps_every_send_made_from_two_threads():
+    """The watch thread answers inquiries (``_send``) while the failing main thread announces
+    its failure (``_send`` and the wait on the sends): no request is lost from the list the
+    announcement waits on, and none is tested by both threads at once (MPI forbids completing
+    one request from two threads)."""
+    from tfsparse.collectives.watchdog import DepartureWatch
+
+    class Comm:
+        def isend(self, obj, dest, tag):
+            return _Pending()
+
+    _Pending.most = 0
+    watch = object.__new__(DepartureWatch)  # without MPI: only the send bookkeeping is used
+    watch._comm, watch._sends, watch._sending = Comm(), [], threading.Lock()
+
+    def sends():
+        for i in range(100):
+            watch._send(i, 1, 0)
+            watch._sends_pending()
+
+    threads = [threading.Thread(target=sends) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(watch._sends) == 200 and _Pending.most == 1

@@ -176,7 +176,8 @@ class DepartureWatch:
         self.failing = False  # this rank stops with an exception of its own: say nothing of others'
         self._warned: tuple | None = None  # (the stall's start, when rank 0 last logged it)
         self._noticed: float | None = None  # rank 0: when another rank last said it waits too long
-        self._sends: list = []
+        self._sends: list = []  # this rank's sends not known to be complete (_send, _sends_pending)
+        self._sending = threading.Lock()  # the watch thread and a failing main thread both send
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tfsparse-departure-watch", daemon=True)
         self._thread.start()
@@ -209,7 +210,7 @@ class DepartureWatch:
             if r != self.rank:
                 self._send(name, r, TAG_FAILED)
         deadline = time.monotonic() + linger
-        while time.monotonic() < deadline and not all(q.Test() for q in self._sends):
+        while time.monotonic() < deadline and self._sends_pending():
             time.sleep(0.02)
         time.sleep(max(0.0, min(2 * self.poll, deadline - time.monotonic())))  # their next poll prints
 
@@ -225,8 +226,18 @@ class DepartureWatch:
         return rank, self.failed[rank]
 
     def _send(self, obj, dest: int, tag: int) -> None:
-        self._sends = [q for q in self._sends if not q.Test()]
-        self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
+        """Sends ``obj`` to ``dest`` without waiting; the request is kept until it completes.  From
+        either thread: one at a time (a request completed by two threads at once is an MPI error,
+        and the list's rewrite in one thread would lose the other's request)."""
+        with self._sending:
+            self._sends = [q for q in self._sends if not q.Test()]
+            self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
+
+    def _sends_pending(self) -> bool:
+        """Whether a send made by :meth:`_send` has not completed yet."""
+        with self._sending:
+            self._sends = [q for q in self._sends if not q.Test()]
+            return bool(self._sends)
 
     def _answer(self) -> None:
         """Answers other ranks' inquiries with :func:`report`; rank 0 also notes stall notices."""
