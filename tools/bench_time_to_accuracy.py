@@ -8,7 +8,8 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``, as
 ``tools/bench_fit_step.py`` takes them (``wire_dtype``, ``plan``, ``pipeline``, ``memory``, ...;
-``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``; a pinned momentum correction,
+``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``, ``"densities": [d0, d1, ...]``
+``DensitySchedule([d0, d1, ...])`` (epoch ``i`` at ``di``, later ones at ``density``); a pinned momentum correction,
 ``"memory": "momentum"`` or ``"momentum_rows"``, runs the SGD without its momentum), e.g.::
 
     '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
@@ -178,7 +179,7 @@ def train(comm, config, args, arrays):
     x_local, y_local, x_test, y_test = arrays
     strategy = None
     if config is not None:
-        options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density", "warmup_epochs")}
+        options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density", "warmup_epochs", "densities")}
         strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
@@ -193,6 +194,8 @@ def train(comm, config, args, arrays):
     if config is not None and config.get("warmup_epochs"):
         callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(
             tfsparse.schedules.WarmUp(epochs=config["warmup_epochs"])))
+    if config is not None and config.get("densities"):
+        callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(list(config["densities"])))
     hist = model.fit(x_local, y_local, batch_size=BATCH, epochs=args.epochs, verbose=0, callbacks=callbacks,
                      validation_data=(x_test, y_test))
     own = timeline.summary()

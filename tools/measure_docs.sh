@@ -76,6 +76,12 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
 TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"auto","algorithm":"auto"}]'
 
+# conv schedules: gTop-k on the convolutional model at two densities, and sparse for 3 epochs then dense (density 1)
+# (docs/choosing.md, "The convolutional model"), on shared memory: the epochs matter here, not the step
+CONV_SCHEDULES='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},
+ {"label":"gtopk 0.05","algorithm":"gtopk","density":0.05},
+ {"label":"gtopk 0.01 for 3 epochs, then density 1","algorithm":"gtopk","density":1.0,"densities":[0.01,0.01,0.01]}]'
+
 # masking: momentum correction's masking on the Transformer (docs/choosing.md, "Masking and embeddings"):
 # DGC's masking everywhere, against memory="momentum_rows" (what memory="auto" runs), at two densities
 MASKING='[{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
@@ -115,6 +121,7 @@ STEP[tta_1gbit]=$(tta_seeds time_to_accuracy_1gbit "$TTA" "$NET1G" '1 Gbit/s (tf
 STEP[tta_1gbit_auto]=$(tta_seeds time_to_accuracy_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_conv_auto]=$(tta_seeds time_to_accuracy_conv_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
 STEP[tta_transformer_auto]=$(tta_seeds time_to_accuracy_transformer_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model transformer")
+STEP[tta_conv_schedules]=$(tta_seeds time_to_accuracy_conv_schedules "$CONV_SCHEDULES" "" 'shared memory' "--model conv")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
@@ -138,7 +145,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_transformer_auto masking tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_transformer_auto masking tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
