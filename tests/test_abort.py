@@ -82,9 +82,10 @@ def test_the_departure_watch_keeps_every_send_made_from_two_threads():
             watch._send(i, 1, 0)
             watch._sends_pending()
 
-    threads = [threading.Thread(target=sends) for _ in range(2)]
+    threads = [threading.Thread(target=sends, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)  # a deadlock fails here, not at the interpreter's exit
     assert len(watch._sends) == 200 and _Pending.most == 1

@@ -327,6 +327,9 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     probe.done = len(auto.PROBES)  # measured already: the link 1 Gbit/s, the local work local()
     probe.local = local()
     monkeypatch.setattr(auto.Probe, "fit", lambda self: link)
+    # the probe's rounds, shorter here than the clean ones so that the reference (0.62 s, the
+    # clean rounds' median) tells them apart; decide's compute step is the median over all rounds,
+    # and a compute step long beside the exchange would rightly make dense the choice
     disturbed = [0.45] * (len(auto.PROBES) + 1)
     # the dense float16 rounds took what the model says they take on that link
     exchange = auto.predict(auto.CANDIDATES[auto.MEASURING], N, 3, link, 0.0, 0.0).comm_s + local()[auto.MEASURING]

@@ -271,3 +271,14 @@ def test_time_to_accuracy_summary_takes_the_median_over_seeds(tmp_path):
     refused = subprocess.run([sys.executable, "tools/time_to_accuracy_summary.py", str(out), str(paths[0]),
                               str(tmp_path / "bad.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "every launch must run the same settings" in refused.stderr
+    # launches without a dense 16-bit row: no ratio to one (None, printed "—"), not 0
+    for p in paths:
+        seed = json.loads(p.read_text())
+        seed["runs"] = [r for r in seed["runs"] if r["label"] != "dense f16"]
+        p.write_text(json.dumps(seed))
+    done = subprocess.run([sys.executable, "tools/time_to_accuracy_summary.py", str(out), *map(str, paths)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {r["label"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["gtopk"]["vs_f16"] is None and rows["gtopk"]["vs_f32"] == pytest.approx(3.0)
+    assert "| gtopk | 40.0 | 3.00× | — | 2 |" in done.stdout

@@ -9,7 +9,8 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 ``CONFIGS_JSON``: a list of ``{"label": ..., "algorithm": ..., "density": ..., **options}``, as
 ``tools/bench_fit_step.py`` takes them (``wire_dtype``, ``plan``, ``pipeline``, ``memory``, ...;
 ``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``, ``"densities": [d0, d1, ...]``
-``DensitySchedule([d0, d1, ...])`` (epoch ``i`` at ``di``, later ones at ``density``); a pinned momentum correction,
+adds ``DensitySchedule([d0, d1, ...])`` (epoch ``i`` at ``di``, later ones at ``density``; not
+with ``warmup_epochs``); a pinned momentum correction,
 ``"memory": "momentum"`` or ``"momentum_rows"``, runs the SGD without its momentum), e.g.::
 
     '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
@@ -296,6 +297,10 @@ def main(argv=None):
     configs = json.loads(args.configs)
     if not isinstance(configs, list) or not all(isinstance(c, dict) and "algorithm" in c for c in configs):
         raise ValueError(f"configs={args.configs!r}: expected a JSON list of objects with an 'algorithm'")
+    for config in configs:  # before any training
+        if config.get("densities") and config.get("warmup_epochs"):
+            raise ValueError(f"setting {config.get('label')!r}: \"densities\" and \"warmup_epochs\" both "
+                             f"schedule the density; give one")
 
     comm = tfsparse.init()
     if args.target != "dense":

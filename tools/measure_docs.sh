@@ -72,7 +72,8 @@ TTA_CONV='[{"label":"dense f32","algorithm":"dense"},
 
 # auto against the dense rows: on fast networks it must not lose (issue: within 5 % of the best); at 1 Gbit/s
 # (tta_1gbit_auto) the same three rows alone re-measure auto where tta_1gbit (over an hour) is not re-run;
-# tta_conv_auto, tta_transformer_auto: the same rows on the convolutional model, the Transformer, at 1 Gbit/s
+# tta_conv_auto, tta_transformer_auto: the same rows on the convolutional model, the Transformer, at 1 Gbit/s;
+# tta_transformer_100mbit: the Transformer at 100 Mbit/s
 TTA_FAST='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"auto","algorithm":"auto"}]'
 
@@ -121,6 +122,7 @@ STEP[tta_1gbit]=$(tta_seeds time_to_accuracy_1gbit "$TTA" "$NET1G" '1 Gbit/s (tf
 STEP[tta_1gbit_auto]=$(tta_seeds time_to_accuracy_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_conv_auto]=$(tta_seeds time_to_accuracy_conv_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
 STEP[tta_transformer_auto]=$(tta_seeds time_to_accuracy_transformer_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model transformer")
+STEP[tta_transformer_100mbit]=$(tta_seeds time_to_accuracy_transformer_100mbit "$TTA_FAST" "--net 100mbit" '100 Mbit/s (tfsparse-run --net 100mbit)' "--model transformer")
 STEP[tta_conv_schedules]=$(tta_seeds time_to_accuracy_conv_schedules "$CONV_SCHEDULES" "" 'shared memory' "--model conv")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
@@ -145,7 +147,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_transformer_auto masking tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done

@@ -42,6 +42,8 @@ def _median(values):
 
 def summarize(launches: list[dict]) -> dict:
     labels = [r["label"] for r in launches[0]["runs"] if r["config"] is not None]
+    # without a dense 16-bit row there is nothing to compare with: no ratio (None), not 0
+    with16 = any(_is(r, "dense", ("float16", "bfloat16")) for launch in launches for r in launch["runs"])
     rows = []
     for label in labels:
         per_seed = []
@@ -66,7 +68,7 @@ def summarize(launches: list[dict]) -> dict:
                              if reached * 2 > len(per_seed) else None)
         rows.append({"label": label, "seeds": per_seed, "reached": reached,
                      "time_to_target_s": _median([s["time_to_target_s"] for s in per_seed]),
-                     "vs_f32": ratio("vs_f32"), "vs_f16": ratio("vs_f16"),
+                     "vs_f32": ratio("vs_f32"), "vs_f16": ratio("vs_f16") if with16 else None,
                      "final_vs_f32": float(np.median([s["final_vs_f32"] for s in per_seed])),
                      "final_accuracy": float(np.median([s["final_accuracy"] for s in per_seed])),
                      "step_ms": float(np.median([s["step_ms"] for s in per_seed]))})
