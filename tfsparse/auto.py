@@ -89,12 +89,13 @@ class Candidate:
 
     ``epochs``: the epochs it needs to reach dense float32's accuracy, relative to dense float32
     (1.0: as many) -- the values of docs/choosing.md ("What it decides"), from the digits models.
-    The 16-bit wires keep dense float32's curve (1.0).  A lossy candidate is priced at the most a
-    measured seed needed, not the typical, so that it is chosen only where it pays on a bad seed
+    The 16-bit wires keep dense float32's curve (1.0).  gTop-k is priced at the most a seed of
+    auto's own runs needed, not the typical, so that it is chosen only where it pays on a bad seed
     too: with momentum correction (what ``memory="auto"`` gives a sparse algorithm under an SGD
-    with momentum) gTop-k reached dense float32's target on the 17.1M MLP in 10, 9 and 9 epochs
-    where dense took 9, 6 and 10 (seeds 0-2: 1.1, **1.5** and 0.9 times); top-k and Ok-Topk stayed
-    below it within 10 epochs where dense took 9 (0.969, 0.973 against 0.9835), priced at 2.0."""
+    with momentum), after auto's ten dense rounds, it reached dense float32's target on the 17.1M
+    MLP in 10, 9 and 9 epochs where dense took 9, 6 and 10 (seeds 0-2: 1.1, **1.5** and 0.9 times;
+    pinned from the first step it once needed 1.67).  Top-k and Ok-Topk stayed below that target
+    within 10 epochs where dense took 9 (0.969, 0.973 against 0.9835): 2.0 is assumed."""
 
     algorithm: str
     density: float
