@@ -180,7 +180,8 @@ def train(comm, config, args, arrays):
     x_local, y_local, x_test, y_test = arrays
     strategy = None
     if config is not None:
-        options = {k: v for k, v in config.items() if k not in ("label", "algorithm", "density", "warmup_epochs", "densities")}
+        tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities")  # this tool's keys
+        options = {k: v for k, v in config.items() if k not in tool_keys}
         strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
