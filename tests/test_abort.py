@@ -75,7 +75,7 @@ def test_the_departure_watch_keeps_every_send_made_from_two_threads():
 
     _Pending.most = 0
     watch = object.__new__(DepartureWatch)  # without MPI: only the send bookkeeping is used
-    watch._comm, watch._sends, watch._sending = Comm(), [], threading.Lock()
+    watch._comm, watch._sends, watch._sending = Comm(), [], threading.RLock()
 
     def sends():
         for i in range(100):

@@ -193,11 +193,12 @@ def train(comm, config, args, arrays):
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     timeline = Timeline()
     callbacks = [timeline] + ([tfsparse.keras.callbacks.CommunicationStats()] if strategy is not None else [])
-    if config is not None and config.get("warmup_epochs"):
-        callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(
-            tfsparse.schedules.WarmUp(epochs=config["warmup_epochs"])))
-    if config is not None and config.get("densities"):
-        callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(list(config["densities"])))
+    # a density schedule: a dense warm-up per step, or densities per epoch (main refuses both)
+    schedule = None if config is None else (
+        tfsparse.schedules.WarmUp(epochs=config["warmup_epochs"]) if config.get("warmup_epochs") else
+        list(config["densities"]) if config.get("densities") else None)
+    if schedule is not None:
+        callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(schedule))
     hist = model.fit(x_local, y_local, batch_size=BATCH, epochs=args.epochs, verbose=0, callbacks=callbacks,
                      validation_data=(x_test, y_test))
     own = timeline.summary()

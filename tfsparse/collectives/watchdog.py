@@ -177,7 +177,7 @@ class DepartureWatch:
         self._warned: tuple | None = None  # (the stall's start, when rank 0 last logged it)
         self._noticed: float | None = None  # rank 0: when another rank last said it waits too long
         self._sends: list = []  # this rank's sends not known to be complete (_send, _sends_pending)
-        self._sending = threading.Lock()  # the watch thread and a failing main thread both send
+        self._sending = threading.RLock()  # the watch thread and a failing main thread both send
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tfsparse-departure-watch", daemon=True)
         self._thread.start()
@@ -230,11 +230,11 @@ class DepartureWatch:
         either thread: one at a time (a request completed by two threads at once is an MPI error,
         and the list's rewrite in one thread would lose the other's request)."""
         with self._sending:
-            self._sends = [q for q in self._sends if not q.Test()]
+            self._sends_pending()  # (drops the completed ones, under the same hold of the lock)
             self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
 
     def _sends_pending(self) -> bool:
-        """Whether a send made by :meth:`_send` has not completed yet."""
+        """Whether a send made by :meth:`_send` has not completed yet; the completed ones are dropped."""
         with self._sending:
             self._sends = [q for q in self._sends if not q.Test()]
             return bool(self._sends)
