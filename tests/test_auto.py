@@ -327,10 +327,10 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     probe.done = len(auto.PROBES)  # measured already: the link 1 Gbit/s, the local work local()
     probe.local = local()
     monkeypatch.setattr(auto.Probe, "fit", lambda self: link)
-    # the probe's rounds, shorter here than the clean ones so that the reference (0.62 s, the
-    # clean rounds' median) tells them apart; decide's compute step is the median over all rounds,
-    # and a compute step long beside the exchange would rightly make dense the choice
-    disturbed = [0.45] * (len(auto.PROBES) + 1)
+    # the probe's rounds, far longer here than the clean ones (a piece that outlasts the computation
+    # it overlaps, as on a slow link); the reference (0.62 s) and the compute step come from the
+    # clean rounds alone, the slowest rank's median
+    disturbed = [1.45] * (len(auto.PROBES) + 1)
     # the dense float16 rounds took what the model says they take on that link
     exchange = auto.predict(auto.CANDIDATES[auto.MEASURING], N, 3, link, 0.0, 0.0).comm_s + local()[auto.MEASURING]
 
@@ -342,6 +342,7 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     assert all(d == sparse[0] for d in sparse) and sparse[0].candidate.algorithm != "dense"
     assert sparse[0].link.beta == pytest.approx(link.beta, rel=1e-6) and sparse[0].probed == link
     assert sparse[0].trial_rounds == auto.TRIAL_ROUNDS and sparse[0].reference_s == pytest.approx(0.62)
+    assert sparse[0].compute_s == pytest.approx(0.62 - exchange)
     assert "on trial for 5 rounds against dense over float16's measured step (620 ms)" in sparse[0].describe(3)
     # a compute step far longer than the exchange: dense, and no trial
     dense = InProcessWorld(2).run(lambda comm: auto.decide(comm, N, [20.0] * auto.MEASURE_ROUNDS,

@@ -20,7 +20,7 @@ Between those rounds, on the communication thread while the ranks compute their 
 
 At the start of the next round, on every rank at once (:func:`decide`, collective), with **the
 compute step** -- each rank's median of (time between two rounds' starts) less (the earlier
-round's exchange), the slowest rank's -- rank 0 prices every candidate of :data:`CANDIDATES` with
+round's exchange) over the measured rounds after the probe's last piece, the slowest rank's -- rank 0 prices every candidate of :data:`CANDIDATES` with
 the library's timing model (:func:`tfsparse.timing.simulate`, the aggregators' own schedules under
 α-β): predicted step = compute + communication + local work, and predicted **time to accuracy** =
 predicted step × the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what
@@ -474,9 +474,11 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     the measured setting, dense over float16, on every rank, with a warning."""
     probe = Probe(n) if probe is None else probe
     probe.finish(comm)
-    own = [p - r for p, r in zip(periods, rounds)]
     clean = list(periods[len(PROBES) + 1:]) or list(periods)  # the rounds no piece of the probe ran in
     exchanged = list(rounds[len(PROBES) + 1:]) or list(rounds)
+    # the compute step from those alone: a piece of the probe that outlasts the computation it
+    # overlaps (a 4 MiB round trip is 0.7 s at 100 Mbit/s) lengthens its period, not its round
+    own = [p - r for p, r in zip(clean, exchanged)]
     # the medians of this rank's compute step, of a clean round's period and of its exchange
     medians = np.array([max(0.0, float(np.median(own))) if own else 0.0,
                         float(np.median(clean)) if clean else 0.0,
