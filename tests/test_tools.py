@@ -118,6 +118,24 @@ def test_bench_kernels_cuda_path_runs_in_the_simulator(tmp_path):
 
 
 @pytest.mark.mpi
+def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
+    """tools/bench_time_to_accuracy.py's ``"dense_below": N``: a bucket per tensor, those of fewer
+    than N elements dense, the others with the row's own algorithm and density; refused with a
+    plan of the row's own, or a count that is not a positive whole number, before anything runs."""
+    from tfsparse.plan import Layout, TensorSpec
+
+    plan = _tool("bench_time_to_accuracy").small_dense(4096)
+    layout = Layout([TensorSpec("conv/kernel", (3, 3, 1, 32)), TensorSpec("dense/kernel", (4096, 2048)),
+                     TensorSpec("dense/bias", (2048,))])
+    chosen = {layout.specs[b.first].name: b.algorithm for b in plan.buckets(layout)}
+    assert chosen == {"conv/kernel": "dense", "dense/kernel": None, "dense/bias": "dense"}
+    for bad in ({"dense_below": 0}, {"dense_below": 4096, "plan": "fused"}, {"dense_below": "4096"}):
+        done = subprocess.run([sys.executable, "tools/bench_time_to_accuracy.py",
+                               json.dumps([{"label": "x", "algorithm": "gtopk", **bad}])], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "\"dense_below\"" in done.stderr and "positive whole" in done.stderr, bad
+
+
 def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path):
     """tools/bench_time_to_accuracy.py at P = 3 on the small convolutional model, 2 epochs: the
     compute-only run first, then the setting; per epoch its end, accuracy and time outside steps;

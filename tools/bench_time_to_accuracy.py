@@ -10,7 +10,9 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 ``tools/bench_fit_step.py`` takes them (``wire_dtype``, ``plan``, ``pipeline``, ``memory``, ...;
 ``"warmup_epochs": E`` adds ``DensitySchedule(WarmUp(epochs=E))``, ``"densities": [d0, d1, ...]``
 adds ``DensitySchedule([d0, d1, ...])`` (epoch ``i`` at ``di``, later ones at ``density``; not
-with ``warmup_epochs``); a pinned momentum correction,
+with ``warmup_epochs``); ``"dense_below": N`` sends every tensor of fewer than ``N`` elements
+dense (a bucket per tensor: ``plan=PerTensorPlan(...)``, as docs/choosing.md shows; not with
+``plan``); a pinned momentum correction,
 ``"memory": "momentum"`` or ``"momentum_rows"``, runs the SGD without its momentum), e.g.::
 
     '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
@@ -65,6 +67,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 import tfsparse  # noqa: E402
 from tfsparse import files  # noqa: E402
 from tfsparse.memory import keeps_velocity  # noqa: E402
+from tfsparse.plan import PerTensorPlan  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, also where loaded by path
 import bench_host  # noqa: E402
 
@@ -175,13 +178,21 @@ def build(name, seed=0):
 MODELS = tuple(RATES)
 
 
+def small_dense(below: int) -> PerTensorPlan:
+    """A bucket per tensor, the tensors of fewer than ``below`` elements sent dense (the rest with
+    the row's algorithm and density)."""
+    return PerTensorPlan(lambda spec: {"algorithm": "dense", "density": 1.0} if spec.size < below else None)
+
+
 def train(comm, config, args, arrays):
     """One run: ``config`` None is the compute-only run (no strategy)."""
     x_local, y_local, x_test, y_test = arrays
     strategy = None
     if config is not None:
-        tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities")  # this tool's keys
+        tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities", "dense_below")  # this tool's
         options = {k: v for k, v in config.items() if k not in tool_keys}
+        if config.get("dense_below"):
+            options["plan"] = small_dense(int(config["dense_below"]))
         strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
@@ -303,6 +314,10 @@ def main(argv=None):
         if config.get("densities") and config.get("warmup_epochs"):
             raise ValueError(f"setting {config.get('label')!r}: \"densities\" and \"warmup_epochs\" both "
                              f"schedule the density; give one")
+        below = config.get("dense_below")
+        if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 1 or "plan" in config):
+            raise ValueError(f"setting {config.get('label')!r}: \"dense_below\"={below!r} must be a positive whole "
+                             f"number of elements, without \"plan\" (it makes the plan)")
 
     comm = tfsparse.init()
     if args.target != "dense":

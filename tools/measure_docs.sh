@@ -83,6 +83,16 @@ CONV_SCHEDULES='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01"
  {"label":"gtopk 0.05","algorithm":"gtopk","density":0.05},
  {"label":"gtopk 0.01 for 3 epochs, then density 1","algorithm":"gtopk","density":1.0,"densities":[0.01,0.01,0.01]}]'
 
+# conv small dense: gTop-k on the convolutional model with its tensors of fewer than 65,536 elements sent
+# dense (its conv kernels, biases and output layer: 0.5 % of its elements), at 1 Gbit/s (docs/choosing.md)
+CONV_SMALL_DENSE='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},
+ {"label":"gtopk 0.01, tensors under 65536 dense","algorithm":"gtopk","density":0.01,"dense_below":65536}]'
+
+# the same rule on the 17.1M MLP and the Transformer, on shared memory (the epochs matter here, not the step)
+SMALL_DENSE_SHM='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},
+ {"label":"gtopk 0.01, tensors under 65536 dense","algorithm":"gtopk","density":0.01,"dense_below":65536}]'
+
 # masking: momentum correction's masking on the Transformer (docs/choosing.md, "Masking and embeddings"):
 # DGC's masking everywhere, against memory="momentum_rows" (what memory="auto" runs), at two densities
 MASKING='[{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
@@ -124,6 +134,9 @@ STEP[tta_conv_auto]=$(tta_seeds time_to_accuracy_conv_1gbit_auto "$TTA_FAST" "$N
 STEP[tta_transformer_auto]=$(tta_seeds time_to_accuracy_transformer_1gbit_auto "$TTA_FAST" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model transformer")
 STEP[tta_transformer_100mbit]=$(tta_seeds time_to_accuracy_transformer_100mbit "$TTA_FAST" "--net 100mbit" '100 Mbit/s (tfsparse-run --net 100mbit)' "--model transformer")
 STEP[tta_conv_schedules]=$(tta_seeds time_to_accuracy_conv_schedules "$CONV_SCHEDULES" "" 'shared memory' "--model conv")
+STEP[tta_conv_small_dense]=$(tta_seeds time_to_accuracy_conv_small_dense "$CONV_SMALL_DENSE" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
+STEP[tta_small_dense_mlp_shm]=$(tta_seeds time_to_accuracy_small_dense_mlp_shm "$SMALL_DENSE_SHM" "" 'shared memory')
+STEP[tta_small_dense_transformer_shm]=$(tta_seeds time_to_accuracy_small_dense_transformer_shm "$SMALL_DENSE_SHM" "" 'shared memory' "--model transformer")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
@@ -147,7 +160,8 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit demo"
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_small_dense_mlp_shm tta_small_dense_transformer_shm
+ tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done
