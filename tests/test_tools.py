@@ -154,6 +154,7 @@ def test_bench_time_to_accuracy_records_curves_gaps_and_the_compute_run(tmp_path
         assert len(run["epoch_end_s"]) == len(run["val_accuracy"]) == len(run["outside_s"]) == 2
         assert len(run["gaps_s"]) == steps - 1 and steps == 2 * (1536 // 3 // 32)
         assert run["step_ms_median"] > 0 and run["stall_s"] >= 0
+        assert run["longest_step_s"] >= 1e-3 * run["step_ms_median"]  # the slowest rank's, after the first
     assert topk["comm_bytes"] > 0 and topk["time_to_target_s"] is not None
     assert "| topk |" in text and out.with_suffix(".png").stat().st_size > 10_000
     assert result["machine"].endswith(f"cores, {_cpu_model()}")  # names the host's CPU

@@ -40,13 +40,14 @@ Per setting, rank 0 records each epoch's end (after validation) in wall seconds 
 ``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
 each epoch's wall time less its steps and its validation -- the gap between steps and around epoch
 boundaries where no rank trains (``stall_s``: the longest such gap of the run; ``outside_s``: their
-sum per epoch).  The compute-only run of the same model is trained first and reported the same way,
+sum per epoch) -- and ``longest_step_s``, the longest step after the first (which traces the step
+function): a stall inside a step, which the median hides.  The compute-only run of the same model is trained first and reported the same way,
 so its gaps are the floor: what plain Keras itself has in this launch.
 
 Rank 0 writes ``<out>.json`` and ``<out>.png`` (accuracy against seconds and against epochs, a curve
 per setting and the compute-only run; time to ``--target`` per setting) and prints a table:
 time to target, its ratio to the first setting's (``speedup``), the median step, its ratio to the
-compute-only step, the longest stall.
+compute-only step, the longest stall and the longest step.
 """
 from __future__ import annotations
 
@@ -222,6 +223,7 @@ def train(comm, config, args, arrays):
            "parameters": model.count_params(), "val_accuracy": accuracy, **own,
            "step_ms_median": round(1e3 * float(np.median(slowest[1:])), 1),
            "stall_s": round(float(gaps_all.max()), 3) if gaps_all.size else 0.0,
+           "longest_step_s": round(float(slowest[1:].max()), 3) if slowest.size > 1 else 0.0,
            "outside_s_per_epoch": round(float(np.mean(own["outside_s"][1:])) if len(own["outside_s"]) > 1 else 0.0, 3)}
     if strategy is not None:
         run["comm_bytes"] = hist.history["comm_bytes"][-1]
@@ -285,7 +287,7 @@ def table(results) -> str:
     compute = next(r for r in runs if r["config"] is None)
     base = next((r for r in runs if r["config"] is not None), None)
     lines = [f"| setting | time to {results['target']} (s) | speedup | epochs | step ms | x compute | "
-             "longest stall (s) | outside steps per epoch (s) |", "|---|---|---|---|---|---|---|---|"]
+             "longest stall (s) | longest step (s) | outside steps per epoch (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ttt = r["time_to_target_s"]
         speed = (f"{base['time_to_target_s'] / ttt:.2f}x" if ttt and base and base["time_to_target_s"]
@@ -293,7 +295,7 @@ def table(results) -> str:
         lines.append(f"| {r['label']} | {ttt if ttt is not None else 'not reached'} | {speed} | "
                      f"{r['epochs_to_target'] or '-'} | {r['step_ms_median']} | "
                      f"{r['step_ms_median'] / compute['step_ms_median']:.2f} | {r['stall_s']} | "
-                     f"{r['outside_s_per_epoch']} |")
+                     f"{r.get('longest_step_s', '-')} | {r['outside_s_per_epoch']} |")
     return "\n".join(lines)
 
 
@@ -330,7 +332,8 @@ def main(argv=None):
         runs.append(train(comm, config, args, arrays))
         if comm.rank == 0:
             print(f"{config['label']}: accuracy {[round(a, 3) for a in runs[-1]['val_accuracy']]}, step "
-                  f"{runs[-1]['step_ms_median']} ms, longest stall {runs[-1]['stall_s']} s", flush=True)
+                  f"{runs[-1]['step_ms_median']} ms, longest stall {runs[-1]['stall_s']} s, longest step "
+                  f"{runs[-1]['longest_step_s']} s", flush=True)
     target = target_of(runs, args.target)
     for run in runs:
         reach(run, target)
