@@ -20,7 +20,8 @@ Between those rounds, on the communication thread while the ranks compute their 
 
 At the start of the next round, on every rank at once (:func:`decide`, collective), with **the
 compute step** -- each rank's median of (time between two rounds' starts) less (the earlier
-round's exchange) over the measured rounds after the probe's last piece, the slowest rank's -- rank 0 prices every candidate of :data:`CANDIDATES` with
+round's exchange) over the measured rounds after the probe's last piece, the slowest rank's --
+rank 0 prices every candidate of :data:`CANDIDATES` with
 the library's timing model (:func:`tfsparse.timing.simulate`, the aggregators' own schedules under
 α-β): predicted step = compute + communication + local work, and predicted **time to accuracy** =
 predicted step × the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what
@@ -63,7 +64,7 @@ from .wire import get_wire
 
 #: rounds run dense over float16 (and measured) before the choice: one, six with a piece of the
 #: measurements (:data:`PROBES`) each, then three undisturbed ones -- the step a sparse choice's
-#: trial is compared with
+#: trial is compared with, and the rounds the compute step is taken from
 MEASURE_ROUNDS = 10
 #: rounds a sparse choice runs on trial before its own measured step confirms it (the first of
 #: them, with the switch in it, not counted): the timing model's prediction of a step is only a

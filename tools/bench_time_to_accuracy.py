@@ -317,9 +317,12 @@ def main(argv=None):
             raise ValueError(f"setting {config.get('label')!r}: \"densities\" and \"warmup_epochs\" both "
                              f"schedule the density; give one")
         below = config.get("dense_below")
-        if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 1 or "plan" in config):
-            raise ValueError(f"setting {config.get('label')!r}: \"dense_below\"={below!r} must be a positive whole "
-                             f"number of elements, without \"plan\" (it makes the plan)")
+        if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 1):
+            raise ValueError(f"setting {config.get('label')!r}: \"dense_below\"={below!r} is not valid; accepted: "
+                             f"a positive whole number of elements")
+        if below is not None and "plan" in config:
+            raise ValueError(f"setting {config.get('label')!r}: \"dense_below\" makes the plan; give it or "
+                             f"\"plan\", not both")
 
     comm = tfsparse.init()
     if args.target != "dense":
