@@ -120,7 +120,9 @@ def test_bench_kernels_cuda_path_runs_in_the_simulator(tmp_path):
 def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
     """tools/bench_time_to_accuracy.py's ``"dense_below": N``: a bucket per tensor, those of fewer
     than N elements dense, the others with the row's own algorithm and density; refused with a
-    plan of the row's own, or a count that is not a positive whole number, before anything runs."""
+    plan of the row's own, or a count that is not a positive whole number, before anything runs --
+    as is ``--target dense`` (the default) without a dense float32 row, which once failed only after
+    every setting had trained."""
     from tfsparse.plan import Layout, TensorSpec
 
     plan = _tool("bench_time_to_accuracy").small_dense(4096)
@@ -134,6 +136,11 @@ def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
                               capture_output=True, text=True, timeout=120)
         why = "not both" if "plan" in bad else "accepted: a positive whole number"
         assert done.returncode != 0 and "\"dense_below\"" in done.stderr and why in done.stderr, bad
+    done = subprocess.run([sys.executable, "tools/bench_time_to_accuracy.py",
+                           json.dumps([{"label": "x", "algorithm": "gtopk"}, {"label": "d16", "algorithm": "dense",
+                                                                              "wire_dtype": "float16"}])],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--target dense needs" in done.stderr and "['x', 'd16']" in done.stderr
 
 
 @pytest.mark.mpi

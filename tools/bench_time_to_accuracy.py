@@ -240,15 +240,17 @@ def reach(run, target) -> None:
     run["best_accuracy"], run["final_accuracy"] = max(accuracy), accuracy[-1]
 
 
+def _dense_f32(config: dict) -> bool:
+    """Whether a setting is dense float32 (``--target dense`` takes its accuracy)."""
+    return config["algorithm"] == "dense" and config.get("wire_dtype", "float32") == "float32"
+
+
 def target_of(runs, target: str) -> float:
     """``--target``: a number, or ``dense``: the best test accuracy of the first dense float32 run
     less 0.5 point."""
     if target != "dense":
         return float(target)
-    dense = next((r for r in runs if r["config"] is not None and r["config"]["algorithm"] == "dense"
-                  and r["config"].get("wire_dtype", "float32") == "float32"), None)
-    if dense is None:
-        raise ValueError("--target dense needs a setting with \"algorithm\": \"dense\" over float32 in CONFIGS_JSON")
+    dense = next(r for r in runs if r["config"] is not None and _dense_f32(r["config"]))  # main checked
     return round(max(dense["val_accuracy"]) - 0.005, 4)
 
 
@@ -324,9 +326,14 @@ def main(argv=None):
             raise ValueError(f"setting {config.get('label')!r}: \"dense_below\" makes the plan; give it or "
                              f"\"plan\", not both")
 
+    if args.target == "dense":  # checked before any training, like a numeric target
+        if not any(_dense_f32(c) for c in configs):
+            raise ValueError(f"--target dense needs a setting with \"algorithm\": \"dense\" over float32 in "
+                             f"CONFIGS_JSON (got {[c.get('label', c['algorithm']) for c in configs]}); give one "
+                             f"or a number as --target")
+    else:
+        float(args.target)
     comm = tfsparse.init()
-    if args.target != "dense":
-        float(args.target)  # a number, checked before any training
     x_train, y_train, x_test, y_test = data(args.seed, args.model)
     arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)
     runs = [train(comm, None, args, arrays)]

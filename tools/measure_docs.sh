@@ -93,6 +93,15 @@ CONV_SMALL_DENSE='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16
 SMALL_DENSE_SHM='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},
  {"label":"gtopk 0.01, tensors under 65536 dense","algorithm":"gtopk","density":0.01,"dense_below":65536}]'
 
+# dense over int8: dense float32 and float16 beside dense over the int8 wire (per-chunk scales, error feedback),
+# synchronous (with the optimizer's momentum, and with momentum correction: what auto runs under an SGD with
+# momentum) and pipelined (pipeline=2: Pipe-SGD), on the convolutional model and the 17.1M MLP at 1 Gbit/s
+# (docs/choosing.md, "Dense over int8")
+INT8_ROWS='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense int8","algorithm":"dense","wire_dtype":"int8"},
+ {"label":"dense int8, memory=momentum_rows","algorithm":"dense","wire_dtype":"int8","memory":"momentum_rows"},
+ {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2}]'
+
 # masking: momentum correction's masking on the Transformer (docs/choosing.md, "Masking and embeddings"):
 # DGC's masking everywhere, against memory="momentum_rows" (what memory="auto" runs), at two densities
 MASKING='[{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
@@ -135,6 +144,8 @@ STEP[tta_transformer_auto]=$(tta_seeds time_to_accuracy_transformer_1gbit_auto "
 STEP[tta_transformer_100mbit]=$(tta_seeds time_to_accuracy_transformer_100mbit "$TTA_FAST" "--net 100mbit" '100 Mbit/s (tfsparse-run --net 100mbit)' "--model transformer")
 STEP[tta_conv_schedules]=$(tta_seeds time_to_accuracy_conv_schedules "$CONV_SCHEDULES" "" 'shared memory' "--model conv")
 STEP[tta_conv_small_dense]=$(tta_seeds time_to_accuracy_conv_small_dense "$CONV_SMALL_DENSE" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
+STEP[tta_int8_conv]=$(tta_seeds time_to_accuracy_int8_conv_1gbit "$INT8_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
+STEP[tta_int8_mlp]=$(tta_seeds time_to_accuracy_int8_mlp_1gbit "$INT8_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
 STEP[tta_small_dense_mlp_shm]=$(tta_seeds time_to_accuracy_small_dense_mlp_shm "$SMALL_DENSE_SHM" "" 'shared memory')
 STEP[tta_small_dense_transformer_shm]=$(tta_seeds time_to_accuracy_small_dense_transformer_shm "$SMALL_DENSE_SHM" "" 'shared memory' "--model transformer")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
@@ -160,7 +171,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_small_dense_mlp_shm tta_small_dense_transformer_shm
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_int8_conv tta_int8_mlp tta_small_dense_mlp_shm tta_small_dense_transformer_shm
  tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit demo"
 
 if [[ "${1:-}" == "--list" ]]; then
