@@ -141,6 +141,10 @@ def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
                                                                               "wire_dtype": "float16"}])],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--target dense needs" in done.stderr and "['x', 'd16']" in done.stderr
+    assert "accuracy" not in done.stdout  # refused before any setting trained (each prints its accuracies)
+    done = subprocess.run([sys.executable, "tools/bench_time_to_accuracy.py", json.dumps([{"algorithm": "dense"}]),
+                           "--target", "high"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--target 'high' is not valid; accepted: 'dense' or a number" in done.stderr
 
 
 @pytest.mark.mpi

@@ -250,7 +250,9 @@ def target_of(runs, target: str) -> float:
     less 0.5 point."""
     if target != "dense":
         return float(target)
-    dense = next(r for r in runs if r["config"] is not None and _dense_f32(r["config"]))  # main checked
+    dense = next((r for r in runs if r["config"] is not None and _dense_f32(r["config"])), None)
+    if dense is None:  # (main refuses this before any training)
+        raise ValueError("--target dense needs a setting with \"algorithm\": \"dense\" over float32")
     return round(max(dense["val_accuracy"]) - 0.005, 4)
 
 
@@ -332,7 +334,11 @@ def main(argv=None):
                              f"CONFIGS_JSON (got {[c.get('label', c['algorithm']) for c in configs]}); give one "
                              f"or a number as --target")
     else:
-        float(args.target)
+        try:
+            float(args.target)
+        except ValueError:
+            raise ValueError(f"--target {args.target!r} is not valid; accepted: 'dense' or a number such as "
+                             f"0.95") from None
     comm = tfsparse.init()
     x_train, y_train, x_test, y_test = data(args.seed, args.model)
     arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)

@@ -96,7 +96,7 @@ SMALL_DENSE_SHM='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01
 # dense over int8: dense float32 and float16 beside dense over the int8 wire (per-chunk scales, error feedback),
 # synchronous (with the optimizer's momentum, and with momentum correction: what auto runs under an SGD with
 # momentum) and pipelined (pipeline=2: Pipe-SGD), on the convolutional model and the 17.1M MLP at 1 Gbit/s
-# (docs/choosing.md, "Dense over int8")
+# (docs/choosing.md, "The convolutional model" and "Time to dense's accuracy")
 INT8_ROWS='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
  {"label":"dense int8","algorithm":"dense","wire_dtype":"int8"},
  {"label":"dense int8, memory=momentum_rows","algorithm":"dense","wire_dtype":"int8","memory":"momentum_rows"},
