@@ -14,10 +14,16 @@ N = 17_000_000  # the digits MLP's gradient
 NO_LOCAL = np.zeros(len(auto.CANDIDATES))
 
 
-def local(f16=0.03, sparse=0.06):
-    """Local work: the 16-bit wires' coding and the sparse selection (dense float32: none)."""
+def local(f16=0.03, sparse=0.06, int8=None):
+    """Local work: the 16-bit wires' coding (int8's too unless given; ``np.inf`` leaves it out), and
+    the sparse selection (dense float32: none)."""
     return np.array([0.0 if c.algorithm == "dense" and c.wire_dtype == "float32" else
+                     (f16 if int8 is None else int8) if c.wire_dtype == "int8" else
                      f16 if c.algorithm == "dense" else sparse for c in auto.CANDIDATES])
+
+
+def index_of(algorithm, wire_dtype="float32"):
+    return next(i for i, c in enumerate(auto.CANDIDATES) if (c.algorithm, c.wire_dtype) == (algorithm, wire_dtype))
 
 
 def chosen(link, compute=0.17, n=N, workers=4, costs=None):
@@ -33,8 +39,14 @@ def test_a_slow_link_chooses_a_sparse_algorithm():
 def test_a_fast_link_chooses_dense():
     assert chosen(AlphaBeta.from_strings("100gbit", "1us")) == auto.CANDIDATES[0]  # float32: no coding
     # 10 Gbit/s: float32's 68 MB cost more than the 16-bit wires' coding
-    c = chosen(AlphaBeta.from_strings("10gbit", "20us"), costs=local(f16=0.01))
+    link = AlphaBeta.from_strings("10gbit", "20us")
+    c = auto.choose(N, 4, link, 0.17, local(f16=0.01), sparse=False).candidate
     assert c.algorithm == "dense" and c.wire_dtype in ("float16", "bfloat16")
+    # under momentum correction int8's 17 MB for as much coding: dense over int8, a compressed
+    # choice (on trial)
+    d = auto.choose(N, 4, link, 0.17, local(f16=0.01))
+    assert (d.candidate.algorithm, d.candidate.wire_dtype) == ("dense", "int8") and d.candidate.compressed
+    assert d.contenders == (d.index, index_of("gtopk"))  # predicted within 2x: its contender
 
 
 def test_one_rank_or_a_small_model_chooses_dense_float32():
@@ -71,6 +83,7 @@ def test_ties_go_to_the_earlier_candidate():
     assert auto.choose(1000, 1, None, 0.01, NO_LOCAL).index == 0
     # float16 predicted 2 % sooner than float32 (within the tolerance): float32
     costs = np.zeros(len(auto.CANDIDATES))
+    costs[index_of("dense", "int8")] = np.inf  # (left out)
     link = AlphaBeta.from_strings("10gbit", "20us")
     f32, f16 = (auto.predict(auto.CANDIDATES[i], 1_000_000, 4, link, 0.1, 0.0) for i in (0, 2))
     costs[1] = costs[2] = f32.step_s / 1.02 - f16.step_s
@@ -98,8 +111,8 @@ def test_on_a_shared_core_the_local_work_can_tip_a_fast_link_to_dense():
     sooner than dense over float16 at 1.2 times dense's epochs, and its trial measured it slower.
     Priced at the most epochs a seed needed (1.5), dense over a 16-bit wire wins there even timed
     alone; on a link half as fast gTop-k wins timed alone, and priced at the two ranks that share
-    each core, dense wins."""
-    alone = local(f16=0.0046, sparse=0.0224)
+    each core, dense wins.  (Dense over int8, not a candidate then, is left out here.)"""
+    alone = local(f16=0.0046, sparse=0.0224, int8=np.inf)
     busy = auto.oversubscription(4, cores=2)
     recorded = AlphaBeta(alpha=19.65e-6, beta=7.408e9 / 8)
     for costs in (alone, alone * busy):
@@ -339,11 +352,14 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
         return auto.decide(comm, N, periods, [exchange] * len(periods), probe=probe, two_level=False)
 
     sparse = InProcessWorld(3).run(fn, [0.50, 0.60, 0.70])
-    assert all(d == sparse[0] for d in sparse) and sparse[0].candidate.algorithm != "dense"
+    assert all(d == sparse[0] for d in sparse) and sparse[0].candidate.compressed
     assert sparse[0].link.beta == pytest.approx(link.beta, rel=1e-6) and sparse[0].probed == link
     assert sparse[0].trial_rounds == auto.TRIAL_ROUNDS and sparse[0].reference_s == pytest.approx(0.62)
     assert sparse[0].compute_s == pytest.approx(0.62 - exchange)
-    assert "on trial for 5 rounds against dense over float16's measured step (620 ms)" in sparse[0].describe(3)
+    # dense over int8 (coded as fast as float16 here), gTop-k predicted within 2x of it: both on trial
+    assert sparse[0].contenders == (index_of("dense", "int8"), index_of("gtopk"))
+    assert ("on trial for 5 rounds, then gtopk at density 0.01 for 5 against dense over float16's measured step "
+            "(620 ms)") in sparse[0].describe(3)
     # a compute step far longer than the exchange: dense, and no trial
     dense = InProcessWorld(2).run(lambda comm: auto.decide(comm, N, [20.0] * auto.MEASURE_ROUNDS,
                                                           [0.05] * auto.MEASURE_ROUNDS, probe=probe, two_level=False))
@@ -374,6 +390,94 @@ def test_the_calibrated_link_prices_dense_float16_at_its_measured_rounds(monkeyp
     assert got[0].probed.beta == 10e9 / 8 and got[0].link.beta < got[0].probed.beta
 
 
+def test_after_two_contenders_the_one_sooner_to_accuracy_runs_on():
+    """The second contender's trial ends: its measured step and the first's, each times its
+    epochs, and dense over float16's -- the smallest wins; ties go to the earlier in CANDIDATES
+    (dense over float16 before any compressed one, gTop-k before dense over int8)."""
+    from tfsparse.collectives import InProcessWorld
+
+    gtopk, int8 = index_of("gtopk"), index_of("dense", "int8")
+
+    def fn(comm, first, reference):
+        periods = [0.27] * 4 if comm.rank != 1 else [0.26, 0.26, 0.25, 0.26]  # rank 0 and 2 the slowest
+        return auto.confirm(comm, int8, reference, periods, ((gtopk, first),))
+
+    world = InProcessWorld(3)
+    back = world.run(fn, 0.15, 0.40)  # gTop-k: 0.15 x 1.5 = 0.225 against int8's 0.27
+    assert {v.index for v in back} == {gtopk} and back[0].measured == ((gtopk, 0.15), (int8, 0.27))
+    assert back[0].describe() == (
+        "tfsparse: algorithm='auto' switches to gtopk at density 0.01 -- gtopk at density 0.01 measured 150 ms a "
+        "step, x1.5 epochs; dense over int8 measured 270 ms a step, x1.0 epochs, against dense over float16's "
+        "400 ms, x1.0. Pin it with algorithm='gtopk', density=0.01")
+    kept = world.run(fn, 0.25, 0.40)  # 0.375 against 0.27
+    assert {v.index for v in kept} == {int8}
+    assert kept[0].describe().startswith("tfsparse: algorithm='auto' keeps dense over int8 -- gtopk at density")
+    assert {v.index for v in world.run(fn, 0.18, 0.40)} == {gtopk}  # 0.27 against 0.27: a tie, the earlier
+    assert {v.index for v in world.run(fn, 0.25, 0.275)} == {auto.MEASURING}  # int8 within 3 % of dense f16
+    first = auto.Verdict(gtopk, gtopk, 0.15, 0.40)
+    assert first.describe_next(int8) == ("tfsparse: algorithm='auto' tries dense over int8 next -- gtopk at "
+                                         "density 0.01 measured 150 ms a step, x1.5 epochs, against dense over "
+                                         "float16's 400 ms, x1.0")
+
+
+@pytest.mark.parametrize("winner", ["first", "second", "dense"])
+def test_two_contenders_run_on_trial_in_turn_on_every_rank(monkeypatch, winner):
+    """A decision with two contenders: the measured rounds, :data:`TRIAL_ROUNDS` of the first,
+    as many of the second (the first one's measured step carried to its end), then the winner on
+    every rank at the same round.  A state saved during the second trial carries both and the
+    first one's step; resumed, the second trial runs anew.  The sums stay bit-identical."""
+    from tfsparse.collectives import InProcessWorld
+    from tfsparse.exchange import GradientExchange
+
+    gtopk, int8 = index_of("gtopk"), index_of("dense", "int8")
+    real = auto.decide
+    monkeypatch.setattr(auto, "decide", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25, contenders=(gtopk, int8)))
+    calls = []
+
+    def confirm(comm, tried, reference, periods, earlier=()):
+        calls.append((comm.rank, tried, tuple(i for i, _ in earlier)))
+        step = {gtopk: 0.1, int8: 0.2}[tried]
+        if tried == gtopk:
+            return auto.Verdict(gtopk, gtopk, step, reference, earlier)
+        index = {"first": gtopk, "second": int8, "dense": auto.MEASURING}[winner]
+        return auto.Verdict(index, tried, step, reference, earlier)
+    monkeypatch.setattr(auto, "confirm", confirm)
+    m, t = auto.MEASURE_ROUNDS, auto.TRIAL_ROUNDS
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        engine = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        out, algos, saved = [], [], None
+        for step in range(m + 2 * t + 2):
+            grads = [rng.standard_normal(300).astype(np.float32), rng.standard_normal(200).astype(np.float32)]
+            out.append(np.concatenate(engine.start(grads).wait()))
+            algos.append((engine.settings.algorithm, engine.settings.wire_dtype))
+            if step == m + t + 1:
+                saved = engine.get_state()
+        engine.close()
+        again = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        again.set_state(saved)
+        again.start([np.zeros(300, np.float32), np.zeros(200, np.float32)]).wait()
+        resumed = (again.settings.wire_dtype, again._auto.trial_from >= 0, again._auto.contenders,
+                   again._auto.measured)
+        again.close()
+        return out, algos, engine.auto_verdict, resumed, saved
+
+    results = InProcessWorld(3).run(fn)
+    out0, algos, v, resumed, saved = results[0]
+    assert sorted(calls) == sorted([(r, gtopk, ()) for r in range(3)] + [(r, int8, (gtopk,)) for r in range(3)])
+    assert algos[:m + 2 * t] == [("dense", "float16")] * m + [("gtopk", "float32")] * t + [("dense", "int8")] * t
+    tail = {"first": ("gtopk", "float32"), "second": ("dense", "int8"), "dense": ("dense", "float16")}[winner]
+    assert algos[m + 2 * t:] == [tail] * 2 and v.measured == ((gtopk, 0.1), (int8, 0.2))
+    assert saved["auto_contenders"].tolist() == [gtopk, int8] and saved["auto_measured"].tolist() == [0.1, -1.0]
+    assert resumed == ("int8", True, (gtopk, int8), ((gtopk, 0.1),))
+    for out, a, _, _, _ in results[1:]:
+        assert a == algos
+        for x, ref in zip(out, out0):
+            np.testing.assert_array_equal(x, ref)
+
+
 @pytest.mark.parametrize("verdict", ["keeps", "switches"])
 def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
     """A sparse choice on trial: :data:`TRIAL_ROUNDS` rounds of it, then at the same round on every
@@ -387,10 +491,10 @@ def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
     gtopk = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
     real = auto.decide
     monkeypatch.setattr(auto, "decide", lambda *a, **k: __import__("dataclasses").replace(
-        real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25))
+        real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25, contenders=(gtopk,)))
     ends = []
 
-    def confirm(comm, tried, reference, periods):
+    def confirm(comm, tried, reference, periods, earlier=()):
         ends.append((comm.rank, len(periods), reference))
         v = auto.Verdict(tried if verdict == "keeps" else auto.MEASURING, tried, 0.2, reference)
         return v

@@ -32,17 +32,22 @@ and every rank computes it from the same numbers (the slowest rank's compute and
 candidate, so on a fast link auto picks dense.
 
 The timing model is a model: on a busy node, or a link as fast as the ranks' own memory, its
-step can be off by 2x either way.  So a sparse choice runs on trial first: for
-:data:`TRIAL_ROUNDS` rounds every rank times its steps, and then (:func:`confirm`, collective) the
-slowest rank's median step times the candidate's epochs is set against dense over float16's own
-measured step (the slowest rank's median over the measured rounds after the measurements'
-last piece): the sparse choice runs on only where it is more than
-:data:`TOLERANCE` sooner; else dense over float16 runs from the next round, taking over the
-memory.  Rank 0 prints a second line then: what it kept or switched to, and the two measured steps.
+step can be off by 2x either way.  So a compressed choice (:attr:`Candidate.compressed`: a
+sparse algorithm, or dense over int8) runs on trial first, and after it the next best predicted
+compressed candidate where the model's error could swap the two (:data:`CONTENDERS`,
+:data:`SPREAD`): for :data:`TRIAL_ROUNDS` rounds each, every rank times its steps, and then
+(:func:`confirm`, collective) each one's measured step (the slowest rank's median) times its
+epochs is set against the other's and against dense over float16's own measured step (the slowest
+rank's median over the measured rounds after the measurements' last piece): the smallest runs
+on, and a compressed one only where it is more than :data:`TOLERANCE` sooner than dense over
+float16, which otherwise runs from the next round, taking over the memory.  Rank 0 prints a line
+after each trial: the contender it tries next, or what it kept or switched to, with the measured
+steps.
 
 The decision is part of the exchange's state (``auto`` in :meth:`GradientExchange.get_state`),
 saved in checkpoints: a run resumed after the decision runs the same choice without measuring
-again (one resumed during a trial runs the trial anew, against the saved dense step).  Rank 0
+again (one resumed during a trial runs that contender's trial anew, against the saved dense
+step and the contenders' saved steps).  Rank 0
 prints one line at the decision: the choice, the prediction it rests on, and the
 arguments that pin it.
 """
@@ -63,16 +68,25 @@ from .timing import shared_link, simulate
 from .wire import get_wire
 
 #: rounds run dense over float16 (and measured) before the choice: one, six with a piece of the
-#: measurements (:data:`PROBES`) each, then three undisturbed ones -- the step a sparse choice's
+#: measurements (:data:`PROBES`) each, then three undisturbed ones -- the step a compressed choice's
 #: trial is compared with, and the rounds the compute step is taken from
 MEASURE_ROUNDS = 10
-#: rounds a sparse choice runs on trial before its own measured step confirms it (the first of
+#: rounds a compressed choice runs on trial before its own measured step confirms it (the first of
 #: them, with the switch in it, not counted): the timing model's prediction of a step is only a
 #: prediction -- on a busy node or a fast link it can be off by 2x (docs/choosing.md)
 TRIAL_ROUNDS = 5
 #: a candidate is preferred to an earlier one only when predicted this much sooner (the
 #: measurements' noise: two settings closer than that are a tie, and the earlier one wins)
 TOLERANCE = 0.03
+#: compressed candidates run on trial, one after another, at most: the chosen one and the next
+#: best predicted (:attr:`Decision.contenders`) -- where the timing model's error (2x either way)
+#: could swap them, their measured steps decide (measured at 1 Gbit/s on the 17.1M MLP, the
+#: model priced dense over int8 ahead of gTop-k, whose measured step made it the faster to dense
+#: float32's accuracy)
+CONTENDERS = 2
+#: the next best compressed candidate runs on trial too where predicted within this factor of the
+#: chosen one's score (the timing model's error on a busy node)
+SPREAD = 2.0
 #: what :class:`Probe` does after each of the first measured rounds, in order: ``(bytes, round
 #: trips)`` pairs between rank 0 and its peer (the first round trip of each size untimed; 4 MiB is
 #: past the emulated links' token bucket, and one round trip of it is 70 ms at 1 Gbit/s, 0.7 s at
@@ -96,7 +110,10 @@ class Candidate:
     with momentum), after auto's ten dense rounds, it reached dense float32's target on the 17.1M
     MLP in 10, 9 and 9 epochs where dense took 9, 6 and 10 (seeds 0-2: 1.1, **1.5** and 0.9 times;
     pinned from the first step it once needed 1.67).  Top-k and Ok-Topk stayed below that target
-    within 10 epochs where dense took 9 (0.969, 0.973 against 0.9835): 2.0 is assumed."""
+    within 10 epochs where dense took 9 (0.969, 0.973 against 0.9835): 2.0 is assumed.  Dense over
+    int8 with momentum correction reached it in dense float32's own epochs or fewer in every seed
+    on both the 17.1M MLP and the convolutional model (9, 6, 10 and 6, 6, 5 where dense took 9, 6,
+    10 and 7, 6, 5): 1.0."""
 
     algorithm: str
     density: float
@@ -111,6 +128,14 @@ class Candidate:
             return f"dense over {self.wire_dtype}"
         return f"{self.algorithm} at density {self.density}" + (
             f" over {self.wire_dtype}" if self.wire_dtype != "float32" else "")
+
+    @property
+    def compressed(self) -> bool:
+        """Whether it sends less than 16 bits a gradient element -- a sparse algorithm, or a dense
+        one over int8: its epochs were measured with momentum correction only (it takes part where
+        the exchange runs one, :func:`choose`'s ``sparse``), and a choice of it runs on trial
+        (:data:`TRIAL_ROUNDS`) -- its step rests most on the timing model's prediction."""
+        return self.algorithm != "dense" or get_wire(self.wire_dtype).value_bytes < 2
 
     def pin(self) -> str:
         """The arguments that pin this choice."""
@@ -129,6 +154,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("gtopk", 0.01, "float32", 1.5),
     Candidate("topk", 0.01, "float32", 2.0),
     Candidate("oktopk", 0.01, "float32", 2.0),
+    Candidate("dense", 1.0, "int8", 1.0),
 )
 #: what the measured rounds run (the index into :data:`CANDIDATES`): dense over float16
 MEASURING = next(i for i, c in enumerate(CANDIDATES) if c.algorithm == "dense" and c.wire_dtype == "float16")
@@ -165,13 +191,16 @@ class Decision:
     two_level: bool = False  # the chosen candidate in two levels (hosts' sums across hosts)
     #: dense over float16's measured step: the slowest rank's median over the undisturbed measured rounds
     reference_s: float = 0.0
-    #: rounds the choice runs on trial (a sparse choice: :data:`TRIAL_ROUNDS`; 0: none)
+    #: rounds the choice runs on trial (a compressed choice: :data:`TRIAL_ROUNDS`; 0: none)
     trial_rounds: int = 0
     #: ranks per core on the busiest host (:func:`oversubscription`): the local work's factor
     busy: float = 1.0
     #: the link the round trips measured, where :attr:`link`'s bandwidth is the measured rounds'
     #: (:func:`calibrated`); None: :attr:`link` is the round trips'
     probed: AlphaBeta | None = None
+    #: the compressed candidates that run on trial, in order (the chosen one first; :data:`CONTENDERS`
+    #: at most); empty for a choice without a trial
+    contenders: tuple[int, ...] = ()
 
     @property
     def candidate(self) -> Candidate:
@@ -201,8 +230,9 @@ class Decision:
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
         if chosen is not f16:
             why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
+        then = "".join(f", then {CANDIDATES[i].label} for {self.trial_rounds}" for i in self.contenders[1:])
         trial = "" if not self.trial_rounds else (
-            f"; on trial for {self.trial_rounds} rounds against dense over float16's measured step "
+            f"; on trial for {self.trial_rounds} rounds{then} against dense over float16's measured step "
             f"({1e3 * self.reference_s:.0f} ms)")
         return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} -- {why}; "
                 f"{link}{trial}. Pin it with {chosen.candidate.pin()}{two}")
@@ -210,23 +240,40 @@ class Decision:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The end of a sparse choice's trial (:func:`confirm`): the candidate that runs on."""
+    """The end of a compressed choice's trial (:func:`confirm`): the candidate that runs on --
+    of the contenders measured so far and dense over float16."""
 
-    index: int  # into CANDIDATES: the tried one, or MEASURING (dense over float16)
-    tried: int  # the candidate on trial
+    index: int  # into CANDIDATES: a tried one, or MEASURING (dense over float16)
+    tried: int  # the candidate on trial last
     step_s: float  # its measured step, the slowest rank's median
     reference_s: float  # dense over float16's measured step
+    #: the contenders tried before it and their measured steps: ``(index, seconds)`` pairs
+    earlier: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def measured(self) -> tuple[tuple[int, float], ...]:
+        """Every contender tried, in order, with its measured step (the last: :attr:`tried`)."""
+        return self.earlier + ((self.tried, self.step_s),)
+
+    def _steps(self) -> str:
+        dense = CANDIDATES[MEASURING]
+        tried = "; ".join(f"{CANDIDATES[i].label} measured {1e3 * s:.0f} ms a step, x{CANDIDATES[i].epochs} epochs"
+                          for i, s in self.measured)
+        return f"{tried}, against dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}"
 
     def describe(self, two_level: bool = False) -> str:
-        """The line rank 0 prints at the trial's end: the candidate kept, or the switch to dense over float16
-        and the arguments that pin it (``two_level``: with ``hierarchical=True``)."""
-        tried, dense = CANDIDATES[self.tried], CANDIDATES[MEASURING]
-        measured = (f"{tried.label} measured {1e3 * self.step_s:.0f} ms a step, x{tried.epochs} epochs, against "
-                    f"dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}")
+        """The line rank 0 prints at the trial's end: the candidate kept, or the switch to another
+        (dense over float16, or a contender tried earlier) and the arguments that pin it
+        (``two_level``: with ``hierarchical=True``)."""
         if self.index == self.tried:
-            return f"tfsparse: algorithm='auto' keeps {tried.label} -- {measured}"
-        return (f"tfsparse: algorithm='auto' switches to {dense.label} -- {measured}. Pin it with "
-                f"{dense.pin()}{', hierarchical=True' if two_level else ''}")
+            return f"tfsparse: algorithm='auto' keeps {CANDIDATES[self.tried].label} -- {self._steps()}"
+        chosen = CANDIDATES[self.index]
+        return (f"tfsparse: algorithm='auto' switches to {chosen.label} -- {self._steps()}. Pin it with "
+                f"{chosen.pin()}{', hierarchical=True' if two_level else ''}")
+
+    def describe_next(self, index: int) -> str:
+        """The line rank 0 prints where contender ``index`` runs on trial next."""
+        return f"tfsparse: algorithm='auto' tries {CANDIDATES[index].label} next -- {self._steps()}"
 
 
 def _slowest(comm, values) -> np.ndarray:
@@ -237,17 +284,22 @@ def _slowest(comm, values) -> np.ndarray:
     return np.max(np.array([np.asarray(v, np.float64) for v in comm.allgather(own)]), axis=0)
 
 
-def confirm(comm, tried: int, reference_s: float, periods) -> Verdict:
+def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdict:
     """Collective, every rank at the same round: the end of candidate ``tried``'s trial from this
-    rank's ``periods`` on trial (seconds between consecutive rounds' starts).  Its measured step
-    (the slowest rank's median) times its :attr:`Candidate.epochs` against dense over float16's
-    measured ``reference_s``: the tried candidate is kept only where it is more than
-    :data:`TOLERANCE` sooner (as :func:`choose` breaks ties: toward dense), else dense over float16
-    runs on.  Every rank returns the same verdict."""
+    rank's ``periods`` on trial (seconds between consecutive rounds' starts), after the
+    contenders ``earlier`` (``(index, measured step)`` pairs).  Each one's measured step (the
+    slowest rank's median) times its :attr:`Candidate.epochs`, and dense over float16's measured
+    ``reference_s``: the smallest wins, and as :func:`choose` breaks ties, the first in
+    :data:`CANDIDATES` order within :data:`TOLERANCE` of it -- dense over float16 before any
+    compressed one.  Every rank returns the same verdict."""
     step = float(_slowest(comm, [float(np.median(periods)) if len(periods) else np.inf])[0])
-    score = step * CANDIDATES[tried].epochs
-    keep = reference_s * CANDIDATES[MEASURING].epochs > score * (1.0 + TOLERANCE)
-    return Verdict(tried if keep else MEASURING, tried, step, float(reference_s))
+    earlier = tuple((int(i), float(s)) for i, s in earlier)
+    scores = {MEASURING: float(reference_s) * CANDIDATES[MEASURING].epochs}
+    for i, s in earlier + ((tried, step),):
+        scores[i] = s * CANDIDATES[i].epochs
+    best = min(scores.values())
+    index = next(i for i in sorted(scores) if scores[i] <= best * (1.0 + TOLERANCE))
+    return Verdict(index, tried, step, float(reference_s), earlier)
 
 
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
@@ -277,8 +329,9 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
     smallest (dense float32 first: where the predictions differ by less than their noise, the
     simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
-    in :data:`CANDIDATES` order; ``sparse``: whether the sparse candidates take part (False: the
-    dense ones alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
+    in :data:`CANDIDATES` order; ``sparse``: whether
+    the compressed candidates (:attr:`Candidate.compressed`) take part (False: dense over 16 or 32
+    bits alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
     option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
     each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
     flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter.
@@ -286,18 +339,30 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
     in two levels only each host's leader does the local work while its other ranks wait
     quietly (:mod:`tfsparse.hierarchy`), so there it is priced without it."""
     flat = tuple(predict(c, n, workers, link, compute_s, float(t), hosts) for c, t in zip(CANDIDATES, local_s))
-    allowed = [i for i, c in enumerate(CANDIDATES) if sparse or c.algorithm == "dense"]
+    allowed = [i for i, c in enumerate(CANDIDATES) if sparse or not c.compressed]
     best = min(flat[i].score for i in allowed)
     index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
     if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
-        return Decision(index, compute_s, link, flat)
+        return Decision(index, compute_s, link, flat, contenders=_contenders(flat, allowed, index))
     two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts, max(two_level_s, 1e-9))
                 for c, t in zip(CANDIDATES, local_s))
     best_two = min(two[i].score for i in allowed)
     if best_two * (1.0 + TOLERANCE) >= flat[index].score:
-        return Decision(index, compute_s, link, flat)
+        return Decision(index, compute_s, link, flat, contenders=_contenders(flat, allowed, index))
     index = next(i for i in allowed if two[i].score <= best_two * (1.0 + TOLERANCE))
-    return Decision(index, compute_s, link, two, two_level=True)
+    return Decision(index, compute_s, link, two, two_level=True, contenders=_contenders(two, allowed, index))
+
+
+def _contenders(predictions, allowed, index: int) -> tuple[int, ...]:
+    """The compressed candidates that run on trial where ``index`` is chosen: itself, then the
+    next best predicted compressed ones within :data:`SPREAD` of its score (:data:`CONTENDERS` in
+    all); none where the choice is not compressed."""
+    if not CANDIDATES[index].compressed:
+        return ()
+    limit = predictions[index].score * SPREAD
+    rest = sorted((i for i in allowed if i != index and CANDIDATES[i].compressed and predictions[i].score <= limit),
+                  key=lambda i: (predictions[i].score, i))
+    return (index,) + tuple(rest[:CONTENDERS - 1])
 
 
 def two_level_costs(n: int, per_host: int) -> float:
@@ -466,8 +531,9 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
     elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
     ``rounds`` (the earlier round's exchange, seconds) and ``probe``'s measurements (the pieces
-    not yet run are run now; None: all of them).  ``sparse``: whether the sparse candidates may be
-    chosen (their epochs are measured with momentum correction only); ``workers``: how many run
+    not yet run are run now; None: all of them).  ``sparse``: whether the compressed candidates (sparse
+    algorithms, dense over int8) may be chosen (their epochs are measured with momentum correction
+    only); ``workers``: how many run
     the algorithm (default every rank of ``comm``; a two-level exchange the user asked for: the
     hosts); ``two_level``: whether the two-level exchange may be chosen (on several hosts, some of
     several ranks; :func:`choose`).  Every rank returns the
@@ -512,6 +578,6 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse)
     else:
         decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy)
-    trial = TRIAL_ROUNDS if decision.candidate.algorithm != "dense" and link is not None else 0
+    trial = TRIAL_ROUNDS if decision.candidate.compressed and link is not None else 0
     return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=busy,
-                               probed=probed)
+                               probed=probed, contenders=decision.contenders if trial else ())

@@ -1,7 +1,7 @@
 """``algorithm="auto"`` on the round engine: :class:`AutoSwitching`, the part of
 :class:`~tfsparse.exchange.GradientExchange` that runs the measured rounds, decides at the same
-round on every rank (:func:`tfsparse.auto.decide`), runs a sparse choice on trial
-(:func:`tfsparse.auto.confirm`) and switches the buckets between rounds (:meth:`AutoSwitching._replan`).
+round on every rank (:func:`tfsparse.auto.decide`), runs a compressed choice (sparse, or dense
+over int8) on trial, and its contender after it (:func:`tfsparse.auto.confirm`), and switches the buckets between rounds (:meth:`AutoSwitching._replan`).
 What is measured and how the candidates are priced is :mod:`tfsparse.auto`; this module is when,
 and what the switch does to the buckets and their memory.
 
@@ -39,9 +39,11 @@ class AutoState:
         self.last_start: float | None = None
         self.last_round_s: float | None = None
         self.index = -1
-        self.trial_from = -1  # on trial (a sparse choice): the periods recorded before it; -1: none
+        self.trial_from = -1  # on trial (a compressed choice): the periods recorded before it; -1: none
         self.trial_rounds = 0
         self.reference = 0.0  # the trial's reference: dense over float16's measured step, seconds
+        self.contenders: tuple[int, ...] = ()  # the candidates on trial in turn (Decision.contenders)
+        self.measured: tuple[tuple[int, float], ...] = ()  # those tried so far: (index, measured step)
         self.verdict = None  # the trial's end (tfsparse.auto.Verdict)
         self.inherited = -1  # a choice taken from another exchange (inherit_choice)
         self.inherited_trial = (0, 0.0)  # its trial's rounds and reference, where it was on trial
@@ -64,6 +66,7 @@ class AutoSwitching:
             self._auto.two_level = other._auto.two_level
             if other._auto.trial_from >= 0:  # on trial there: the trial anew here
                 self._auto.inherited_trial = (other._auto.trial_rounds, other._auto.reference)
+                self._auto.contenders, self._auto.measured = other._auto.contenders, other._auto.measured
 
     def _candidate_settings(self, index: int) -> Settings:
         """The settings before auto's choice with candidate ``index`` of
@@ -79,7 +82,7 @@ class AutoSwitching:
 
     @property
     def auto_verdict(self):
-        """``algorithm="auto"``: the end of a sparse choice's trial (:class:`tfsparse.auto.Verdict`:
+        """``algorithm="auto"``: the end of a compressed choice's trial (:class:`tfsparse.auto.Verdict`:
         kept, or switched to dense over float16), None before it and where there was none."""
         return None if self._auto is None else self._auto.verdict
 
@@ -128,7 +131,7 @@ class AutoSwitching:
         """Before a round's buckets are taken (:meth:`start`, ``Pipelined.step``, or the start of
         bucket 0): for ``algorithm="auto"``, records the step that ended and, after
         :data:`tfsparse.auto.MEASURE_ROUNDS` measured rounds, decides -- collective, every rank at
-        the same round -- and switches the buckets (:meth:`_replan`); a sparse choice then runs
+        the same round -- and switches the buckets (:meth:`_replan`); a compressed choice then runs
         :data:`tfsparse.auto.TRIAL_ROUNDS` rounds on trial, after which its measured step confirms
         it or dense over float16 runs on (:meth:`_end_trial`).  Once per round; nothing for a
         pinned algorithm."""
@@ -161,6 +164,7 @@ class AutoSwitching:
             hosts = a.probe.hosts[0] if a.probe is not None and a.probe.hosts[0] > 1 else None
             print(decision.describe(self.comm.size, hosts=hosts), flush=True)
         self._replan(decision.index, decision.two_level)
+        a.contenders = (decision.index,) + tuple(i for i in decision.contenders if i != decision.index)
         self._start_trial(decision.trial_rounds, decision.reference_s)
 
     def _start_trial(self, rounds: int, reference_s: float) -> None:
@@ -171,14 +175,25 @@ class AutoSwitching:
             a.trial_from, a.trial_rounds, a.reference = len(a.periods), int(rounds), float(reference_s)
 
     def _end_trial(self) -> None:
-        """The trial's end, every rank at the same round: the tried choice runs on, or dense over
-        float16 (flat, unless the user asked for two levels) from this round, taking over its memory."""
+        """A trial's end, every rank at the same round: the next contender on trial
+        (:attr:`tfsparse.auto.Decision.contenders`), or after the last, the one whose measured step
+        times its epochs is the smallest -- of those tried and dense over float16 (flat, unless the
+        user asked for two levels) -- runs on from this round, taking over the memory."""
         a = self._auto
         timed = a.periods[a.trial_from + 1:]  # the first round on trial has the switch in it
-        tried, reference = a.index, a.reference
-        verdict = self._runner.run(lambda comm: auto.confirm(comm, tried, reference, timed), self._xcomm)
+        tried, reference, earlier = a.index, a.reference, a.measured
+        verdict = self._runner.run(lambda comm: auto.confirm(comm, tried, reference, timed, earlier), self._xcomm)
+        a.measured = verdict.measured
+        rest = [i for i in a.contenders if i not in dict(a.measured)]
+        if rest:
+            if self.comm.rank == 0:
+                print(verdict.describe_next(rest[0]), flush=True)
+            self._replan(rest[0], a.two_level)
+            self._start_trial(a.trial_rounds, reference)
+            return
         a.trial_from, a.verdict = -1, verdict
-        two_level = bool(self._auto.base.hierarchical)
+        dense = verdict.index == auto.MEASURING
+        two_level = bool(a.base.hierarchical) if dense else a.two_level
         if self.comm.rank == 0:
             print(verdict.describe(two_level), flush=True)
         if verdict.index != tried:
@@ -201,8 +216,15 @@ class AutoSwitching:
         :data:`tfsparse.auto.CANDIDATES` (-1: undecided; their order is part of the format), whether
         it runs in two levels, and its trial (the rounds it has, 0: none; the reference step)."""
         a = self._auto
+        contenders = np.full(auto.CONTENDERS, -1, np.int64)  # on trial: the contenders and their measured steps
+        steps = np.full(auto.CONTENDERS, -1.0)  # -1: not measured yet
+        if a.trial_from >= 0:
+            measured = dict(a.measured)
+            for j, i in enumerate(a.contenders[:auto.CONTENDERS]):
+                contenders[j], steps[j] = i, measured.get(i, -1.0)
         return {"auto": np.array([a.index], np.int64), "auto_two_level": np.array([int(a.two_level)], np.int64),
-                "auto_trial": np.array([a.trial_rounds if a.trial_from >= 0 else 0, a.reference], np.float64)}
+                "auto_trial": np.array([a.trial_rounds if a.trial_from >= 0 else 0, a.reference], np.float64),
+                "auto_contenders": contenders, "auto_measured": steps}
 
     def _start_measuring(self, n: int) -> None:
         """At the build, for ``n`` gradient elements: the measured rounds' settings (dense over
@@ -231,7 +253,15 @@ class AutoSwitching:
         if chosen >= 0:  # decided when saved (one saved while measuring, -1, leaves this one's as it is)
             if chosen != self._auto.index or two != self._auto.two_level:
                 self._replan(chosen, two)
-            # saved on trial: the trial anew
+            # saved on trial: the trial anew (of the contender on trial then; those tried before it keep
+            # their measured steps)
             trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
-            self._auto.trial_from = -1
+            contenders = np.asarray(state.get("auto_contenders", [chosen]), np.int64).reshape(-1)
+            steps = np.asarray(state.get("auto_measured", [-1.0]), np.float64).reshape(-1)
+            a = self._auto
+            a.trial_from, a.contenders, a.measured = -1, (), ()
+            if int(trial[0]) > 0:
+                a.contenders = tuple(int(i) for i in contenders if 0 <= i < len(auto.CANDIDATES)) or (chosen,)
+                a.measured = tuple((int(i), float(s)) for i, s in zip(contenders, steps)
+                                   if i >= 0 and i != chosen and s >= 0.0)
             self._start_trial(int(trial[0]), float(trial[1]))
