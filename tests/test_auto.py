@@ -358,8 +358,8 @@ def test_a_measured_sparse_choice_goes_on_trial_against_the_undisturbed_dense_ro
     assert sparse[0].compute_s == pytest.approx(0.62 - exchange)
     # dense over int8 (coded as fast as float16 here), gTop-k predicted within 2x of it: both on trial
     assert sparse[0].contenders == (index_of("dense", "int8"), index_of("gtopk"))
-    assert ("on trial for 5 rounds, then gtopk at density 0.01 for 5 against dense over float16's measured step "
-            "(620 ms)") in sparse[0].describe(3)
+    assert ("on trial for 5 rounds, then gtopk at density 0.01 for 5 rounds, against dense over float16's measured "
+            "step (620 ms) and each other. Pin it with algorithm='dense', wire_dtype='int8'") in sparse[0].describe(3)
     # a compute step far longer than the exchange: dense, and no trial
     dense = InProcessWorld(2).run(lambda comm: auto.decide(comm, N, [20.0] * auto.MEASURE_ROUNDS,
                                                           [0.05] * auto.MEASURE_ROUNDS, probe=probe, two_level=False))
@@ -412,6 +412,9 @@ def test_after_two_contenders_the_one_sooner_to_accuracy_runs_on():
     kept = world.run(fn, 0.25, 0.40)  # 0.375 against 0.27
     assert {v.index for v in kept} == {int8}
     assert kept[0].describe().startswith("tfsparse: algorithm='auto' keeps dense over int8 -- gtopk at density")
+    # the decision's line pinned the first contender: the second one kept says how to pin it
+    assert kept[0].describe(two_level=True).endswith("Pin it with algorithm='dense', wire_dtype='int8', hierarchical=True")
+    assert "Pin it" not in auto.Verdict(int8, int8, 0.27, 0.40).describe()  # one contender: its decision pinned it
     assert {v.index for v in world.run(fn, 0.18, 0.40)} == {gtopk}  # 0.27 against 0.27: a tie, the earlier
     assert {v.index for v in world.run(fn, 0.25, 0.275)} == {auto.MEASURING}  # int8 within 3 % of dense f16
     first = auto.Verdict(gtopk, gtopk, 0.15, 0.40)
@@ -436,7 +439,7 @@ def test_two_contenders_run_on_trial_in_turn_on_every_rank(monkeypatch, winner):
     calls = []
 
     def confirm(comm, tried, reference, periods, earlier=()):
-        calls.append((comm.rank, tried, tuple(i for i, _ in earlier)))
+        calls.append((comm.rank, tried, tuple(earlier), len(periods), reference))
         step = {gtopk: 0.1, int8: 0.2}[tried]
         if tried == gtopk:
             return auto.Verdict(gtopk, gtopk, step, reference, earlier)
@@ -460,18 +463,20 @@ def test_two_contenders_run_on_trial_in_turn_on_every_rank(monkeypatch, winner):
         again.set_state(saved)
         again.start([np.zeros(300, np.float32), np.zeros(200, np.float32)]).wait()
         resumed = (again.settings.wire_dtype, again._auto.trial_from >= 0, again._auto.contenders,
-                   again._auto.measured)
+                   again._auto.measured, again._auto.reference)
         again.close()
         return out, algos, engine.auto_verdict, resumed, saved
 
     results = InProcessWorld(3).run(fn)
     out0, algos, v, resumed, saved = results[0]
-    assert sorted(calls) == sorted([(r, gtopk, ()) for r in range(3)] + [(r, int8, (gtopk,)) for r in range(3)])
+    # each trial timed without its first round (the switch); the first one's step carried to the second's end
+    assert sorted(calls) == sorted([(r, gtopk, (), t - 1, 0.25) for r in range(3)] +
+                                   [(r, int8, ((gtopk, 0.1),), t - 1, 0.25) for r in range(3)])
     assert algos[:m + 2 * t] == [("dense", "float16")] * m + [("gtopk", "float32")] * t + [("dense", "int8")] * t
     tail = {"first": ("gtopk", "float32"), "second": ("dense", "int8"), "dense": ("dense", "float16")}[winner]
     assert algos[m + 2 * t:] == [tail] * 2 and v.measured == ((gtopk, 0.1), (int8, 0.2))
     assert saved["auto_contenders"].tolist() == [gtopk, int8] and saved["auto_measured"].tolist() == [0.1, -1.0]
-    assert resumed == ("int8", True, (gtopk, int8), ((gtopk, 0.1),))
+    assert resumed == ("int8", True, (gtopk, int8), ((gtopk, 0.1),), 0.25)
     for out, a, _, _, _ in results[1:]:
         assert a == algos
         for x, ref in zip(out, out0):

@@ -230,10 +230,10 @@ class Decision:
                f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
         if chosen is not f16:
             why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
-        then = "".join(f", then {CANDIDATES[i].label} for {self.trial_rounds}" for i in self.contenders[1:])
+        then = "".join(f", then {CANDIDATES[i].label} for {self.trial_rounds} rounds" for i in self.contenders[1:])
         trial = "" if not self.trial_rounds else (
-            f"; on trial for {self.trial_rounds} rounds{then} against dense over float16's measured step "
-            f"({1e3 * self.reference_s:.0f} ms)")
+            f"; on trial for {self.trial_rounds} rounds{then}, against dense over float16's measured step "
+            f"({1e3 * self.reference_s:.0f} ms){' and each other' if then else ''}")
         return (f"tfsparse: algorithm='auto' chose {chosen.candidate.label} for {workers} -- {why}; "
                 f"{link}{trial}. Pin it with {chosen.candidate.pin()}{two}")
 
@@ -263,13 +263,13 @@ class Verdict:
 
     def describe(self, two_level: bool = False) -> str:
         """The line rank 0 prints at the trial's end: the candidate kept, or the switch to another
-        (dense over float16, or a contender tried earlier) and the arguments that pin it
-        (``two_level``: with ``hierarchical=True``)."""
-        if self.index == self.tried:
-            return f"tfsparse: algorithm='auto' keeps {CANDIDATES[self.tried].label} -- {self._steps()}"
+        (dense over float16, or a contender tried earlier), and the arguments that pin it where it
+        is not the one the decision's line named (``two_level``: with ``hierarchical=True``)."""
         chosen = CANDIDATES[self.index]
-        return (f"tfsparse: algorithm='auto' switches to {chosen.label} -- {self._steps()}. Pin it with "
-                f"{chosen.pin()}{', hierarchical=True' if two_level else ''}")
+        pin = f". Pin it with {chosen.pin()}{', hierarchical=True' if two_level else ''}"
+        if self.index == self.tried:  # the second contender: the decision's line pinned the first
+            return f"tfsparse: algorithm='auto' keeps {chosen.label} -- {self._steps()}" + (pin if self.earlier else "")
+        return f"tfsparse: algorithm='auto' switches to {chosen.label} -- {self._steps()}" + pin
 
     def describe_next(self, index: int) -> str:
         """The line rank 0 prints where contender ``index`` runs on trial next."""

@@ -82,8 +82,9 @@ class AutoSwitching:
 
     @property
     def auto_verdict(self):
-        """``algorithm="auto"``: the end of a compressed choice's trial (:class:`tfsparse.auto.Verdict`:
-        kept, or switched to dense over float16), None before it and where there was none."""
+        """``algorithm="auto"``: the end of a compressed choice's trials (:class:`tfsparse.auto.Verdict`:
+        the contender kept or switched back to, or dense over float16), None before it and where
+        there was none."""
         return None if self._auto is None else self._auto.verdict
 
     @property
@@ -132,9 +133,10 @@ class AutoSwitching:
         bucket 0): for ``algorithm="auto"``, records the step that ended and, after
         :data:`tfsparse.auto.MEASURE_ROUNDS` measured rounds, decides -- collective, every rank at
         the same round -- and switches the buckets (:meth:`_replan`); a compressed choice then runs
-        :data:`tfsparse.auto.TRIAL_ROUNDS` rounds on trial, after which its measured step confirms
-        it or dense over float16 runs on (:meth:`_end_trial`).  Once per round; nothing for a
-        pinned algorithm."""
+        :data:`tfsparse.auto.TRIAL_ROUNDS` rounds on trial, and its contender as many after it
+        (:attr:`tfsparse.auto.Decision.contenders`), after which their measured steps choose the
+        one that runs on, or dense over float16 (:meth:`_end_trial`).  Once per round; nothing for
+        a pinned algorithm."""
         a = self._auto
         if a is None or (a.index >= 0 and a.trial_from < 0) or self.layout is None or a.prepared == self._next_round:
             return
@@ -254,7 +256,7 @@ class AutoSwitching:
             if chosen != self._auto.index or two != self._auto.two_level:
                 self._replan(chosen, two)
             # saved on trial: the trial anew (of the contender on trial then; those tried before it keep
-            # their measured steps)
+            # their measured steps; a state saved before contenders were kept has none after it)
             trial = np.asarray(state.get("auto_trial", np.zeros(2)), np.float64).reshape(-1)
             contenders = np.asarray(state.get("auto_contenders", [chosen]), np.int64).reshape(-1)
             steps = np.asarray(state.get("auto_measured", [-1.0]), np.float64).reshape(-1)
