@@ -179,7 +179,7 @@ def test_auto_settings_keep_a_residual_and_take_momentum():
 def _forced(monkeypatch, algorithm):
     """``auto.decide`` measuring as usual (its collectives run) but choosing ``algorithm``."""
     real = auto.decide
-    index = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == algorithm)
+    index = index_of(algorithm)
 
     def decide(*args, **kwargs):
         d = real(*args, **kwargs)
@@ -300,7 +300,7 @@ def test_a_noisy_median_falls_back_to_the_fastest_round_trips():
 def test_a_decision_without_a_link_says_what_it_runs():
     kept = auto.Decision(auto.MEASURING, 0.1, None, ())
     assert "algorithm='auto' kept " in kept.describe(2) and "could not be measured" in kept.describe(2)
-    other = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    other = index_of("gtopk")
     assert "algorithm='auto' chose " in auto.Decision(other, 0.1, None, ()).describe(2)
 
 
@@ -310,7 +310,7 @@ def test_a_trial_keeps_a_sparse_choice_only_where_its_measured_step_pays():
     go to dense; every rank returns the same verdict, whatever its own periods."""
     from tfsparse.collectives import InProcessWorld
 
-    gtopk = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    gtopk = index_of("gtopk")
     epochs = auto.CANDIDATES[gtopk].epochs
 
     def fn(comm, reference):
@@ -493,7 +493,7 @@ def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
     from tfsparse.collectives import InProcessWorld
     from tfsparse.exchange import GradientExchange
 
-    gtopk = next(i for i, c in enumerate(auto.CANDIDATES) if c.algorithm == "gtopk")
+    gtopk = index_of("gtopk")
     real = auto.decide
     monkeypatch.setattr(auto, "decide", lambda *a, **k: __import__("dataclasses").replace(
         real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25, contenders=(gtopk,)))

@@ -166,7 +166,7 @@ class AutoSwitching:
             hosts = a.probe.hosts[0] if a.probe is not None and a.probe.hosts[0] > 1 else None
             print(decision.describe(self.comm.size, hosts=hosts), flush=True)
         self._replan(decision.index, decision.two_level)
-        a.contenders = (decision.index,) + tuple(i for i in decision.contenders if i != decision.index)
+        a.contenders = decision.contenders or (decision.index,)  # the chosen one first
         self._start_trial(decision.trial_rounds, decision.reference_s)
 
     def _start_trial(self, rounds: int, reference_s: float) -> None:
