@@ -205,6 +205,46 @@ def check_scratch_reused_and_per_thread():
     assert all(kc._SCRATCH.arrays[key] is mine[key] for key in mine)
 
 
+def check_simulator_gives_a_block_one_shared_array():
+    """The simulator's ``cuda.shared.array``, as tfsparse.ops.cuda leaves it: every thread of a block
+    that reaches the call at once gets the same array (unlocked, 16 threads whose allocation is
+    slowed got ~11 arrays: the rare IndexError of the compaction's write kernel in CI)."""
+    import threading
+    import time
+
+    if not simulated():
+        raise Skipped("a check of the CUDA simulator")
+    from numba.cuda.simulator import kernelapi
+
+    from tfsparse.ops import _cuda_kernels
+
+    _setup()
+    assert getattr(kernelapi.FakeCUDAShared.array, "_tfsparse_locked", False)
+    assert _cuda_kernels.lock_simulator_shared_arrays() is False  # installed once
+
+    class SlowShape:  # widens the window between the lookup and the store
+        def __index__(self):
+            time.sleep(0.002)
+            return 4
+
+    shared = kernelapi.FakeCUDAShared(0)
+    start = threading.Barrier(16)
+    got = []
+
+    def thread():
+        start.wait()
+        got.append(shared.array(SlowShape(), np.int64))
+
+    threads = [threading.Thread(target=thread) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 16 and len({id(a) for a in got}) == 1, len({id(a) for a in got})
+    other = shared.array(4, np.int64)  # another line: another array, as on a device
+    assert other is not got[0] and other.dtype == np.int64 and other.shape == (4,)
+
+
 def check_scatter_add():
     import tfsparse.ops as ops
     from tfsparse.ops import reference as R

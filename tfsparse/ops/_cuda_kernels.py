@@ -5,6 +5,9 @@ scatter, quantization, the exchange buffers' arithmetic), their ahead-of-time si
 :mod:`tfsparse.ops.cuda`."""
 from __future__ import annotations
 
+import sys
+import threading
+
 import numba
 import numpy as np
 from numba import config as _numba_config
@@ -42,6 +45,49 @@ def check_versions() -> None:
 
 
 check_versions()  # before any kernel is compiled
+
+
+def lock_simulator_shared_arrays() -> bool:
+    """Under ``NUMBA_ENABLE_CUDASIM=1``: makes the simulator hand every thread of a block the same
+    ``cuda.shared.array``; returns whether it changed the simulator.
+
+    numba-cuda's simulator (0.30) creates a block's shared array when the first of its threads
+    (each a Python thread) reaches the call, keyed by the caller's file and line, without a lock:
+    two threads that reach it together, the interpreter switching between them after the lookup
+    and before the store, each get an array of their own, and the block's "shared" memory is split
+    -- a scan then sums over half the block.  Seen as a rare ``IndexError`` in the compaction's
+    ``write`` kernel (more keys counted above the threshold than k) in CI under load.  The
+    replacement makes the lookup and the store one step; it keys by the caller's frame as the
+    simulator does (without building a whole stack trace per call)."""
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared.array, "_tfsparse_locked", False):
+        return False
+    simulator_array = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        allocations = getattr(self, "_allocations", None)
+        if shape == 0 or alignment is not None or allocations is None:
+            return simulator_array(self, shape, dtype, alignment)  # dynamic shared memory; errors
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, nt.Type) else np.dtype(dtype)
+        with lock:
+            a = allocations.get(key)
+            if a is None:
+                a = allocations[key] = np.empty(shape, dtype)
+        return a
+
+    array._tfsparse_locked = True
+    shared.array = array
+    return True
+
+
+if _numba_config.ENABLE_CUDASIM:
+    lock_simulator_shared_arrays()
 
 DEFAULT_TPB = 256          # threads per block
 DEFAULT_ITEMS = 8          # consecutive elements per thread in the compaction kernels
