@@ -186,11 +186,17 @@ def test_the_commands_in_the_pages_still_run():
 
 
 def _public_api():
-    """(name, object) of the API users call: ``tfsparse``'s and ``tfsparse.keras``' exports and
-    the public callbacks of ``tfsparse.keras.callbacks``."""
+    """(name, object) of the API users call: ``tfsparse``'s and ``tfsparse.keras``' exports, the
+    public callbacks of ``tfsparse.keras.callbacks``, ``tfsparse.data``'s functions and classes,
+    and what the Horovod modules provide
+    (``horovod.tensorflow``'s, ``horovod.tensorflow.keras``' and its callbacks' names)."""
     import inspect
 
     import tfsparse
+    import tfsparse.data as data
+    import tfsparse.horovod.tensorflow as hvd
+    import tfsparse.horovod.tensorflow.keras as hvd_keras
+    import tfsparse.horovod.tensorflow.keras.callbacks as hvd_callbacks
     import tfsparse.keras
     import tfsparse.keras.callbacks as callbacks
 
@@ -199,6 +205,11 @@ def _public_api():
     found += [(f"tfsparse.keras.callbacks.{n}", o) for n, o in vars(callbacks).items()
               if not n.startswith("_") and (inspect.isclass(o) or inspect.isfunction(o))
               and o.__module__ == callbacks.__name__]
+    found += [(f"tfsparse.data.{n}", o) for n, o in vars(data).items() if not n.startswith("_")
+              and (inspect.isclass(o) or inspect.isfunction(o)) and o.__module__ == data.__name__]
+    for module in (hvd, hvd_keras, hvd_callbacks):
+        found += [(f"{module.__name__}.{n}", getattr(module, n)) for n in module._PROVIDED]
+    found += [("tfsparse.horovod.tensorflow.keras.HorovodOptimizer", hvd_keras.HorovodOptimizer)]
     return [(n, o) for n, o in found if inspect.isclass(o) or inspect.isfunction(o)]
 
 

@@ -9,10 +9,24 @@ from . import _checks, runtime
 
 
 def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_seed: int | None = None):
-    """Returns this rank's shard of each array (same rows for all), dropping the remainder so
-    that every rank gets exactly ``len // size`` rows.
+    """This rank's shard of each array (the same rows of each), every rank getting exactly ``len // size`` rows.
+
+    The remainder is dropped, so that every rank runs the same number of steps.
 
     >>> x_local, y_local = tfsparse.data.shard(x, y)
+
+    Args:
+      *arrays: arrays (anything with a length that numpy can index) of the same length.
+      rank: the shard to take (default: this process's rank).
+      size: the number of shards (default: the number of ranks).
+      shuffle_seed: None: shards of consecutive rows; a seed: of rows in a random order, the same
+        order on every rank that passes the same seed.
+
+    Returns:
+      The shard of the one array, or a tuple of the shards of several.
+
+    Raises:
+      ValueError: no arrays, arrays of different lengths, or fewer rows than ranks.
     """
     if not arrays:
         raise ValueError("shard() needs at least one array")
@@ -32,10 +46,10 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
 
 
 def without_autotune(dataset):
-    """``dataset`` (a ``tf.data.Dataset``) with tf.data's autotuning off, unless its options
-    already set ``autotune.enabled`` (the user's choice stands).  ``SparseStrategy`` applies it
-    to every dataset Keras gives it; with ``DistributedOptimizer`` under Keras' default strategy,
-    pass ``model.fit`` a dataset made with it.
+    """``dataset`` with tf.data's autotuning off, unless its options already set ``autotune.enabled``.
+
+    The user's choice stands. ``SparseStrategy`` applies it to every dataset Keras gives it; with
+    ``DistributedOptimizer`` under Keras' default strategy, pass ``model.fit`` a dataset made with it.
 
     Why: the autotuner runs a model thread per iterator whose optimisation period doubles
     up to a minute, and destroying the iterator -- Keras
@@ -46,7 +60,15 @@ def without_autotune(dataset):
     has them too under ``mpirun -np 4`` on 2 cores, but a lone process stops there and nobody
     else waits.  Without the autotuner the stalls are gone and
     the in-memory pipelines Keras builds lose nothing measurable: ``prefetch(AUTOTUNE)`` and
-    ``num_parallel_calls=AUTOTUNE`` fall back to fixed sizes."""
+    ``num_parallel_calls=AUTOTUNE`` fall back to fixed sizes.
+
+    Args:
+      dataset: a ``tf.data.Dataset``.
+
+    Returns:
+      The dataset with ``autotune.enabled = False`` in its options (``dataset`` itself where they
+      set it).
+    """
     import tensorflow as tf
 
     if dataset.options().autotune.enabled is not None:
@@ -81,11 +103,20 @@ def check_uneven_policy(uneven_data) -> str:
 
 
 class DataAgreement:
-    """The per-step vote behind :func:`agree_on_data`: every rank says whether it has a batch for
-    the next step; under ``"end"`` and ``"error"`` the step runs when all have one, under
-    ``"join"`` while any has one.  ``collective(fn)`` runs ``fn(comm)`` over the ranks (the
-    exchange's :meth:`~tfsparse.exchange.GradientExchange.run_collective`); ``what``: ``"fit"``,
-    ``"validation"`` (fit's) or ``"evaluate"``, for the messages."""
+    """The per-step vote behind :func:`agree_on_data`: every rank says whether it has a batch for the next step.
+
+    Under ``"end"`` and ``"error"`` the step runs when all have one, under ``"join"`` while any
+    has one.
+
+    Args:
+      collective: runs ``fn(comm)`` over the ranks, for a function ``fn`` (the exchange's
+        :meth:`~tfsparse.exchange.GradientExchange.run_collective`).
+      policy: ``"end"`` (default), ``"join"`` or ``"error"``.
+      what: ``"fit"`` (default), ``"validation"`` (fit's) or ``"evaluate"``, for the messages.
+
+    Raises:
+      ValueError: another ``policy``.
+    """
 
     def __init__(self, collective, policy: str = "end", what: str = "fit"):
         self.collective = collective
@@ -133,8 +164,9 @@ def _weighted(element, weight: float):
 
 
 def agree_on_data(dataset, agreement: DataAgreement):
-    """``dataset`` (a ``tf.data.Dataset``) whose batches the ranks take together: each batch is
-    paired with ``True``, the data is followed by endless ``False`` fillers, and a ``take_while``
+    """``dataset`` whose batches the ranks take together.
+
+    Each batch is paired with ``True``, the data is followed by endless ``False`` fillers, and a ``take_while``
     asks ``agreement`` (one collective of a flag per rank and batch, with the batch's index since
     the iterator began) whether to go on.
 
@@ -150,7 +182,20 @@ def agree_on_data(dataset, agreement: DataAgreement):
       repeated batch still update BatchNormalization's moving statistics of that rank.
     * ``"error"``: :class:`~tfsparse.runtime.StepCountMismatch` where some rank runs out.
 
-    Elements must be (nests of) dense tensors."""
+    Elements must be (nests of) dense tensors.
+
+    Args:
+      dataset: a ``tf.data.Dataset`` of unknown length (Keras' ``(x, y[, sample_weight])`` elements
+        under ``"join"``).
+      agreement: the per-step vote (:class:`DataAgreement`), whose policy is ``"end"``, ``"join"``
+        or ``"error"``.
+
+    Returns:
+      The ``tf.data.Dataset`` the ranks iterate in step.
+
+    Raises:
+      ValueError: elements that are not (nests of) dense tensors.
+    """
     import tensorflow as tf
 
     spec = dataset.element_spec

@@ -478,7 +478,11 @@ def _mpi_local_rank() -> int:
 
 
 def communicator() -> Communicator:
-    """The world communicator (initialising it with defaults if needed)."""
+    """The world communicator (initialising it with defaults if needed).
+
+    Returns:
+      The :class:`~tfsparse.collectives.Communicator` of every rank of the job.
+    """
     return _state["comm"] if _state["comm"] is not None else init()
 
 
@@ -536,14 +540,32 @@ class StepCountMismatch(RuntimeError):
 
 
 def check_step_counts(comm, steps: int) -> None:
-    """All ranks compare their number of batches (-1: unknown); raises on every rank if they differ."""
+    """All ranks compare their number of batches; raises on every rank if they differ.
+
+    Collective.
+
+    Args:
+      comm: the ranks' communicator.
+      steps: this rank's number of batches per epoch (-1: unknown).
+
+    Raises:
+      StepCountMismatch: the ranks' counts differ.
+    """
     got = comm.allgather(np.array([steps], dtype=np.int64))
     raise_on_uneven_counts([int(g[0]) for g in got])
 
 
 def raise_on_uneven_counts(counts: list[int]) -> None:
-    """Raises :class:`StepCountMismatch` when the ranks' numbers of batches ``counts`` (rank
-    order; -1: unknown) differ, naming each rank's count and any rank without data."""
+    """Raises :class:`StepCountMismatch` when the ranks' numbers of batches differ.
+
+    The message names each rank's count and any rank without data.
+
+    Args:
+      counts: every rank's number of batches, in rank order (-1: unknown).
+
+    Raises:
+      StepCountMismatch: the counts differ.
+    """
     if len(set(counts)) <= 1:
         return
     listed = ", ".join(f"rank {r}: {'unknown' if c < 0 else c}" for r, c in enumerate(counts))
@@ -558,10 +580,19 @@ def raise_on_uneven_counts(counts: list[int]) -> None:
 
 
 def held_weakly(method):
-    """``method`` (a bound method) called through a weak reference to its object, for a Python
-    function that TensorFlow keeps -- that of a ``tf.numpy_function`` traced in a ``tf.function`` or
-    a dataset, which it holds for the life of the process: so the object (a strategy, an
-    exchange, their buffers) is freed once nothing else holds it.  A call after that raises."""
+    """``method`` called through a weak reference to its object.
+
+    For a Python function that TensorFlow keeps -- that of a ``tf.numpy_function`` traced in a
+    ``tf.function`` or a dataset, which it holds for the life of the process: so the object (a
+    strategy, an exchange, their buffers) is freed once nothing else holds it.
+
+    Args:
+      method: a bound method.
+
+    Returns:
+      A function that calls ``method`` with its arguments, and raises a ``RuntimeError`` once the
+      object has been freed.
+    """
     ref, name = weakref.WeakMethod(method), method.__qualname__
 
     def call(*args):

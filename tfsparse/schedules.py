@@ -49,16 +49,35 @@ def check_density(density, name: str = "density") -> float:
 
 
 def k_from_density(n: int, density: float) -> int:
-    """``k = ceil(density · n)``, at least 1 and at most ``n``: the entries a bucket of ``n``
-    elements sends at ``density`` -- what the exchange asks of its aggregators, and what the α-β
-    simulator (:mod:`tfsparse.timing`) and the cost model (:mod:`tfsparse.selection`) price."""
+    """``k = ceil(density · n)``, at least 1 and at most ``n``: the entries a bucket of ``n`` elements sends.
+
+    What the exchange asks of its aggregators, and what the α-β simulator (:mod:`tfsparse.timing`)
+    and the cost model (:mod:`tfsparse.selection`) price.
+
+    Args:
+      n: the bucket's elements (> 0).
+      density: the fraction to send, in ``(0, 1]``.
+
+    Returns:
+      ``k``, an int.
+    """
     return int(min(n, max(1, math.ceil(density * n))))
 
 
 def small_tensor_k(n: int, k: int, small_density: float | None) -> int:
-    """``k``, or -- with ``small_density`` (the authors' 0.01) for a tensor of at most
-    :data:`SMALL_TENSOR` elements -- their ``int(n * small_density)`` (at least 1).  What the
-    DGC and DRAGONN compressors send, and what the α-β simulator prices."""
+    """``k``, or for a tensor of at most :data:`SMALL_TENSOR` elements, ``int(n * small_density)``.
+
+    With ``small_density`` (the authors' 0.01), at least 1.  What the DGC and DRAGONN compressors
+    send, and what the α-β simulator prices.
+
+    Args:
+      n: the tensor's elements.
+      k: the entries its density gives (:func:`k_from_density`).
+      small_density: the density of small tensors, or None (``k`` for every tensor).
+
+    Returns:
+      The entries to send, an int.
+    """
     if small_density is None or n > SMALL_TENSOR or k <= 0:
         return k
     return max(1, int(n * small_density))
@@ -91,7 +110,17 @@ class WarmUp:
         self.target = None if target is None else check_density(target, "target")
 
     def with_steps_per_epoch(self, steps_per_epoch) -> "WarmUp":
-        """This warm-up with ``epochs`` converted to steps (itself when given in steps)."""
+        """This warm-up with ``epochs`` converted to steps (itself when given in steps).
+
+        Args:
+          steps_per_epoch: the steps of an epoch (``DensitySchedule`` passes ``fit``'s).
+
+        Returns:
+          A :class:`WarmUp` in steps.
+
+        Raises:
+          ValueError: a warm-up in epochs and an unknown (or non-positive) ``steps_per_epoch``.
+        """
         if self.steps is not None:
             return self
         if steps_per_epoch is None or steps_per_epoch <= 0:
@@ -113,7 +142,11 @@ class WarmUp:
         return w
 
     def stages(self) -> list[float]:
-        """The exponential ramp's densities (1, 0.25, ... while above ``target``)."""
+        """The exponential ramp's densities (1, 0.25, ... while above ``target``).
+
+        Returns:
+          A list of densities, one per stage.
+        """
         levels, d = [], 1.0
         while d > self.target:
             levels.append(d)

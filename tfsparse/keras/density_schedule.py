@@ -64,7 +64,18 @@ class DensitySchedule(keras.callbacks.Callback):
         return require_exchange(self.model, "DensitySchedule")
 
     def density_at(self, epoch: int) -> float:
-        """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun)."""
+        """The density scheduled for 0-based ``epoch`` (needs ``target`` set or training begun).
+
+        Args:
+          epoch: the epoch, from 0.
+
+        Returns:
+          A density in ``(0, 1]``.
+
+        Raises:
+          ValueError: a per-step warm-up (it has no density per epoch), a schedule function's value
+            outside ``(0, 1]``, or ``target`` unknown before training.
+        """
         if self.warmup is not None:
             raise ValueError(f"{self.warmup!r} sets the density per step, not per epoch (the exchange's "
                              f"schedule(round) gives it)")

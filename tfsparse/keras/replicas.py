@@ -29,8 +29,14 @@ class ReplicasDiverged(RuntimeError):
 
 
 def digest(value) -> np.ndarray:
-    """``[sum, weighted sum]`` (uint64, mod 2**64) of the raw bits of ``value`` as 32-bit words
-    (its bytes padded with zeros to a multiple of 4)."""
+    """``[sum, weighted sum]`` (uint64, mod 2**64) of the raw bits of ``value`` as 32-bit words.
+
+    Args:
+      value: an array (any dtype; its bytes are padded with zeros to a multiple of 4).
+
+    Returns:
+      A uint64 array of two elements.
+    """
     raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
     if raw.size % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, np.uint8)])
@@ -38,15 +44,33 @@ def digest(value) -> np.ndarray:
 
 
 def digests(values) -> np.ndarray:
-    """The :func:`digest` of each of ``values``, one row each (``[len(values), 2]``), as int64 --
-    the same bits, as every transport sends them (Horovod's allgather takes no uint64)."""
+    """The :func:`digest` of each of ``values``, one row each, as int64.
+
+    The same bits, as every transport sends them (Horovod's allgather takes no uint64).
+
+    Args:
+      values: arrays.
+
+    Returns:
+      An int64 array of shape ``[len(values), 2]``.
+    """
     return np.array([digest(v) for v in values], np.uint64).reshape(len(values), 2).view(np.int64)
 
 
 def compare(names, gathered, what: str = "") -> None:
-    """Raises :class:`ReplicasDiverged` when the ranks' digests ``gathered`` (rank order, one
-    :func:`digests` array each) differ: the first variable (of ``names``) that differs, and the
-    ranks whose bits differ from rank 0's.  ``what``: when the check ran (for the message)."""
+    """Raises :class:`ReplicasDiverged` when the ranks' digests differ.
+
+    The message names the first variable (of ``names``) that differs, and the ranks whose bits
+    differ from rank 0's.
+
+    Args:
+      names: the variables' names, in the order of the digests.
+      gathered: every rank's :func:`digests` array (flat or not), in rank order.
+      what: when the check ran, for the message (e.g. ``"after epoch 3"``).
+
+    Raises:
+      ReplicasDiverged: some variable's digests differ between ranks.
+    """
     rows = [np.asarray(d).reshape(len(names), -1) for d in gathered]  # an allgather sends them flat
     for i, name in enumerate(names):
         ranks = [r for r, d in enumerate(rows) if not np.array_equal(d[i], rows[0][i])]
@@ -60,8 +84,15 @@ def compare(names, gathered, what: str = "") -> None:
 
 
 def variables_of(model, optimizers=()) -> list:
-    """Every weight of ``model`` (trainable or not) and every variable of its optimizer and of
-    ``optimizers``, each once."""
+    """Every weight of ``model`` (trainable or not) and every variable of its optimizers, each once.
+
+    Args:
+      model: a Keras model (its ``optimizer`` is included where it has one).
+      optimizers: more optimizers whose variables to include.
+
+    Returns:
+      A list of variables: the model's weights first.
+    """
     found, seen = [], set()
     opts = [getattr(model, "optimizer", None), *optimizers]
     for v in list(model.weights) + [v for o in opts if o is not None for v in o.variables]:

@@ -20,7 +20,19 @@ from .ownership import exchange_of
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
-    """Overwrites ``variables`` on every rank with ``root_rank``'s values (one broadcast per dtype)."""
+    """Overwrites ``variables`` on every rank with ``root_rank``'s values (one broadcast per dtype).
+
+    Collective: every rank calls it with the same variables (shapes and dtypes are compared
+    first).
+
+    Args:
+      variables: Keras or TensorFlow variables (a model's ``variables``, an optimizer's).
+      root_rank: the rank whose values everyone takes.
+      communicator: the ranks to broadcast over (default: the world).
+
+    Raises:
+      tfsparse.ConfigurationMismatch: the ranks' variables differ in shape or dtype.
+    """
     comm = communicator or runtime.communicator()
     variables = list(variables)
     if comm.size == 1 or not variables:
@@ -42,10 +54,10 @@ def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> Non
 
 
 def average_moving_statistics(model, communicator=None) -> int:
-    """Replaces the model's moving statistics -- the non-trainable float weights of its trainable
-    layers that training updates, BatchNormalization's moving mean and variance -- by their mean
-    over the ranks (one allreduce, in float64); returns how many variables it averaged.
+    """Replaces the model's moving statistics by their mean over the ranks.
 
+    The moving statistics are the non-trainable float weights of its trainable layers that
+    training updates: BatchNormalization's moving mean and variance (one allreduce, in float64).
     Each rank computes them from its own batches, so they drift apart while the trainable
     weights stay identical.  ``fit`` averages them for you (under ``SparseStrategy`` after every
     step; with ``MetricAverage`` at each epoch's end); in a custom training loop call this once
@@ -56,8 +68,13 @@ def average_moving_statistics(model, communicator=None) -> int:
     ...         train_step(x, y)          # with tfsparse.keras.DistributedOptimizer
     ...     tfsparse.keras.callbacks.average_moving_statistics(model)
 
-    The collective runs over the model's exchange (after its rounds in flight) when it has one,
-    else over ``communicator`` (default: the world).
+    Args:
+      model: a Keras model.
+      communicator: the ranks to average over where the model has no exchange (default: the
+        world); with one, the collective runs over it, after its rounds in flight.
+
+    Returns:
+      How many variables it averaged (0: none, nothing communicated).
     """
     weights = moving_statistics(model)
     comm = communicator or runtime.communicator()
@@ -69,8 +86,18 @@ def average_moving_statistics(model, communicator=None) -> int:
 
 
 def run_on_model(model, fn, communicator=None):
-    """``fn(comm)`` over the model's exchange (on its communication thread, after its rounds in
-    flight) when the model has one, else over ``communicator`` (default: the world)."""
+    """``fn(comm)`` over the model's exchange when the model has one, else over ``communicator``.
+
+    Over the exchange it runs on the exchange's communication thread, after its rounds in flight.
+
+    Args:
+      model: a Keras model (trained under ``SparseStrategy`` or ``DistributedOptimizer``, or not).
+      fn: a collective: a function of a communicator.
+      communicator: where the model has no exchange (default: the world).
+
+    Returns:
+      What ``fn`` returns.
+    """
     exchange = exchange_of(model)
     return exchange.run_collective(fn) if exchange is not None else fn(communicator or runtime.communicator())
 
@@ -89,10 +116,18 @@ def _assign(variables, values, flat) -> None:
 
 
 def moving_statistics(model) -> list:
-    """The non-trainable float weights of the model's trainable leaf layers -- what a train step
-    updates besides the trainable weights (BatchNormalization's moving mean and variance); each
-    rank computes them from its own batches, so they are averaged with the step's metrics.  A
-    frozen layer (``trainable=False``) is left out: its weights do not change."""
+    """The non-trainable float weights of the model's trainable leaf layers.
+
+    What a train step updates besides the trainable weights (BatchNormalization's moving mean
+    and variance); each rank computes them from its own batches, so they are averaged with the
+    step's metrics.  A frozen layer (``trainable=False``) is left out: its weights do not change.
+
+    Args:
+      model: a Keras model (nested models and layers are searched).
+
+    Returns:
+      A list of the variables, in the order of the layers.
+    """
     out, seen, stack = [], set(), [model]
     while stack:
         layer = stack.pop()

@@ -53,8 +53,16 @@ check_extended_hooks()  # the OneDeviceExtended hooks SparseExtended overrides e
 
 
 class SparseExtended(OneDeviceExtended):
-    """The ``OneDeviceExtended`` of :class:`SparseStrategy` (overrides: the module docstring): one replica on
-    ``device``, whose gradient all-reduce runs ``exchange``; ``uneven_data``: as :class:`SparseStrategy`'s."""
+    """The ``OneDeviceExtended`` of :class:`SparseStrategy`: one replica, whose gradient all-reduce runs the exchange.
+
+    Its overrides are listed in the module docstring.
+
+    Args:
+      container: the :class:`SparseStrategy` it extends.
+      device: the device of the one replica.
+      exchange: the exchange (a :class:`~tfsparse.pipelined.Pipelined`) the all-reduce runs.
+      uneven_data: as :class:`SparseStrategy`'s.
+    """
 
     def __init__(self, container, device, exchange: Pipelined, uneven_data: str = "end"):
         super().__init__(container, device)
@@ -142,8 +150,14 @@ class SparseExtended(OneDeviceExtended):
 
     # -- gradient exchange ------------------------------------------------
     def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
-        """A ``DistributedOptimizer`` built in this strategy's scope owns the exchange from now on:
-        its own (settings of its own: the strategy runs it) or the strategy's; it saves the state."""
+        """A ``DistributedOptimizer`` built in this strategy's scope owns the exchange from now on.
+
+        Its own (settings of its own: the strategy runs it) or the strategy's; it saves the state.
+
+        Args:
+          exchange: the exchange (a :class:`~tfsparse.pipelined.Pipelined`).
+          checkpointer: what saves and restores its state.
+        """
         self.exchange, self.checkpointer = exchange, checkpointer
         self.saved_by_optimizer = True
 
@@ -447,7 +461,12 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         return self.extended.checkpointer
 
     def adopt_exchange(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
-        """Called by a ``DistributedOptimizer`` built in the scope: see :meth:`SparseExtended.adopt`."""
+        """Called by a ``DistributedOptimizer`` built in the scope: see :meth:`SparseExtended.adopt`.
+
+        Args:
+          exchange: the exchange the optimizer runs from now on.
+          checkpointer: what saves and restores its state.
+        """
         self.extended.adopt(exchange, checkpointer)
 
     @property

@@ -127,10 +127,19 @@ _state: dict = {"topology": None}
 
 
 def init(comm=None, process_sets=None) -> None:
-    """Joins the job's world (:func:`tfsparse.init`: MPI, or Horovod's collectives when launched by
-    ``horovodrun``) and learns which ranks share a host; collective, idempotent.  ``comm`` and
-    ``process_sets`` (Horovod's sub-communicators and process sets) are not provided: only
-    ``None`` is accepted."""
+    """Joins the job's world and learns which ranks share a host (Horovod's ``hvd.init()``).
+
+    Runs :func:`tfsparse.init` (MPI, or Horovod's collectives when launched by ``horovodrun``)
+    and one allgather of a hash of each rank's host name, from which the local and cross ranks
+    come; collective (every rank calls it), idempotent.
+
+    Args:
+      comm: Horovod's sub-communicator; only ``None`` (the whole job) is accepted.
+      process_sets: Horovod's process sets; only ``None`` is accepted (there are none here).
+
+    Raises:
+      ValueError: ``comm`` or ``process_sets`` given.
+    """
     if comm is not None:
         raise ValueError(f"init(comm={comm!r}) is not supported by tfsparse.horovod: it runs on every rank of the "
                          f"job (accepted: comm=None)")
@@ -155,13 +164,20 @@ def _topology(world) -> dict:
 
 
 def shutdown() -> None:
-    """Ends this module's use of the world (Horovod's ``hvd.shutdown()``): later queries raise
-    until :func:`init` is called again.  The world itself ends with the process."""
+    """Ends this module's use of the world (Horovod's ``hvd.shutdown()``).
+
+    Later queries raise until :func:`init` is called again; the world itself (MPI) ends with the
+    process.
+    """
     _state["topology"] = None
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called, and :func:`shutdown` not since."""
+    """Whether :func:`init` has been called, and :func:`shutdown` not since.
+
+    Returns:
+      ``True`` between :func:`init` and :func:`shutdown`.
+    """
     return _state["topology"] is not None
 
 
@@ -172,36 +188,76 @@ def _topo(key: str) -> int:
 
 
 def rank() -> int:
-    """This process's rank in the job; ValueError before :func:`init`."""
+    """This process's rank in the job.
+
+    Returns:
+      An integer from 0 to ``size() - 1``.
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     _topo("local_rank")
     return runtime.rank()
 
 
 def size() -> int:
-    """The number of ranks in the job; ValueError before :func:`init`."""
+    """The number of ranks in the job.
+
+    Returns:
+      The number of processes the launcher started (``-np``).
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     _topo("local_rank")
     return runtime.size()
 
 
 def local_rank() -> int:
-    """This rank's index among the ranks on its host, in rank order; ValueError before :func:`init`."""
+    """This rank's index among the ranks on its host, in rank order.
+
+    Returns:
+      An integer from 0 to ``local_size() - 1`` (use it to pick this rank's GPU).
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     return _topo("local_rank")
 
 
 def local_size() -> int:
-    """The number of ranks on this rank's host; ValueError before :func:`init`."""
+    """The number of ranks on this rank's host.
+
+    Returns:
+      The ranks that share this rank's host name.
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     return _topo("local_size")
 
 
 def cross_rank() -> int:
-    """This rank's index among the ranks with its local rank (one per host that has one, in rank order);
-    ValueError before :func:`init`."""
+    """This rank's index among the ranks with its local rank (one per host that has one).
+
+    Returns:
+      An integer from 0 to ``cross_size() - 1``, in rank order.
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     return _topo("cross_rank")
 
 
 def cross_size() -> int:
-    """The number of ranks with this rank's local rank: the hosts that have such a rank; ValueError before
-    :func:`init`."""
+    """The number of ranks with this rank's local rank.
+
+    Returns:
+      The hosts that have a rank with this local rank (the number of hosts, where each runs as many).
+
+    Raises:
+      ValueError: before :func:`init` (Horovod's "Horovod has not been initialized; use hvd.init().").
+    """
     return _topo("cross_size")
 
 
@@ -278,12 +334,34 @@ def _reduce(tensor, op: int, prescale: float, postscale: float):
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
-    """The element-wise reduction of ``tensor`` over the ranks: ``op`` = ``hvd.Average``
-    (default), ``hvd.Sum``, ``hvd.Min`` or ``hvd.Max``; ``prescale_factor`` multiplies each rank's
-    tensor before, ``postscale_factor`` the result after.  A ``tf.IndexedSlices`` (an
-    Embedding's gradient) is gathered instead -- values and indices of every rank, the values
-    divided by the ranks for Average -- as Horovod does.  Every rank gets the same result, bit for
-    bit."""
+    """The element-wise reduction of ``tensor`` over the ranks (Horovod's ``hvd.allreduce``).
+
+    Every rank gets the same result, bit for bit. A ``tf.IndexedSlices`` (an Embedding's
+    gradient) is gathered instead -- the values and indices of every rank, the values divided by
+    the ranks for Average -- as Horovod does. Its gradient is the allreduce of the gradient.
+
+    Args:
+      tensor: a tensor (or a ``tf.IndexedSlices``) of the same shape and dtype on every rank.
+      average: deprecated, as in Horovod: ``True`` for ``op=hvd.Average``, ``False`` for ``hvd.Sum``;
+        give ``op`` or ``average``, not both.
+      device_dense: accepted and ignored (the collectives run on the host).
+      device_sparse: accepted and ignored.
+      compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16`` (a float tensor
+        travels as float16; the sum is formed in float32 and rounded once).
+      op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min`` or ``hvd.Max``.
+      prescale_factor: multiplies each rank's tensor before the reduction.
+      postscale_factor: multiplies the result after it.
+      name: accepted and ignored (Horovod's op name).
+      process_set: only ``hvd.global_process_set``.
+      ignore_name_scope: accepted and ignored.
+
+    Returns:
+      A tensor of ``tensor``'s shape and dtype (a ``tf.IndexedSlices`` for one).
+
+    Raises:
+      ValueError: an op not provided (Adasum, Product), ``op`` and ``average`` both given, or
+        a ``tf.IndexedSlices`` with Min, Max or a scale factor; before :func:`init`.
+    """
     op = _resolve_op(op, average)
     _check_process_set(process_set)
     _comm()
@@ -316,8 +394,22 @@ def _np_allgather(x: np.ndarray):
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """Every rank's ``tensor`` concatenated along the first dimension, in rank order (the first
-    dimension may differ between ranks, the others may not)."""
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order.
+
+    Its gradient is the average over the ranks of the gradient, this rank's rows of it (Horovod's).
+
+    Args:
+      tensor: a tensor of rank >= 1; the first dimension may differ between ranks, the others may not.
+      name: accepted and ignored (Horovod's op name).
+      ignore_name_scope: accepted and ignored.
+      process_set: only ``hvd.global_process_set``.
+
+    Returns:
+      A tensor whose first dimension is the sum of the ranks' first dimensions.
+
+    Raises:
+      ValueError: a scalar, or ranks whose other dimensions differ; before :func:`init`.
+    """
     _check_process_set(process_set)
     _comm()
     tensor = tf.convert_to_tensor(tensor)
@@ -349,8 +441,23 @@ def _np_broadcast(x: np.ndarray, root: int) -> np.ndarray:
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """``root_rank``'s ``tensor`` on every rank (every rank passes a tensor of the same shape and
-    dtype)."""
+    """``root_rank``'s ``tensor`` on every rank (Horovod's ``hvd.broadcast``).
+
+    Its gradient is the average of the gradient on the root rank, zero elsewhere (Horovod's).
+
+    Args:
+      tensor: a tensor of the same shape and dtype on every rank.
+      root_rank: the rank whose value everyone gets, from 0 to ``size() - 1``.
+      name: accepted and ignored (Horovod's op name).
+      ignore_name_scope: accepted and ignored.
+      process_set: only ``hvd.global_process_set``.
+
+    Returns:
+      ``root_rank``'s tensor.
+
+    Raises:
+      ValueError: ``root_rank`` not a rank of the job; before :func:`init`.
+    """
     _check_process_set(process_set)
     root = _check_root(root_rank)
     return _broadcast(tf.convert_to_tensor(tensor), root)
@@ -377,9 +484,22 @@ def _broadcast(tensor, root: int):
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
-    """Assigns ``root_rank``'s values to ``variables`` on every rank (Keras or TF variables: a
-    model's ``variables``, an optimizer's ``variables``).  Eagerly one broadcast per dtype;
-    inside a ``tf.function``, returns the group of assignments."""
+    """Assigns ``root_rank``'s values to ``variables`` on every rank (Horovod's ``hvd.broadcast_variables``).
+
+    Eagerly, one broadcast per dtype; inside a ``tf.function``, one per variable, grouped.
+
+    Args:
+      variables: Keras or TensorFlow variables: a model's ``variables``, an optimizer's ``variables``.
+      root_rank: the rank whose values everyone takes, from 0 to ``size() - 1``.
+      process_set: only ``hvd.global_process_set``.
+      inplace: accepted and ignored (the variables are always assigned in place).
+
+    Returns:
+      None eagerly; inside a ``tf.function``, the group of assignments (an op to run).
+
+    Raises:
+      ValueError: ``root_rank`` not a rank of the job; before :func:`init`.
+    """
     _check_process_set(process_set)
     root = _check_root(root_rank)
     variables = list(variables)
@@ -465,11 +585,34 @@ class _DistributedGradientTape:
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
                             groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """``gradtape`` (a ``tf.GradientTape``) whose ``gradient()`` returns the gradients reduced over
-    the ranks (``op``: Horovod's default ``hvd.Average``; ``compression``; ``sparse_as_dense``:
-    an Embedding's ``tf.IndexedSlices`` reduced as a dense tensor instead of gathered) -- lossless,
-    the same on every rank, as Horovod's.  ``num_groups``/``groups`` (Horovod's fusion groups) are
-    accepted only as their defaults: the gradients of one dtype always travel as one allreduce."""
+    """``gradtape`` whose ``gradient()`` returns the gradients reduced over the ranks (Horovod's).
+
+    Lossless and the same on every rank, as Horovod's: the dense gradients of one dtype travel as
+    one allreduce; an Embedding's ``tf.IndexedSlices`` is gathered (or reduced as a dense tensor with
+    ``sparse_as_dense``). ``register_local_source(variable)`` on the returned tape keeps a variable's
+    gradient this rank's own.
+
+    Args:
+      gradtape: a ``tf.GradientTape``.
+      device_dense: accepted and ignored (the collectives run on the host).
+      device_sparse: accepted and ignored.
+      compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+      sparse_as_dense: reduce ``tf.IndexedSlices`` as dense tensors instead of gathering them.
+      op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min`` or ``hvd.Max``.
+      gradient_predivide_factor: Average only: each rank's gradient divided by it before the sum,
+        the sum multiplied by it over the ranks after.
+      num_groups: Horovod's fusion groups; only the default (0).
+      groups: Horovod's fusion groups; only the default (None).
+      process_set: only ``hvd.global_process_set``.
+      scale_local_gradients: divide the gradients of registered local sources by the ranks.
+
+    Returns:
+      A tape that behaves as ``gradtape`` (``with`` it, ``watch``, ...) with the reducing ``gradient()``.
+
+    Raises:
+      ValueError: ``gradtape`` not a ``tf.GradientTape``, fusion groups, an op not provided; before
+        :func:`init`.
+    """
     _check_process_set(process_set)
     op = _resolve_op(op, None)
     if num_groups not in (0, None) or groups is not None:
@@ -486,9 +629,32 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1, op=Average,
                          gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True, **tfsparse_settings):
-    """Horovod's ``hvd.DistributedOptimizer`` for a Keras 3 optimizer: the same as
-    :func:`tfsparse.horovod.tensorflow.keras.DistributedOptimizer` (``use_locking`` is accepted and
-    has no effect).  TensorFlow 1's ``tf.compat.v1.train.Optimizer`` is not supported."""
+    """Horovod's ``hvd.DistributedOptimizer`` for a Keras 3 optimizer.
+
+    The same as :func:`tfsparse.horovod.tensorflow.keras.DistributedOptimizer`, which documents
+    the arguments; TensorFlow 1's ``tf.compat.v1.train.Optimizer`` is not supported.
+
+    Args:
+      optimizer: a ``keras.optimizers.Optimizer``.
+      name: the wrapper's name.
+      use_locking: accepted and ignored.
+      device_dense: accepted and ignored.
+      device_sparse: accepted and ignored.
+      compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+      sparse_as_dense: accepted and ignored (an Embedding's gradient always travels dense).
+      backward_passes_per_step: steps whose gradients are accumulated locally per exchange.
+      op: ``hvd.Average`` (default) or ``hvd.Sum``.
+      gradient_predivide_factor: see the Keras function.
+      average_aggregated_gradients: divide the accumulated gradients by ``backward_passes_per_step``.
+      num_groups: only the default (0).
+      groups: only the default (None).
+      process_set: only ``hvd.global_process_set``.
+      scale_local_gradients: only ``True``.
+      **tfsparse_settings: any keyword of :class:`tfsparse.keras.DistributedOptimizer`.
+
+    Returns:
+      A :class:`tfsparse.horovod.tensorflow.keras.HorovodOptimizer` wrapping ``optimizer``.
+    """
     from .keras import DistributedOptimizer as keras_distributed_optimizer
 
     return keras_distributed_optimizer(

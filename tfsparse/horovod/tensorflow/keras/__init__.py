@@ -48,32 +48,77 @@ _KERAS_OPS = {Average: "hvd.Average", Sum: "hvd.Sum"}
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
               compression=Compression.none):
-    """Horovod's Keras ``allreduce``: ``value`` (anything ``tf.constant`` takes) reduced over the
-    ranks (:func:`tfsparse.horovod.tensorflow.allreduce`)."""
+    """Horovod's Keras ``allreduce``: ``value`` reduced over the ranks.
+
+    Args:
+      value: anything ``tf.constant`` takes (a number, a list, a numpy array), the same shape on
+        every rank.
+      name: accepted and ignored (Horovod's op name).
+      average: deprecated, as in Horovod (``op`` instead).
+      prescale_factor: multiplies each rank's value before the reduction.
+      postscale_factor: multiplies the result after it.
+      op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min`` or ``hvd.Max``.
+      compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``.
+
+    Returns:
+      A tensor: :func:`tfsparse.horovod.tensorflow.allreduce` of ``value``.
+    """
     return _allreduce(tf.constant(value), average=average, compression=compression, op=op,
                       prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
 def allgather(value, name=None):
-    """Horovod's Keras ``allgather``: every rank's ``value`` concatenated on the first dimension."""
+    """Horovod's Keras ``allgather``: every rank's ``value`` concatenated on the first dimension.
+
+    Args:
+      value: anything ``tf.constant`` takes, of rank >= 1; the first dimension may differ between
+        ranks, the others may not.
+      name: accepted and ignored (Horovod's op name).
+
+    Returns:
+      A tensor: the ranks' values in rank order (:func:`tfsparse.horovod.tensorflow.allgather`).
+    """
     return _allgather(tf.constant(value))
 
 
 def broadcast(value, root_rank, name=None):
-    """Horovod's Keras ``broadcast``: ``root_rank``'s ``value`` on every rank."""
+    """Horovod's Keras ``broadcast``: ``root_rank``'s ``value`` on every rank.
+
+    Args:
+      value: anything ``tf.constant`` takes, the same shape and dtype on every rank.
+      root_rank: the rank whose value everyone gets.
+      name: accepted and ignored (Horovod's op name).
+
+    Returns:
+      A tensor: ``root_rank``'s value (:func:`tfsparse.horovod.tensorflow.broadcast`).
+    """
     return _broadcast(tf.constant(value), root_rank)
 
 
 @keras.saving.register_keras_serializable(package="tfsparse.horovod")
 class HorovodOptimizer(_SparseOptimizer):
-    """What :func:`DistributedOptimizer` returns: :class:`tfsparse.keras.DistributedOptimizer`
-    with Horovod's reduction (``op``, ``gradient_predivide_factor``) and local accumulation
-    (``backward_passes_per_step``, ``average_aggregated_gradients``).
+    """What :func:`DistributedOptimizer` returns: :class:`tfsparse.keras.DistributedOptimizer` with Horovod's reduction.
 
-    With ``backward_passes_per_step=N > 1`` each rank adds its gradients into accumulators for
-    ``N`` steps; the ``N``-th exchanges the accumulated sum (divided by ``N`` when
+    Horovod's reduction (``op``, ``gradient_predivide_factor``) and local accumulation
+    (``backward_passes_per_step``, ``average_aggregated_gradients``). With
+    ``backward_passes_per_step=N > 1`` each rank adds its gradients into accumulators for ``N``
+    steps; the ``N``-th exchanges the accumulated sum (divided by ``N`` when
     ``average_aggregated_gradients``) and applies it; the steps between exchange nothing and only
-    advance ``iterations``, as Horovod's do."""
+    advance ``iterations``, as Horovod's do.
+
+    Args:
+      inner_optimizer: the Keras 3 optimizer that applies the reduced gradients.
+      op: ``hvd.Average`` (default) or ``hvd.Sum``; inside a ``SparseStrategy`` scope only the default.
+      gradient_predivide_factor: a number > 0 (Average only): each rank's gradient divided by it
+        before the sum, the sum multiplied by it over the ranks after.
+      backward_passes_per_step: an integer >= 1: the steps whose gradients each exchange sums; not
+        with loss scaling.
+      average_aggregated_gradients: divide the accumulated sum by ``backward_passes_per_step``.
+      **kwargs: any keyword of :class:`tfsparse.keras.DistributedOptimizer`.
+
+    Raises:
+      ValueError: an argument outside the accepted values, naming it, before any step.
+    """
 
     def __init__(self, inner_optimizer, *, op=Average, gradient_predivide_factor=1.0, backward_passes_per_step=1,
                  average_aggregated_gradients=False, **kwargs):
@@ -193,16 +238,39 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
                          scale_local_gradients=True, **tfsparse_settings):
-    """Horovod's ``DistributedOptimizer(optimizer, ...)``: ``optimizer`` (a Keras 3 optimizer)
-    applies the gradients reduced over the ranks -- their mean (``op=hvd.Average``) or sum
-    (``hvd.Sum``), each rank's gradient divided by ``gradient_predivide_factor`` before the sum
-    and the sum multiplied by it over the ranks after -- accumulated over
-    ``backward_passes_per_step`` steps first (see :class:`HorovodOptimizer`).  Lossless by default
-    (``algorithm="dense"``, float32; ``compression=hvd.Compression.fp16``: a float16 wire).
+    """Horovod's ``DistributedOptimizer(optimizer, ...)``: ``optimizer`` applies the gradients reduced over the ranks.
 
-    ``tfsparse_settings``: any keyword of :class:`tfsparse.keras.DistributedOptimizer`
-    (``algorithm``, ``density``, ``wire_dtype``, ``loss_scale``, ...), e.g. ``algorithm="gtopk",
-    density=0.01`` or ``algorithm="auto"``."""
+    Their mean (``op=hvd.Average``) or sum (``hvd.Sum``), accumulated over
+    ``backward_passes_per_step`` steps first (see :class:`HorovodOptimizer`). Lossless by default
+    (``algorithm="dense"``, float32, as Horovod's); ``algorithm="gtopk", density=0.01`` or
+    ``algorithm="auto"`` choose one of tfsparse's exchanges instead.
+
+    Args:
+      optimizer: a Keras 3 optimizer (``keras.optimizers.Optimizer``).
+      name: the wrapper's name.
+      device_dense: accepted and ignored (the exchange runs where the gradients are).
+      device_sparse: accepted and ignored.
+      compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16`` (a float16 wire,
+        the same as ``wire_dtype="float16"``).
+      sparse_as_dense: accepted and ignored (an Embedding's gradient always travels dense).
+      gradient_predivide_factor: Average only: each rank's gradient divided by it before the sum,
+        the sum multiplied by it over the ranks after.
+      op: ``hvd.Average`` (default) or ``hvd.Sum``.
+      backward_passes_per_step: an integer >= 1: the steps whose gradients each exchange sums.
+      average_aggregated_gradients: divide the accumulated sum by ``backward_passes_per_step``.
+      num_groups: Horovod's fusion groups; only the default (0): tfsparse's buckets fuse the gradients.
+      groups: only the default (None).
+      process_set: only ``hvd.global_process_set``.
+      scale_local_gradients: only ``True``.
+      **tfsparse_settings: any keyword of :class:`tfsparse.keras.DistributedOptimizer`
+        (``algorithm``, ``density``, ``wire_dtype``, ``loss_scale``, ...).
+
+    Returns:
+      A :class:`HorovodOptimizer` wrapping ``optimizer``; pass it to ``model.compile``.
+
+    Raises:
+      ValueError: an argument outside the accepted values, naming it, before any step.
+    """
     _check_process_set(process_set)
     if compression is not Compression.none and compression is not Compression.fp16:
         raise ValueError(f"compression={compression!r} is not supported; accepted: hvd.Compression.none, "

@@ -29,9 +29,20 @@ _PROVIDED = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learn
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """After the first batch, every rank takes ``root_rank``'s model variables (weights and
-    non-trainable state; not the random-seed states) and optimizer variables -- those the first
-    step created included -- except ``local_variables``."""
+    """After the first batch, every rank takes ``root_rank``'s model and optimizer variables.
+
+    The model's weights and non-trainable state (not the random-seed states) and the optimizer's
+    variables -- those the first step created included -- except ``local_variables``.
+
+    Args:
+      root_rank: the rank whose variables everyone takes, from 0 to ``size() - 1``.
+      device: accepted and ignored (Horovod's device for the broadcast).
+      local_variables: a variable or a list of them that stay each rank's own (also
+        :meth:`register_local_var`).
+
+    Raises:
+      ValueError: ``root_rank`` not a rank of the job.
+    """
 
     def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
@@ -45,7 +56,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local = {id(v) for v in local_variables}
 
     def register_local_var(self, var) -> None:
-        """``var`` stays this rank's own: not broadcast."""
+        """``var`` stays this rank's own: not broadcast.
+
+        Args:
+          var: a variable of the model or of its optimizer.
+        """
         self._local.add(id(var))
 
     def on_batch_end(self, batch, logs=None):
@@ -66,8 +81,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """At each epoch's end, every number in the logs (loss, metrics, ``val_`` ones) becomes its
-    mean over the ranks, in place, for the callbacks after this one and the ``History``."""
+    """At each epoch's end, every number in the logs becomes its mean over the ranks.
+
+    Loss, metrics and ``val_`` ones, in place, for the callbacks after this one and the ``History``
+    (put it before the callbacks that read the logs, as under Horovod).
+
+    Args:
+      device: accepted and ignored (Horovod's device for the allreduce).
+    """
 
     def __init__(self, device=""):
         super().__init__()
@@ -94,11 +115,26 @@ def _learning_rate(optimizer) -> float:
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` up to
-    ``end_epoch`` (not included): at each epoch's first batch (``staircase``), or at every batch
-    with a fractional epoch (``epoch + batch / steps_per_epoch``).  ``multiplier``: a function of
-    the epoch, or a number ``m`` for ``m ** (epoch - start_epoch)``.  ``initial_lr=None``: the
-    optimizer's rate when training begins.  The epoch logs get ``lr``."""
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` up to ``end_epoch``.
+
+    ``end_epoch`` is not included. The rate is set at each epoch's first batch (``staircase``), or
+    at every batch with a fractional epoch (``epoch + batch / steps_per_epoch``). The epoch logs
+    get ``lr``.
+
+    Args:
+      initial_lr: a number > 0, or None: the optimizer's rate when training begins.
+      multiplier: a function of the epoch, or a number ``m`` for ``m ** (epoch - start_epoch)``.
+      start_epoch: the first epoch it sets the rate in.
+      end_epoch: the epoch it stops at (None: never).
+      staircase: set the rate once per epoch (True) or at every batch (False).
+      momentum_correction: when the rate changes, multiply an SGD optimizer's velocity by the new
+        rate over the old one (Horovod's momentum correction, see the module).
+      steps_per_epoch: the batches per epoch, for ``staircase=False`` (None: taken from ``fit``).
+
+    Raises:
+      ValueError: ``initial_lr`` or ``multiplier`` not valid; at the start of training, without
+        ``staircase``, when the epochs' length is unknown.
+    """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
@@ -163,10 +199,20 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Goyal et al.'s gradual warm-up, as Horovod's: over ``warmup_epochs`` the learning rate
-    rises at every batch from ``initial_lr / size()`` to ``initial_lr``
+    """Goyal et al.'s gradual warm-up, as Horovod's: the learning rate rises to ``initial_lr`` over ``warmup_epochs``.
+
+    At every batch from ``initial_lr / size()`` to ``initial_lr``
     (``initial_lr / size() * (e * (size() - 1) / warmup_epochs + 1)`` at fractional epoch ``e``,
-    counted from the batch's end).  ``verbose``: rank 0 says when it ends."""
+    counted from the batch's end).
+
+    Args:
+      initial_lr: the rate at the warm-up's end (usually the single-rank rate times ``size()``);
+        None: the optimizer's rate when training begins.
+      warmup_epochs: the epochs the warm-up lasts.
+      momentum_correction: scale an SGD optimizer's velocity with each change of the rate.
+      steps_per_epoch: the batches per epoch (None: taken from ``fit``).
+      verbose: rank 0 says when the warm-up ends (> 0).
+    """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
         def multiplier(epoch):
