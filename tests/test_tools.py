@@ -130,12 +130,14 @@ def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
                      TensorSpec("dense/bias", (2048,))])
     chosen = {layout.specs[b.first].name: b.algorithm for b in plan.buckets(layout)}
     assert chosen == {"conv/kernel": "dense", "dense/kernel": None, "dense/bias": "dense"}
-    for bad in ({"dense_below": 0}, {"dense_below": 4096, "plan": "fused"}, {"dense_below": "4096"}):
+    for bad in ({"dense_below": 0}, {"dense_below": 4096, "plan": "fused"}, {"dense_below": "4096"},
+                {"init_seed": -1}, {"init_seed": "7"}):
         done = subprocess.run([sys.executable, "tools/bench_time_to_accuracy.py",
                                json.dumps([{"label": "x", "algorithm": "gtopk", **bad}])], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
-        why = "not both" if "plan" in bad else "accepted: a positive whole number"
-        assert done.returncode != 0 and "\"dense_below\"" in done.stderr and why in done.stderr, bad
+        key, why = (("\"init_seed\"", "accepted: a whole number >= 0") if "init_seed" in bad else
+                    ("\"dense_below\"", "not both" if "plan" in bad else "accepted: a positive whole number"))
+        assert done.returncode != 0 and key in done.stderr and why in done.stderr, bad
     done = subprocess.run([sys.executable, "tools/bench_time_to_accuracy.py",
                            json.dumps([{"label": "x", "algorithm": "gtopk"}, {"label": "d16", "algorithm": "dense",
                                                                               "wire_dtype": "float16"}])],
@@ -216,6 +218,20 @@ def test_measure_docs_lists_its_steps_and_refuses_an_unknown_one():
     refused = subprocess.run(["bash", "tools/measure_docs.sh", "fit17m_1gbit", "nope"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "unknown step 'nope'; accepted: fit17m_1gbit" in refused.stderr
+
+
+def test_gradient_concentration_shares_and_refusals():
+    """tools/gradient_concentration.py: the top-k share of a vector's energy, and its arguments
+    refused before any model is built, naming the argument and the accepted values."""
+    tool = _tool("gradient_concentration")
+    squares = np.array([9.0, 1.0, 0.0, 4.0, 1.0, 1.0])
+    assert tool.top_share(squares, 1) == 9.0 / 16.0 and tool.top_share(squares, 2) == 13.0 / 16.0
+    assert tool.top_share(np.zeros(4), 1) == 0.0
+    for args, why in ((["--steps", "10"], "--steps 10 is not valid; accepted: 50 or more"),
+                      (["--density", "1.5"], "--density 1.5 is not valid; accepted: a number in (0, 1)")):
+        done = subprocess.run([sys.executable, "tools/gradient_concentration.py", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and why in done.stderr, done.stderr[-500:]
 
 
 def test_pipe_sgd_timing_models_the_dense_runs_of_a_bench_fit_step_record(tmp_path):

@@ -12,7 +12,9 @@ the same processes (plain Keras, no strategy, no exchange: each rank trains its 
 adds ``DensitySchedule([d0, d1, ...])`` (epoch ``i`` at ``di``, later ones at ``density``; not
 with ``warmup_epochs``); ``"dense_below": N`` sends every tensor of fewer than ``N`` elements
 dense (a bucket per tensor: ``plan=PerTensorPlan(...)``, as docs/choosing.md shows; not with
-``plan``); a pinned momentum correction,
+``plan``); ``"init_seed": S`` starts the row from the initial weights (and batch order) of seed ``S``
+with the same data and split (a dense row with it measures the target rule's own noise); a
+pinned momentum correction,
 ``"memory": "momentum"`` or ``"momentum_rows"``, runs the SGD without its momentum), e.g.::
 
     '[{"label": "dense f32", "algorithm": "dense"}, {"label": "gtopk 0.01", "algorithm": "gtopk", "density": 0.01}]'
@@ -190,14 +192,15 @@ def train(comm, config, args, arrays):
     x_local, y_local, x_test, y_test = arrays
     strategy = None
     if config is not None:
-        tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities", "dense_below")  # this tool's
+        tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities", "dense_below",
+                     "init_seed")  # this tool's
         options = {k: v for k, v in config.items() if k not in tool_keys}
         if config.get("dense_below"):
             options["plan"] = small_dense(int(config["dense_below"]))
         strategy = tfsparse.SparseStrategy(config["algorithm"], config.get("density", 0.01), **options)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
-        model = build(args.model, args.seed)
+        model = build(args.model, args.seed if config is None else config.get("init_seed", args.seed))
         # momentum correction pinned (``"memory": "momentum"`` or ``"momentum_rows"``) applies the
         # momentum in the exchange (factor 0.9, MOMENTUM): the SGD then runs without it
         pinned = config is not None and keeps_velocity(config.get("memory", "auto"))
@@ -324,6 +327,10 @@ def main(argv=None):
         if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 1):
             raise ValueError(f"setting {config.get('label')!r}: \"dense_below\"={below!r} is not valid; accepted: "
                              f"a positive whole number of elements")
+        init_seed = config.get("init_seed")
+        if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int) or init_seed < 0):
+            raise ValueError(f"setting {config.get('label')!r}: \"init_seed\"={init_seed!r} is not valid; accepted: "
+                             f"a whole number >= 0")
         if below is not None and "plan" in config:
             raise ValueError(f"setting {config.get('label')!r}: \"dense_below\" makes the plan; give it or "
                              f"\"plan\", not both")

@@ -93,6 +93,15 @@ CONV_SMALL_DENSE='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16
 SMALL_DENSE_SHM='[{"label":"dense f32","algorithm":"dense"},{"label":"gtopk 0.01","algorithm":"gtopk","density":0.01},
  {"label":"gtopk 0.01, tensors under 65536 dense","algorithm":"gtopk","density":0.01,"dense_below":65536}]'
 
+# the target rule's own noise (docs/choosing.md, "How far the target is from noise"): dense float32 started from
+# two other initial weights (and batch orders), same data, beside what auto runs on the convolutional model
+# (gTop-k 0.01 and dense over int8, each with momentum correction), on shared memory (the epochs matter here)
+NOISE='[{"label":"dense f32","algorithm":"dense"},
+ {"label":"dense f32, initial weights of seed 100","algorithm":"dense","init_seed":100},
+ {"label":"dense f32, initial weights of seed 200","algorithm":"dense","init_seed":200},
+ {"label":"dense int8, memory=momentum_rows","algorithm":"dense","wire_dtype":"int8","memory":"momentum_rows","momentum":0.9},
+ {"label":"gtopk 0.01, memory=momentum_rows","algorithm":"gtopk","density":0.01,"memory":"momentum_rows","momentum":0.9}]'
+
 # dense over int8: dense float32 and float16 beside dense over the int8 wire (per-chunk scales, error feedback),
 # synchronous (with the optimizer's momentum, and with momentum correction: what auto runs under an SGD with
 # momentum) and pipelined (pipeline=2: Pipe-SGD), on the convolutional model and the 17.1M MLP at 1 Gbit/s
@@ -149,6 +158,7 @@ STEP[tta_int8_mlp]=$(tta_seeds time_to_accuracy_int8_mlp_1gbit "$INT8_ROWS" "$NE
 STEP[tta_small_dense_mlp_shm]=$(tta_seeds time_to_accuracy_small_dense_mlp_shm "$SMALL_DENSE_SHM" "" 'shared memory')
 STEP[tta_small_dense_transformer_shm]=$(tta_seeds time_to_accuracy_small_dense_transformer_shm "$SMALL_DENSE_SHM" "" 'shared memory' "--model transformer")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
+STEP[tta_conv_noise]=$(tta_seeds time_to_accuracy_conv_noise_shm "$NOISE" "" 'shared memory' "--model conv")
 STEP[tta_10gbit]=$(tta_seeds time_to_accuracy_10gbit "$TTA_FAST" "--net 10gbit" '10 Gbit/s (tfsparse-run --net 10gbit)')
 STEP[horovod_resnet50]="$RUN -np 4 $NET1G $PYTHON tools/bench_fit_step.py '$HVD_R50' --model resnet50 --network '1 Gbit/s (emulated)' --out $OUT/horovod_resnet50_1gbit"
 STEP[two_level_fit]="$RUN -np 4 --emulate-hosts 2 --net 1gbit $PYTHON tools/bench_fit_step.py '$TWO_LEVEL' --model mlp17m --network '1 Gbit/s between 2 emulated hosts' --out $OUT/two_level_fit_1gbit"
@@ -160,6 +170,7 @@ STEP[traffic]="$PYTHON tools/bench_exchange.py --algorithms dense,topk,gtopk,okt
 # masking's target: dense float32's best in tta_transformer_auto's seed 1 (0.9512) less 0.5 point
 STEP[masking]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$MASKING' --model transformer --epochs 10 --seed 1 --target 0.9462 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/masking_transformer_1gbit"
 STEP[kernels]="$PYTHON tools/bench_kernels.py --sizes 1M,4M,16M,64M,128M --out $OUT"
+STEP[concentration]="flock $LOCK $PYTHON tools/gradient_concentration.py --out $OUT/gradient_concentration"
 STEP[collectives]="$PYTHON tools/bench_collectives.py --out $OUT/bench_collectives.json"
 STEP[convergence]="flock $LOCK $PYTHON tools/bench_convergence.py --out $OUT/bench_convergence"
 STEP[convergence_dragonn]="flock $LOCK $PYTHON tools/bench_convergence.py --suite dragonn --out $OUT/bench_dragonn"
@@ -172,7 +183,7 @@ ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit ho
  two_level_exchange tta_conv encode exchange traffic
  kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
  tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_int8_conv tta_int8_mlp tta_small_dense_mlp_shm tta_small_dense_transformer_shm
- tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit demo"
+ tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit tta_conv_noise concentration demo"
 
 if [[ "${1:-}" == "--list" ]]; then
     for name in $ORDER; do printf '%s:\n  %s\n' "$name" "${STEP[$name]}"; done

@@ -1,0 +1,128 @@
+"""How concentrated each benchmark model's gradient is: the share of its energy (sum of squares) in
+its largest 1 % of entries, over training -- a candidate signal for how many epochs a sparse
+exchange needs on a model, which ``algorithm="auto"`` prices per candidate, not per model.
+
+    python tools/gradient_concentration.py [--models mlp17m conv transformer] [--seeds 0 1]
+        [--steps 120] [--density 0.01] [--out results/gradient_concentration]
+
+One process, no exchange: the models, data, learning rates and batch of
+``tools/bench_time_to_accuracy.py``, trained with dense SGD (momentum 0.9) on one rank's shard of
+a four-rank job (every fourth training row, batch 32).  At each step it records
+
+* ``global``: the top-``density`` share of the gradient of a batch of 128 rows (what four ranks'
+  gradients sum to: the vector gTop-k approximates, which auto's measured dense rounds see);
+* ``local``: the same of the shard's batch of 32;
+* ``feedback``: the same of ``g + residual``, top-k with error feedback on the shard (the residual
+  keeps what was not selected), and ``residual_ratio``: ``|residual| / |g|``.
+
+Writes ``OUT.json``: per model and seed, the means over the first 10 steps, steps 10-40 and the
+last 40.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+
+import bench_host  # noqa: E402
+from tfsparse import files  # noqa: E402
+
+
+def top_share(squares: np.ndarray, k: int) -> float:
+    """The share of ``squares.sum()`` held by its ``k`` largest entries."""
+    total = float(squares.sum())
+    if total <= 0.0:
+        return 0.0
+    return float(np.partition(squares, squares.size - k)[squares.size - k:].sum()) / total
+
+
+def measure(name: str, seed: int, steps: int, density: float) -> dict:
+    """One model and seed: the per-step shares, summarised (see the module)."""
+    import keras
+    import tensorflow as tf
+
+    import bench_time_to_accuracy as tta
+
+    x_all, y_all, _, _ = tta.data(seed, name)
+    x, y = x_all[::4], y_all[::4]
+    model = tta.build(name, seed)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.SGD(tta.RATES[name], momentum=tta.MOMENTUM)
+    variables = model.trainable_variables
+    n = sum(int(np.prod(v.shape)) for v in variables)
+    k = max(1, int(n * density))
+
+    @tf.function
+    def grads(xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        return tape.gradient(value, variables)
+
+    def flat(gs):
+        return np.concatenate([np.asarray(tf.convert_to_tensor(g)).reshape(-1) for g in gs])
+
+    residual = np.zeros(n, np.float32)
+    rows = {"global": [], "local": [], "feedback": [], "residual_ratio": []}
+    per_epoch = len(x) // tta.BATCH
+    for step in range(steps):
+        i = (step % per_epoch) * tta.BATCH
+        j = (step % per_epoch) * 4 * tta.BATCH % (len(x_all) - 4 * tta.BATCH + 1)
+        g_list = grads(x[i:i + tta.BATCH], y[i:i + tta.BATCH])
+        g = flat(g_list)
+        big = flat(grads(x_all[j:j + 4 * tta.BATCH], y_all[j:j + 4 * tta.BATCH]))
+        acc = g + residual
+        squares = acc * acc
+        chosen = np.argpartition(squares, n - k)[n - k:]
+        rows["global"].append(top_share(big * big, k))
+        rows["local"].append(top_share(g * g, k))
+        rows["feedback"].append(top_share(squares, k))
+        rows["residual_ratio"].append(float(np.linalg.norm(residual) / max(np.linalg.norm(g), 1e-30)))
+        residual = acc
+        residual[chosen] = 0.0
+        opt.apply_gradients(zip(g_list, variables))  # dense training: the shares are what it would send
+
+    def spans(values):
+        return {"first_10": round(float(np.mean(values[:10])), 4),
+                "steps_10_40": round(float(np.mean(values[10:40])), 4),
+                "last_40": round(float(np.mean(values[-40:])), 4)}
+    return {"model": name, "seed": seed, "parameters": n, "k": k, **{key: spans(v) for key, v in rows.items()}}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp17m", "conv", "transformer"],
+                        choices=["mlp17m", "conv", "transformer"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--out", default="results/gradient_concentration")
+    args = parser.parse_args(argv)
+    if args.steps < 50:
+        raise ValueError(f"--steps {args.steps} is not valid; accepted: 50 or more (the summary's last 40 "
+                         f"steps follow the first 10)")
+    if not 0.0 < args.density < 1.0:
+        raise ValueError(f"--density {args.density} is not valid; accepted: a number in (0, 1)")
+    runs = []
+    for name in args.models:
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            run = measure(name, seed, args.steps, args.density)
+            run["seconds"] = round(time.perf_counter() - t0, 1)
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+    record = {"machine": bench_host.describe(), "date": time.strftime("%Y-%m-%d"), "steps": args.steps,
+              "density": args.density, "runs": runs}
+    files.write_text(args.out + ".json", json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
