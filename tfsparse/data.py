@@ -194,7 +194,8 @@ def agree_on_data(dataset, agreement: DataAgreement):
       The ``tf.data.Dataset`` the ranks iterate in step.
 
     Raises:
-      ValueError: elements that are not (nests of) dense tensors.
+      ValueError: elements that are not (nests of) dense tensors; under ``"join"``, elements that are
+        not ``(x, y)`` or ``(x, y, sample_weight)`` tuples.
     """
     import tensorflow as tf
 

@@ -6,12 +6,14 @@ exchange needs on a model, which ``algorithm="auto"`` prices per candidate, not 
         [--steps 120] [--density 0.01] [--out results/gradient_concentration]
 
 One process, no exchange: the models, data, learning rates and batch of
-``tools/bench_time_to_accuracy.py``, trained with dense SGD (momentum 0.9) on one rank's shard of
-a four-rank job (every fourth training row, batch 32).  At each step it records
+``tools/bench_time_to_accuracy.py``, trained with dense SGD (momentum 0.9) on rank 0's shard of
+a four-rank job (``tfsparse.data.shard``: the first quarter of the training rows, batch 32).  At
+each step it records
 
-* ``global``: the top-``density`` share of the gradient of a batch of 128 rows (what four ranks'
-  gradients sum to: the vector gTop-k approximates, which auto's measured dense rounds see);
-* ``local``: the same of the shard's batch of 32;
+* ``global``: the top-``density`` share of the gradient of the four ranks' batches of that step
+  (their 128 rows: the average of the ranks' gradients, the vector gTop-k approximates and auto's
+  measured dense rounds see);
+* ``local``: the same of rank 0's batch of 32;
 * ``feedback``: the same of ``g + residual``, top-k with error feedback on the shard (the residual
   keeps what was not selected), and ``residual_ratio``: ``|residual| / |g|``.
 
@@ -33,7 +35,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 import bench_host  # noqa: E402
+import tfsparse.data  # noqa: E402
 from tfsparse import files  # noqa: E402
+
+#: the ranks of the job whose shard and batches it takes (the benchmark's)
+RANKS = 4
 
 
 def top_share(squares: np.ndarray, k: int) -> float:
@@ -52,7 +58,8 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
     import bench_time_to_accuracy as tta
 
     x_all, y_all, _, _ = tta.data(seed, name)
-    x, y = x_all[::4], y_all[::4]
+    shards = [tfsparse.data.shard(x_all, y_all, rank=r, size=RANKS) for r in range(RANKS)]
+    x, y = shards[0]
     model = tta.build(name, seed)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.SGD(tta.RATES[name], momentum=tta.MOMENTUM)
@@ -74,10 +81,10 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
     per_epoch = len(x) // tta.BATCH
     for step in range(steps):
         i = (step % per_epoch) * tta.BATCH
-        j = (step % per_epoch) * 4 * tta.BATCH % (len(x_all) - 4 * tta.BATCH + 1)
         g_list = grads(x[i:i + tta.BATCH], y[i:i + tta.BATCH])
         g = flat(g_list)
-        big = flat(grads(x_all[j:j + 4 * tta.BATCH], y_all[j:j + 4 * tta.BATCH]))
+        big = flat(grads(np.concatenate([sx[i:i + tta.BATCH] for sx, _ in shards]),
+                         np.concatenate([sy[i:i + tta.BATCH] for _, sy in shards])))
         acc = g + residual
         squares = acc * acc
         chosen = np.argpartition(squares, n - k)[n - k:]

@@ -74,7 +74,8 @@ def average_moving_statistics(model, communicator=None) -> int:
         world); with one, the collective runs over it, after its rounds in flight.
 
     Returns:
-      How many variables it averaged (0: none, nothing communicated).
+      How many moving-statistics variables the model has (averaged where there are several ranks;
+      0: none, and nothing is communicated).
     """
     weights = moving_statistics(model)
     comm = communicator or runtime.communicator()

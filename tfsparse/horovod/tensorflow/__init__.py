@@ -135,7 +135,8 @@ def init(comm=None, process_sets=None) -> None:
 
     Args:
       comm: Horovod's sub-communicator; only ``None`` (the whole job) is accepted.
-      process_sets: Horovod's process sets; only ``None`` is accepted (there are none here).
+      process_sets: Horovod's process sets; only ``None`` (or an empty list) is accepted: there are
+        none here.
 
     Raises:
       ValueError: ``comm`` or ``process_sets`` given.
@@ -408,7 +409,9 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
       A tensor whose first dimension is the sum of the ranks' first dimensions.
 
     Raises:
-      ValueError: a scalar, or ranks whose other dimensions differ; before :func:`init`.
+      ValueError: a scalar; before :func:`init`.
+      tf.errors.InvalidArgumentError: ranks whose other dimensions differ (raised where the
+        collective runs, inside TensorFlow, naming every rank's shape).
     """
     _check_process_set(process_set)
     _comm()
