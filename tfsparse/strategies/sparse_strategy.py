@@ -53,14 +53,12 @@ check_extended_hooks()  # the OneDeviceExtended hooks SparseExtended overrides e
 
 
 class SparseExtended(OneDeviceExtended):
-    """The ``OneDeviceExtended`` of :class:`SparseStrategy`: one replica, whose gradient all-reduce runs the exchange.
-
-    Its overrides are listed in the module docstring.
+    """The ``OneDeviceExtended`` of :class:`SparseStrategy` (overrides: the module docstring).
 
     Args:
       container: the :class:`SparseStrategy` it extends.
-      device: the device of the one replica.
-      exchange: the exchange (a :class:`~tfsparse.pipelined.Pipelined`) the all-reduce runs.
+      device: the device of its one replica.
+      exchange: the exchange (a :class:`~tfsparse.pipelined.Pipelined`) its gradient all-reduce runs.
       uneven_data: as :class:`SparseStrategy`'s.
     """
 
@@ -150,14 +148,8 @@ class SparseExtended(OneDeviceExtended):
 
     # -- gradient exchange ------------------------------------------------
     def adopt(self, exchange: Pipelined, checkpointer: Checkpointer) -> None:
-        """A ``DistributedOptimizer`` built in this strategy's scope owns the exchange from now on.
-
-        Its own (settings of its own: the strategy runs it) or the strategy's; it saves the state.
-
-        Args:
-          exchange: the exchange (a :class:`~tfsparse.pipelined.Pipelined`).
-          checkpointer: what saves and restores its state.
-        """
+        """A ``DistributedOptimizer`` built in this strategy's scope owns the exchange from now on:
+        its own (settings of its own: the strategy runs it) or the strategy's; it saves the state."""
         self.exchange, self.checkpointer = exchange, checkpointer
         self.saved_by_optimizer = True
 
