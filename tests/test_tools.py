@@ -228,7 +228,8 @@ def test_gradient_concentration_shares_and_refusals():
     assert tool.top_share(squares, 1) == 9.0 / 16.0 and tool.top_share(squares, 2) == 13.0 / 16.0
     assert tool.top_share(np.zeros(4), 1) == 0.0
     for args, why in ((["--steps", "10"], "--steps 10 is not valid; accepted: 50 or more"),
-                      (["--density", "1.5"], "--density 1.5 is not valid; accepted: a number in (0, 1)")):
+                      (["--density", "1.5"], "--density 1.5 is not valid; accepted: a number in (0, 1)"),
+                      (["--models", "vgg"], "--models 'vgg' is not valid; accepted: mlp17m, conv, transformer")):
         done = subprocess.run([sys.executable, "tools/gradient_concentration.py", *args], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and why in done.stderr, done.stderr[-500:]

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT.parent))
 import bench_host  # noqa: E402
 import tfsparse.data  # noqa: E402
 from tfsparse import files  # noqa: E402
+from tfsparse.schedules import k_from_density  # noqa: E402
 
 #: the ranks of the job whose shard and batches it takes (the benchmark's)
 RANKS = 4
@@ -65,7 +66,7 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
     opt = keras.optimizers.SGD(tta.RATES[name], momentum=tta.MOMENTUM)
     variables = model.trainable_variables
     n = sum(int(np.prod(v.shape)) for v in variables)
-    k = max(1, int(n * density))
+    k = k_from_density(n, density)  # what the exchange sends of a bucket of n
 
     @tf.function
     def grads(xb, yb):
@@ -106,7 +107,7 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp17m", "conv", "transformer"],
-                        choices=["mlp17m", "conv", "transformer"])
+                        help="among tools/bench_time_to_accuracy.py's MODELS")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--density", type=float, default=0.01)
@@ -117,6 +118,11 @@ def main(argv=None):
                          f"steps follow the first 10)")
     if not 0.0 < args.density < 1.0:
         raise ValueError(f"--density {args.density} is not valid; accepted: a number in (0, 1)")
+    import bench_time_to_accuracy as tta  # loads Keras: after the checks that need nothing
+
+    unknown = [name for name in args.models if name not in tta.MODELS]
+    if unknown:
+        raise ValueError(f"--models {unknown[0]!r} is not valid; accepted: {', '.join(tta.MODELS)}")
     runs = []
     for name in args.models:
         for seed in args.seeds:
