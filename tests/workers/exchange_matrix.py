@@ -14,7 +14,7 @@ from mpi_harness import save_result  # noqa: E402
 from test_exchange_pipeline import ALGOS, DENSITY, OPTIONS, PLANS, STEPS, WIRES, flat, grads_of  # noqa: E402
 from test_gradientflow import MPI_CASES, STEPS as GF_STEPS  # noqa: E402
 from test_exchange_mpi import PIECES, pieces_grads  # noqa: E402
-from tfsparse import wire as wire_module  # noqa: E402
+from tfsparse.wire import values as wire_module  # noqa: E402
 from tfsparse.collectives import MPICommunicator  # noqa: E402
 from tfsparse.wire import INT8_CHUNK  # noqa: E402
 from tfsparse.exchange import GradientExchange  # noqa: E402
