@@ -51,31 +51,68 @@ def available_memories() -> tuple[str, ...]:
 
 
 def rows_spans(rows) -> tuple:
-    """``(start, stop)`` spans of a bucket as ints, sorted, empty ones left out."""
+    """The spans of a bucket's row-sparse gradients, normalized.
+
+    Args:
+      rows: ``(start, stop)`` pairs (any integers, any order).
+
+    Returns:
+      A tuple of ``(start, stop)`` int pairs, sorted, the empty ones left out.
+    """
     return tuple(sorted((int(a), int(b)) for a, b in rows if int(b) > int(a)))
 
 
 def keeps_velocity(memory: str) -> bool:
-    """Whether ``memory`` (a registered name; ``"auto"`` and unknown names: False) is a momentum
-    correction, which keeps a velocity and applies the optimizer's momentum in the exchange."""
+    """Whether a memory is a momentum correction, which keeps a velocity and applies the optimizer's momentum in the exchange.
+
+    Args:
+      memory: a memory's name.
+
+    Returns:
+      True for ``"momentum"`` and ``"momentum_rows"``; False for the others, ``"auto"`` and
+      unknown names.
+    """
     return memory in MEMORIES.names() and MEMORIES.get(memory).has_velocity
 
 
 def check_memory(memory, momentum=None) -> dict:
-    """Validates ``memory`` and its options; returns the options (ValueError otherwise)."""
+    """Validates ``memory`` and its options.
+
+    Args:
+      memory: a registered name (:func:`available_memories`).
+      momentum: the momentum factor, for a momentum correction only; None: its default.
+
+    Returns:
+      The memory's options, e.g. ``{"momentum": 0.9}`` (``{}`` for one without options).
+
+    Raises:
+      ValueError: ``memory`` is not registered, or ``momentum`` is given where it has no meaning
+        or is out of ``[0, 1)``.
+    """
     return MEMORIES.get(memory).check_options(momentum)
 
 
 def get_memory(memory: str, size: int, options: dict, needed: bool, space=HOST, reuse=None, rows=()):
-    """The memory of a bucket of ``size`` elements; ``needed``: whether anything is lost in
-    the exchange (a sparse algorithm or a lossy wire).  Without loss and without momentum
-    nothing is kept (:class:`NoMemory`).  ``space``: where the bucket's vectors live
-    (:mod:`tfsparse.space`).  ``reuse``: a memory returned as it is -- its residual, velocity and
-    vectors kept -- when it is what this call would build (the same kind, options, size and
-    space): a bucket rebuilt with other stages (``algorithm="auto"``'s switch) keeps its memory
-    without copying or allocating.  ``rows``: the ``(start, stop)`` spans of the bucket whose
-    gradients are row-sparse (an Embedding's), for the memories that treat them apart
-    (:class:`RowsMomentumMemory`)."""
+    """The memory of a bucket of ``size`` elements.
+
+    Without loss and without momentum nothing is kept (:class:`NoMemory`).
+
+    Args:
+      memory: a registered name (:func:`available_memories`).
+      size: the bucket's elements.
+      options: what :func:`check_memory` returned.
+      needed: whether anything is lost in the exchange (a sparse algorithm or a lossy wire).
+      space: where the bucket's vectors live (:mod:`tfsparse.space`).
+      reuse: a memory returned as it is -- its residual, velocity and vectors kept -- when it is
+        what this call would build (the same kind, options, size and space): a bucket rebuilt
+        with other stages (``algorithm="auto"``'s switch) keeps its memory without copying or
+        allocating.  None: build one.
+      rows: the ``(start, stop)`` spans of the bucket whose gradients are row-sparse (an
+        Embedding's), for the memories that treat them apart (:class:`RowsMomentumMemory`).
+
+    Returns:
+      The memory (``reuse`` or a new one).
+    """
     cls = MEMORIES.get(memory)
     if not needed and not cls.always:
         cls, options = NoMemory, {}
@@ -98,11 +135,17 @@ def _without_momentum(name: str, momentum) -> dict:
 
 @register_memory
 class NoMemory(Stateful):
-    """``memory="none"``: no error feedback -- what the exchange does not deliver (unsent entries,
-    what a lossy wire loses) is dropped.  What the papers' lossless exchanges need, and
-    Pipe-SGD's compressed allreduce as the paper describes it (pipe-sgd-li2018 §3.2 quantizes
-    and truncates without keeping the error); with a sparse algorithm it is plain gradient
-    dropping."""
+    """``memory="none"``: no error feedback -- what the exchange does not deliver is dropped.
+
+    That is the unsent entries and what a lossy wire loses.  What the papers' lossless exchanges
+    need, and Pipe-SGD's compressed allreduce as the paper describes it (pipe-sgd-li2018 §3.2
+    quantizes and truncates without keeping the error); with a sparse algorithm it is plain
+    gradient dropping.
+
+    Args:
+      size: elements of the bucket.
+      space: where its vectors live (:mod:`tfsparse.space`).
+    """
 
     name = "none"
     stateful = False
@@ -131,18 +174,37 @@ class NoMemory(Stateful):
         return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
-        """``acc[span] = grad`` (the gradient travels as it is)."""
+        """``acc[span] = grad`` (the gradient travels as it is).
+
+        Args:
+          grad: this round's float32 gradient for ``span``.
+          span: a slice of the bucket.
+
+        Returns:
+          :attr:`acc`, the whole bucket's offered vector.
+        """
         nbytes = 4 * (span.stop - span.start)
         traffic.count("compensate", read=nbytes, written=nbytes)
         self.space.copy(self.acc[span], grad)
         return self.acc
 
     def fuses(self, arrays) -> bool:
-        """No selection follows a memory that keeps nothing (lossless dense)."""
+        """No selection follows a memory that keeps nothing (lossless dense).
+
+        Args:
+          arrays: the bucket's gradients.
+
+        Returns:
+          False.
+        """
         return False
 
     def update(self, result) -> None:
-        """Nothing is kept."""
+        """Nothing is kept.
+
+        Args:
+          result: the round's outcome (unused).
+        """
 
     def swap(self) -> None:
         """Nothing is kept: once the aggregator has settled (read ``acc`` for the last time),
@@ -162,7 +224,12 @@ def _clear_contributed(space, buf, result) -> None:
 
 @register_memory
 class ResidualMemory(Stateful):
-    """Residual accumulation (error feedback)."""
+    """Residual accumulation (error feedback).
+
+    Args:
+      size: elements of the bucket.
+      space: where its vectors live (:mod:`tfsparse.space`).
+    """
 
     name = "residual"
     stateful = True
@@ -177,12 +244,30 @@ class ResidualMemory(Stateful):
 
     @classmethod
     def check_options(cls, momentum=None) -> dict:
-        """No options, as :meth:`NoMemory.check_options`: ``momentum`` given is a ValueError (the
-        optimizer applies its momentum; momentum correction is ``memory="momentum"``)."""
+        """No options, as :meth:`NoMemory.check_options`.
+
+        Args:
+          momentum: must be None (the optimizer applies its momentum; momentum correction is
+            ``memory="momentum"``).
+
+        Returns:
+          ``{}``.
+
+        Raises:
+          ValueError: ``momentum`` is given.
+        """
         return _without_momentum(cls.name, momentum)
 
     def compensate(self, grad: np.ndarray, span: slice) -> np.ndarray:
-        """``acc[span] = grad + residual[span]`` (float32, in one pass)."""
+        """``acc[span] = grad + residual[span]`` (float32, in one pass).
+
+        Args:
+          grad: this round's float32 gradient for ``span``.
+          span: a slice of the bucket.
+
+        Returns:
+          :attr:`acc`, the whole bucket's offered vector.
+        """
         nbytes = 4 * (span.stop - span.start)
         traffic.count("compensate", read=2 * nbytes, written=nbytes)
         self.space.add(grad, self.residual[span], self.acc[span])
@@ -194,15 +279,31 @@ class ResidualMemory(Stateful):
 
     # -- error feedback fused with the selection and the finite check ---------------------
     def fuses(self, arrays) -> bool:
-        """Whether :meth:`compensate_select` takes these gradients (contiguous float32 host
-        arrays, whose float32 sum with the residual is what :meth:`compensate` computes)."""
+        """Whether :meth:`compensate_select` takes these gradients.
+
+        Args:
+          arrays: the bucket's gradients, in order.
+
+        Returns:
+          True where they are contiguous float32 host arrays (whose float32 sum with the residual is
+          what :meth:`compensate` computes) and the residual is on the host.
+        """
         return not self.space.on_device and all(
             isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
     def peek(self, arrays, positions) -> np.ndarray:
-        """``grad + residual`` at the bucket's int64 ``positions`` (ascending): what :meth:`compensate`
-        will write there, computed ahead (a compressor's sample, :meth:`Compressor.prefilter
-        <tfsparse.compressors.Compressor.prefilter>`)."""
+        """``grad + residual`` at some positions of the bucket, computed ahead of :meth:`compensate`.
+
+        A compressor's sample (:meth:`Compressor.prefilter
+        <tfsparse.compressors.Compressor.prefilter>`) reads it.
+
+        Args:
+          arrays: the bucket's gradients, in order.
+          positions: int64 positions in the bucket, ascending.
+
+        Returns:
+          A float32 vector, one value per position: what :meth:`compensate` will write there.
+        """
         out = np.empty(positions.size, np.float32)
         lo = 0
         for a in arrays:
@@ -215,11 +316,19 @@ class ResidualMemory(Stateful):
         return out
 
     def compensate_select(self, arrays, prefilter=None):
-        """:meth:`compensate` of the whole bucket, the finite check and the collection of
-        ``prefilter``'s elements (none without one) in one pass over gradient and residual
-        (:func:`tfsparse.ops.cpu.add_select`): returns ``(candidates, finite)``, the
-        :class:`~tfsparse.compressors.Candidates` (None without a prefilter) and whether every
-        element of :attr:`acc` is finite."""
+        """:meth:`compensate` of the whole bucket, the finite check and the collection of ``prefilter``'s elements in one pass.
+
+        One pass over gradient and residual (:func:`tfsparse.ops.cpu.add_select`).
+
+        Args:
+          arrays: the bucket's gradients, in order (:meth:`fuses` holds).
+          prefilter: a :class:`~tfsparse.compressors.Prefilter` (the elements whose key reaches its
+            key are collected); None: none collected.
+
+        Returns:
+          ``(candidates, finite)``: the :class:`~tfsparse.compressors.Candidates` (None without a
+          prefilter) and whether every element of :attr:`acc` is finite.
+        """
         from .compressors import Candidates
         from .ops import _common as C, cpu
 
@@ -240,15 +349,24 @@ class ResidualMemory(Stateful):
                           prefilter.key, prefilter.threshold), finite
 
     def compensate_encode(self, arrays, spans, wire, buffers=None) -> tuple[list, bool]:
-        """:meth:`compensate` of the whole bucket with the encoding of ``spans`` fused into it (a
-        dense exchange's blocks for the other ranks, :meth:`Aggregator.fused_spans
-        <tfsparse.aggregators.Aggregator.fused_spans>`): each span ``(start, stop)`` of
-        :attr:`acc` is summed and encoded by ``wire`` in one pass
-        (:meth:`Wire.compensate_encode <tfsparse.wire.Wire.compensate_encode>`), what the
-        encoding lost written over it (the new residual, built in place); the rest of
-        :attr:`acc` is summed with the finite check (:func:`tfsparse.ops.cpu.add_select`).
-        Returns ``(messages, finite)``, a message per span; where some sum is not finite the
-        messages and :attr:`acc` are undefined (the caller compensates again)."""
+        """:meth:`compensate` of the whole bucket with the encoding of ``spans`` fused into it.
+
+        Each span ``(start, stop)`` of :attr:`acc` is summed and encoded by ``wire`` in one pass
+        (:meth:`Wire.compensate_encode <tfsparse.wire.Wire.compensate_encode>`), what the encoding
+        lost written over it (the new residual, built in place); the rest of :attr:`acc` is summed
+        with the finite check (:func:`tfsparse.ops.cpu.add_select`).
+
+        Args:
+          arrays: the bucket's gradients, in order.
+          spans: ``(start, stop)`` spans to encode: a dense exchange's blocks for the other ranks
+            (:meth:`Aggregator.fused_spans <tfsparse.aggregators.Aggregator.fused_spans>`).
+          wire: a :class:`~tfsparse.wire.Wire` with ``fuses_compensation``.
+          buffers: a :class:`tfsparse.buffers.Reusable` to take the messages from; None: new arrays.
+
+        Returns:
+          ``(messages, finite)``, a message per span; where some sum is not finite the messages and
+          :attr:`acc` are undefined (the caller compensates again).
+        """
         from .ops import _common as C, cpu
 
         stream = self.acc.size >= cpu.STREAM_MIN
@@ -282,10 +400,15 @@ class ResidualMemory(Stateful):
         return messages, finite
 
     def update(self, result) -> None:
-        """The new residual, built in place of ``acc`` (the two buffers then swap): the
-        contributed entries removed (``result.contributed``; ``None`` means everything), plus
-        what the wire lost (``result.loss``) -- or, where the aggregator built it in ``acc`` already
-        (``result.residual_in_place``), that."""
+        """Builds the new residual in place of ``acc`` (the two buffers then swap).
+
+        The contributed entries are removed (``result.contributed``; ``None`` means everything) and
+        what the wire lost (``result.loss``) added -- or, where the aggregator built it in ``acc``
+        already (``result.residual_in_place``), that is kept.
+
+        Args:
+          result: the round's :class:`~tfsparse.aggregators.AllreduceResult`.
+        """
         if not result.residual_in_place:
             _clear_contributed(self.space, self.acc, result)
             result.loss.apply_to(self.acc, self.space)
@@ -301,11 +424,19 @@ class ResidualMemory(Stateful):
         self.acc, self.residual = self.residual, self.acc
 
     def get_state(self):
-        """``residual``: a host copy of the residual (float32)."""
+        """The memory's state for a checkpoint.
+
+        Returns:
+          ``{"residual": ...}``: a host copy of the residual (float32).
+        """
         return {"residual": np.array(self.space.to_host(self.residual), np.float32)}
 
     def set_state(self, state):
-        """Restores the residual in place (zeros where the state holds none)."""
+        """Restores the residual in place.
+
+        Args:
+          state: what :meth:`get_state` returned (zeros where it holds no residual).
+        """
         super().set_state(state)
         self.space.load(self.residual, state.get("residual"))
 
@@ -317,6 +448,7 @@ class MomentumMemory(ResidualMemory):
     Args:
       size: elements of the bucket.
       momentum: the momentum factor ``m`` (default 0.9, DGC's and GradientFlow's).
+      space: where its vectors live (:mod:`tfsparse.space`).
     """
 
     name = "momentum"
@@ -349,7 +481,15 @@ class MomentumMemory(ResidualMemory):
         return {"momentum": _checks.real("momentum", momentum, 0.0, 1.0, hi_open=True, hint=", e.g. momentum=0.9")}
 
     def compensate(self, grad, span):
-        """``u = m·u + grad; acc = residual + u`` over ``span`` of the bucket."""
+        """``u = m·u + grad; acc = residual + u`` over ``span`` of the bucket.
+
+        Args:
+          grad: this round's float32 gradient for ``span``.
+          span: a slice of the bucket.
+
+        Returns:
+          :attr:`acc`, the whole bucket's offered vector.
+        """
         nbytes = 4 * (span.stop - span.start)
         traffic.count("compensate", read=5 * nbytes, written=3 * nbytes)  # u *= m; u += g; acc = u + r
         self.space.momentum(self.velocity[span], self.momentum, grad, self.residual[span], self.acc[span])
@@ -372,8 +512,17 @@ class MomentumMemory(ResidualMemory):
         return pieces
 
     def peek(self, arrays, positions) -> np.ndarray:
-        """``m·u + grad + residual`` at ``positions``: what :meth:`compensate_select` will write there
-        (``u + residual`` where the velocity took this round's gradient already)."""
+        """``m·u + grad + residual`` at ``positions``: what :meth:`compensate_select` will write there.
+
+        ``u + residual`` where the velocity took this round's gradient already.
+
+        Args:
+          arrays: the bucket's gradients, in order.
+          positions: int64 positions in the bucket, ascending.
+
+        Returns:
+          A float32 vector, one value per position.
+        """
         if self._taken is not None:
             return super().peek(self._taken, positions)
         pieces, lo = [], 0
@@ -388,23 +537,47 @@ class MomentumMemory(ResidualMemory):
         return np.add(flat, self.residual[positions])
 
     def compensate_select(self, arrays, prefilter=None):
-        """:meth:`ResidualMemory.compensate_select` over the velocity, once it took the gradient."""
+        """:meth:`ResidualMemory.compensate_select` over the velocity, once it took the gradient.
+
+        Args:
+          arrays: the bucket's gradients, in order.
+          prefilter: a :class:`~tfsparse.compressors.Prefilter`, or None.
+
+        Returns:
+          ``(candidates, finite)`` as :meth:`ResidualMemory.compensate_select`.
+        """
         taken, self._taken = self._taken, None
         return super().compensate_select(self._take(arrays) if taken is None else taken, prefilter)
 
     def compensate_encode(self, arrays, spans, wire, buffers=None) -> tuple[list, bool]:
-        """:meth:`ResidualMemory.compensate_encode` over the velocity, once it took the gradient;
-        where some sum is not finite the caller compensates again (:meth:`compensate_select`),
-        from the velocity as it is now."""
+        """:meth:`ResidualMemory.compensate_encode` over the velocity, once it took the gradient.
+
+        Where some sum is not finite the caller compensates again (:meth:`compensate_select`), from
+        the velocity as it is now.
+
+        Args:
+          arrays: the bucket's gradients, in order.
+          spans: ``(start, stop)`` spans to encode.
+          wire: a :class:`~tfsparse.wire.Wire` with ``fuses_compensation``.
+          buffers: a :class:`tfsparse.buffers.Reusable`, or None.
+
+        Returns:
+          ``(messages, finite)`` as :meth:`ResidualMemory.compensate_encode`.
+        """
         taken = self._take(arrays)
         messages, finite = super().compensate_encode(taken, spans, wire, buffers)
         self._taken = None if finite else taken
         return messages, finite
 
     def update(self, result):
-        """The residual as :class:`ResidualMemory` keeps it; the velocity is cleared where
-        values were contributed (momentum factor masking) -- unless everything was (a dense
-        exchange: plain momentum SGD)."""
+        """The residual as :class:`ResidualMemory` keeps it; the velocity cleared where values were contributed.
+
+        That is momentum factor masking -- unless everything was contributed (a dense exchange: plain
+        momentum SGD).
+
+        Args:
+          result: the round's :class:`~tfsparse.aggregators.AllreduceResult`.
+        """
         if result.contributed is not None:
             self.space.zero_at(self.velocity, self._masked(result.contributed))
         super().update(result)
@@ -419,11 +592,19 @@ class MomentumMemory(ResidualMemory):
         self.space.zero_nonfinite(self.velocity)
 
     def get_state(self):
-        """``residual`` and ``velocity``: host copies of both (float32)."""
+        """The memory's state for a checkpoint.
+
+        Returns:
+          ``{"residual": ..., "velocity": ...}``: host copies of both (float32).
+        """
         return {**super().get_state(), "velocity": np.array(self.space.to_host(self.velocity), np.float32)}
 
     def set_state(self, state):
-        """Restores the residual and the velocity in place (zeros for one the state lacks)."""
+        """Restores the residual and the velocity in place.
+
+        Args:
+          state: what :meth:`get_state` returned (zeros for one it lacks).
+        """
         super().set_state(state)
         self.space.load(self.velocity, state.get("velocity"))
 
@@ -450,6 +631,7 @@ class RowsMomentumMemory(MomentumMemory):
     Args:
       size: elements of the bucket.
       momentum: the momentum factor ``m`` (default 0.9).
+      space: where its vectors live (:mod:`tfsparse.space`).
       rows: ``(start, stop)`` spans of the bucket holding row-sparse gradients (default none:
         :class:`MomentumMemory`'s behaviour).
     """
