@@ -227,6 +227,14 @@ def test_gradient_concentration_shares_and_refusals():
     squares = np.array([9.0, 1.0, 0.0, 4.0, 1.0, 1.0])
     assert tool.top_share(squares, 1) == 9.0 / 16.0 and tool.top_share(squares, 2) == 13.0 / 16.0
     assert tool.top_share(np.zeros(4), 1) == 0.0
+    per = {"share": [], "sent": [], "captured": [], "residual_ratio": []}  # two tensors: 3 and 2 elements
+    g, residual = np.array([3.0, 0.0, 1.0, 2.0, 2.0], np.float32), np.array([0.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+    acc = g + residual
+    tool.per_tensor_step(per, g, residual, acc * acc, np.array([0, 3]), np.array([0, 3]), 5)
+    np.testing.assert_allclose(per["share"][0], [10 / 18, 8 / 18])
+    np.testing.assert_allclose(per["sent"][0], [1 / 3, 1 / 2])
+    np.testing.assert_allclose(per["captured"][0], [9 / 13, 4 / 8])
+    np.testing.assert_allclose(per["residual_ratio"][0], [1 / np.sqrt(10), 0.0])
     for args, why in ((["--steps", "10"], "--steps 10 is not valid; accepted: 50 or more"),
                       (["--density", "1.5"], "--density 1.5 is not valid; accepted: a number in (0, 1)"),
                       (["--models", "vgg"], "--models 'vgg' is not valid; accepted: mlp17m, conv, transformer")):

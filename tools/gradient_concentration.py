@@ -15,10 +15,13 @@ each step it records
   measured dense rounds see);
 * ``local``: the same of rank 0's batch of 32;
 * ``feedback``: the same of ``g + residual``, top-k with error feedback on the shard (the residual
-  keeps what was not selected), and ``residual_ratio``: ``|residual| / |g|``.
+  keeps what was not selected), and ``residual_ratio``: ``|residual| / |g|``;
+* per tensor (``tensors``): its share of the gradient's energy, the fraction of its entries that
+  top-k with error feedback sends, the share of its ``g + residual`` energy they hold, and its own
+  ``|residual| / |g|`` -- whether a global selection starves some tensors.
 
 Writes ``OUT.json``: per model and seed, the means over the first 10 steps, steps 10-40 and the
-last 40.
+last 40 (per tensor: steps 10-40 and the last 40).
 """
 from __future__ import annotations
 
@@ -79,6 +82,9 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
 
     residual = np.zeros(n, np.float32)
     rows = {"global": [], "local": [], "feedback": [], "residual_ratio": []}
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    starts = np.cumsum([0] + sizes[:-1])
+    per_tensor = {"share": [], "sent": [], "captured": [], "residual_ratio": []}  # steps x tensors each
     per_epoch = len(x) // tta.BATCH
     for step in range(steps):
         i = (step % per_epoch) * tta.BATCH
@@ -93,6 +99,7 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
         rows["local"].append(top_share(g * g, k))
         rows["feedback"].append(top_share(squares, k))
         rows["residual_ratio"].append(float(np.linalg.norm(residual) / max(np.linalg.norm(g), 1e-30)))
+        per_tensor_step(per_tensor, g, residual, squares, chosen, starts, n)
         residual = acc
         residual[chosen] = 0.0
         opt.apply_gradients(zip(g_list, variables))  # dense training: the shares are what it would send
@@ -101,7 +108,35 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
         return {"first_10": round(float(np.mean(values[:10])), 4),
                 "steps_10_40": round(float(np.mean(values[10:40])), 4),
                 "last_40": round(float(np.mean(values[-40:])), 4)}
-    return {"model": name, "seed": seed, "parameters": n, "k": k, **{key: spans(v) for key, v in rows.items()}}
+    tensors = [{"name": v.path, "size": size,
+                **{key: {span: round(float(x), 4) for span, x in spans_of(np.array(per_tensor[key])[:, i]).items()}
+                   for key in per_tensor}}
+               for i, (v, size) in enumerate(zip(variables, sizes))]
+    return {"model": name, "seed": seed, "parameters": n, "k": k, **{key: spans(v) for key, v in rows.items()},
+            "tensors": tensors}
+
+
+def spans_of(values) -> dict:
+    """Means of ``values`` (one per step) over steps 10-40 and the last 40."""
+    return {"steps_10_40": np.mean(values[10:40]), "last_40": np.mean(values[-40:])}
+
+
+def per_tensor_step(per_tensor: dict, g, residual, squares, chosen, starts, n: int) -> None:
+    """One step's figures per tensor, appended to ``per_tensor``: its share of the gradient's energy
+    (``share``), the fraction of its entries the top-k with error feedback sends (``sent``), the share
+    of its ``g + residual`` energy they hold (``captured``) and ``|residual| / |g|`` within it."""
+    sizes = np.diff(np.append(starts, n))
+    g2 = np.add.reduceat(g.astype(np.float64) ** 2, starts)
+    acc2 = np.add.reduceat(squares.astype(np.float64), starts)
+    mask = np.zeros(n, np.float64)
+    mask[chosen] = squares[chosen]
+    sent_energy = np.add.reduceat(mask, starts)
+    count = np.bincount(np.searchsorted(starts, chosen, side="right") - 1, minlength=starts.size)
+    r2 = np.add.reduceat(residual.astype(np.float64) ** 2, starts)
+    per_tensor["share"].append(g2 / max(g2.sum(), 1e-300))
+    per_tensor["sent"].append(count / sizes)
+    per_tensor["captured"].append(sent_energy / np.maximum(acc2, 1e-300))
+    per_tensor["residual_ratio"].append(np.sqrt(r2) / np.maximum(np.sqrt(g2), 1e-30))
 
 
 def main(argv=None):
