@@ -99,10 +99,14 @@ class Pipelined:
         return self._dsync
 
     def use_dsync(self, on: bool) -> None:
-        """D-Sync warm-up (pipe-sgd-li2018 §4; :class:`~tfsparse.keras.callbacks.DSyncWarmUp` calls
-        it at each epoch's beginning, alike on every rank): ``on``, the rounds started from now on
-        are synchronous and over float32; off, in the configured pipelined, compressed mode --
-        the first pipelined step after the warm-up applies zeros."""
+        """D-Sync warm-up (pipe-sgd-li2018 §4), switched for the rounds started from now on.
+
+        :class:`~tfsparse.keras.callbacks.DSyncWarmUp` calls it at each epoch's beginning, alike on
+        every rank.  The first pipelined step after the warm-up applies zeros.
+
+        Args:
+          on: True: synchronous rounds over float32; False: the configured pipelined, compressed mode.
+        """
         self._dsync = bool(on)
 
     @property
@@ -111,20 +115,34 @@ class Pipelined:
         return self._sync_points
 
     def mark_epochs(self, steps: int | None) -> None:
-        """Epochs of ``steps`` rounds start at the next round (the strategy calls it when Keras
-        distributes a ``fit`` dataset): a pipelined round that ends an epoch is waited for in its
-        own step, so that nothing is in flight between epochs (a callback, a checkpoint or the
-        validation then sees every gradient applied but the one held for the next step).
-        ``None`` (an epoch of unknown length): no such points."""
+        """Epochs of ``steps`` rounds start at the next round (the strategy calls it when Keras distributes a ``fit`` dataset).
+
+        A pipelined round that ends an epoch is waited for in its own step, so that nothing is in
+        flight between epochs (a callback, a checkpoint or the validation then sees every gradient
+        applied but the one held for the next step).
+
+        Args:
+          steps: the rounds of an epoch; None (an epoch of unknown length): no such points.
+        """
         self._sync_points = (self.engine.rounds_started, int(steps)) if steps else None
 
     def config(self) -> dict:
-        """The engine's settings as plain values (:meth:`GradientExchange.config`)."""
+        """The engine's settings as plain values (:meth:`GradientExchange.config`).
+
+        Returns:
+          A dict.
+        """
         return self.engine.config()
 
     def run_collective(self, fn):
-        """Runs ``fn(comm)`` beside the engine's rounds, in their order
-        (:meth:`GradientExchange.run_collective`); returns its result."""
+        """Runs ``fn(comm)`` beside the engine's rounds, in their order (:meth:`GradientExchange.run_collective`).
+
+        Args:
+          fn: a callable of the communicator, run on the communication thread.
+
+        Returns:
+          What ``fn`` returned.
+        """
         return self.engine.run_collective(fn)
 
     def agree_on_settings(self) -> None:
@@ -132,8 +150,11 @@ class Pipelined:
         self.engine.agree_on_settings()
 
     def check_idle(self, what: str) -> None:
-        """Raises when a round is in flight (:meth:`GradientExchange.check_idle`); ``what``: the
-        operation that needs none."""
+        """Raises when a round is in flight (:meth:`GradientExchange.check_idle`).
+
+        Args:
+          what: the operation that needs none (named in the error).
+        """
         self.engine.check_idle(what)
 
     def close(self) -> None:
@@ -163,10 +184,15 @@ class Pipelined:
 
     # -- steps ------------------------------------------------------------
     def step(self, grads):
-        """One training step's exchange: starts this step's round and returns the gradient to
-        apply now -- this round's result (synchronous), or the previous round's (pipelined;
-        zeros when there is none, e.g. at the first step), in the form of ``grads`` (one flat
-        array or a list of arrays)."""
+        """One training step's exchange: starts this step's round and returns the gradient to apply now.
+
+        Args:
+          grads: this rank's gradients: one flat array or a list of arrays.
+
+        Returns:
+          This round's result (synchronous), or the previous round's (pipelined; zeros when there is
+          none, e.g. at the first step), in the form of ``grads``.
+        """
         engine = self.engine
         with engine.space_of(grads).active():
             flat, arrays = engine.arrays(grads)
@@ -176,8 +202,15 @@ class Pipelined:
             return engine.assemble({b.spec.index: self.finish(b, t) for b, t in zip(buckets, tokens)}, flat)
 
     def begin(self, b, arrays) -> int:
-        """Starts bucket ``b``'s next round in the round's mode (decided at bucket 0); returns its
-        index, for :meth:`finish`."""
+        """Starts bucket ``b``'s next round in the round's mode (decided at bucket 0).
+
+        Args:
+          b: the :class:`~tfsparse.bucket.Bucket`.
+          arrays: its gradients.
+
+        Returns:
+          The round's index, for :meth:`finish`.
+        """
         i = b.spec.index
         if i == 0:
             self._place_restored()
@@ -204,7 +237,15 @@ class Pipelined:
         return index
 
     def finish(self, b, index: int):
-        """The gradient the step of round ``index`` applies (see :meth:`step`)."""
+        """The gradient the step of round ``index`` applies (see :meth:`step`).
+
+        Args:
+          b: the :class:`~tfsparse.bucket.Bucket`.
+          index: what :meth:`begin` returned.
+
+        Returns:
+          The bucket's vector to apply (zeros or the previous result where pipelined).
+        """
         engine = self.engine
         carry, pipelined = self._owed.get(b.spec.index, {}).pop(index, (None, False))
         if not pipelined:
@@ -251,10 +292,14 @@ class Pipelined:
     # -- explicit state ---------------------------------------------------
     @in_space
     def get_state(self) -> dict:
-        """The engine's state (:meth:`GradientExchange.get_state`) and ``pending`` (the finished
-        result the next step applies, over the layout) when one is held.  A pipelined round owed
-        to the next step is finished first (:meth:`flush`); not while a synchronous round is in
-        flight."""
+        """The engine's state (:meth:`GradientExchange.get_state`) and the result the next step applies.
+
+        A pipelined round owed to the next step is finished first (:meth:`flush`); not while a
+        synchronous round is in flight.
+
+        Returns:
+          A dict; with ``pending`` (over the layout) when a finished result is held.
+        """
         engine = self.engine
         if not engine.bucket_states:
             return engine.get_state()
@@ -266,7 +311,11 @@ class Pipelined:
 
     @in_space
     def set_state(self, state: dict) -> None:
-        """Restores :meth:`get_state`'s output (before the engine is built, at its build)."""
+        """Restores :meth:`get_state`'s output (before the engine is built, at its build).
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         engine = self.engine
         if engine.bucket_states:
             self.flush()

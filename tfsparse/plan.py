@@ -63,7 +63,14 @@ def _dtype_of(a) -> np.dtype:
 
 
 class Layout:
-    """The gradients of one model, in order, and their offsets in the fused float32 vector."""
+    """The gradients of one model, in order, and their offsets in the fused float32 vector.
+
+    Args:
+      specs: the :class:`TensorSpec` s, in order (at least one).
+
+    Raises:
+      ValueError: ``specs`` is empty.
+    """
 
     def __init__(self, specs):
         self.specs = tuple(specs)
@@ -75,7 +82,15 @@ class Layout:
 
     @classmethod
     def of(cls, arrays, names=None) -> "Layout":
-        """The layout of a list of arrays (or of one flat array)."""
+        """The layout of a list of arrays (or of one flat array).
+
+        Args:
+          arrays: the gradients (numpy, TensorFlow or device arrays: only shapes and dtypes are read).
+          names: their names; None: ``gradient_0``, ``gradient_1``, ...
+
+        Returns:
+          A :class:`Layout`.
+        """
         names = names if names is not None else [f"gradient_{i}" for i in range(len(arrays))]
         return cls(TensorSpec(str(nm), tuple(int(d) for d in np.shape(a)), _dtype_of(a).name)
                    for nm, a in zip(names, arrays))
@@ -91,12 +106,25 @@ class Layout:
         return hash(tuple((s.name, s.shape) for s in self.specs))
 
     def same_shapes(self, other: "Layout") -> bool:
-        """Whether ``other`` holds tensors of the same shapes in the same order (names aside)."""
+        """Whether ``other`` holds tensors of the same shapes in the same order (names aside).
+
+        Args:
+          other: another :class:`Layout`.
+
+        Returns:
+          A bool.
+        """
         return [s.shape for s in self.specs] == [s.shape for s in other.specs]
 
     def describe(self, limit: int = 6) -> str:
-        """The first ``limit`` tensors as ``name[shape]``, comma-separated, and the count of all where there
-        are more."""
+        """The first tensors as ``name[shape]``, comma-separated, and the count of all where there are more.
+
+        Args:
+          limit: how many tensors to name.
+
+        Returns:
+          A string.
+        """
         items = [f"{s.name}{list(s.shape)}" for s in self.specs[:limit]]
         more = f", ... ({len(self.specs)} tensors)" if len(self.specs) > limit else ""
         return ", ".join(items) + more
@@ -146,19 +174,40 @@ class Plan:
     prepares = False
 
     def prepare(self, comm, exchange, layout: Layout) -> "Plan":
-        """The plan to use for ``layout`` (itself here; a plan is a value, so one that decides
-        anything returns a copy that holds it).  Called by the exchange on every rank at its
-        first step, before :meth:`buckets`, when :attr:`prepares` is set (e.g. the cost model of
-        :mod:`tfsparse.selection` measures the network there and decides per tensor)."""
+        """The plan to use for ``layout``.
+
+        Itself here; a plan is a value, so one that decides anything returns a copy that holds it.
+        Called by the exchange on every rank at its first step, before :meth:`buckets`, when
+        :attr:`prepares` is set (e.g. the cost model of :mod:`tfsparse.selection` measures the
+        network there and decides per tensor).
+
+        Args:
+          comm: the exchange's communicator (collective: every rank calls it).
+          exchange: the :class:`~tfsparse.exchange.GradientExchange` asking.
+          layout: the gradients' :class:`Layout`.
+
+        Returns:
+          A :class:`Plan`.
+        """
         return self
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
-        """The :class:`BucketSpec` s of ``layout``, in the order they are exchanged (bucket ``i`` has ``index``
-        ``i``)."""
+        """The buckets of ``layout``, in the order they are exchanged (bucket ``i`` has ``index`` ``i``).
+
+        Args:
+          layout: the gradients' :class:`Layout`.
+
+        Returns:
+          A list of :class:`BucketSpec`.
+        """
         raise TypeError(f"{type(self).__name__} does not define buckets()")
 
     def config(self) -> dict:
-        """What identifies this plan (compared across ranks, saved in configs)."""
+        """What identifies this plan (compared across ranks, saved in configs).
+
+        Returns:
+          A dict: ``{"plan": name}`` and the plan's parameters.
+        """
         return {"plan": self.name}
 
     def __eq__(self, other):
@@ -179,7 +228,14 @@ class FusedPlan(Plan):
     name = "fused"
 
     def buckets(self, layout):
-        """One bucket: every tensor of ``layout``, elements ``[0, n)``."""
+        """One bucket: every tensor of ``layout``, elements ``[0, n)``.
+
+        Args:
+          layout: the gradients' :class:`Layout`.
+
+        Returns:
+          A list of one :class:`BucketSpec`.
+        """
         return [_bucket(layout, 0, 0, len(layout))]
 
 
@@ -189,6 +245,12 @@ class BucketPlan(Plan):
 
     Walks the tensors last to first and closes a bucket as soon as it holds at least
     ``bucket_bytes`` bytes (4 per element); ``bucket_bytes=0`` gives one bucket per tensor.
+
+    Args:
+      bucket_bytes: θ, an integer >= 0.
+
+    Raises:
+      ValueError: ``bucket_bytes`` is None or not an integer >= 0.
     """
 
     name = "buckets"
@@ -199,12 +261,24 @@ class BucketPlan(Plan):
             raise ValueError("plan='buckets' needs bucket_bytes= (a number of bytes >= 0), e.g. 4 << 20")
 
     def config(self):
-        """The plan's name and its θ, ``bucket_bytes``."""
+        """The plan's name and its θ.
+
+        Returns:
+          ``{"plan": "buckets", "bucket_bytes": θ}``.
+        """
         return {"plan": self.name, "bucket_bytes": self.bucket_bytes}
 
     def buckets(self, layout):
-        """Walks the tensors last to first and closes a bucket once it holds at least ``bucket_bytes`` bytes
-        of float32 gradient; the first tensor closes the last bucket, whatever its size."""
+        """Walks the tensors last to first and closes a bucket once it holds at least ``bucket_bytes`` bytes of float32 gradient.
+
+        The first tensor closes the last bucket, whatever its size.
+
+        Args:
+          layout: the gradients' :class:`Layout`.
+
+        Returns:
+          A list of :class:`BucketSpec`, the last tensors' bucket first.
+        """
         out = []
         last = len(layout)
         acc = 0
@@ -250,7 +324,11 @@ class PerTensorPlan(Plan):
         return got
 
     def config(self):
-        """The plan's name and ``assign``'s repr (None without one)."""
+        """The plan's name and ``assign``'s repr.
+
+        Returns:
+          ``{"plan": "per_tensor", "assign": repr or None}``.
+        """
         return {"plan": self.name, "assign": None if self.assign is None else repr(self.assign)}
 
     def _overrides(self, spec: TensorSpec) -> dict:
@@ -260,8 +338,18 @@ class PerTensorPlan(Plan):
         return self._check(spec.name, got)
 
     def buckets(self, layout):
-        """One bucket per tensor, last tensor first, each with what ``assign`` gives for it; ValueError where
-        a dict ``assign`` names a tensor that ``layout`` lacks."""
+        """One bucket per tensor, last tensor first, each with what ``assign`` gives for it.
+
+        Args:
+          layout: the gradients' :class:`Layout`.
+
+        Returns:
+          A list of :class:`BucketSpec`, one per tensor.
+
+        Raises:
+          ValueError: a dict ``assign`` names a tensor that ``layout`` lacks, or gives overrides
+            other than ``algorithm``, ``density``, ``wire_dtype`` and ``options``.
+        """
         if isinstance(self.assign, dict):
             names = {s.name for s in layout.specs}
             missing = sorted(set(self.assign) - names)
@@ -301,8 +389,21 @@ def check_bucket_bytes(bucket_bytes):
 
 
 def make_plan(plan=None, bucket_bytes=None) -> Plan:
-    """The plan for ``plan`` (a name or a :class:`Plan`) and ``bucket_bytes``; ValueError on
-    anything else, naming the argument, the value and the accepted values."""
+    """The plan for ``plan`` and ``bucket_bytes``.
+
+    Args:
+      plan: None (fused, or buckets where ``bucket_bytes`` is given), a name
+        (:func:`available_plans`) or a :class:`Plan`.
+      bucket_bytes: None, or GradientFlow's threshold θ in bytes (only with ``plan="buckets"``
+        or None).
+
+    Returns:
+      A :class:`Plan`.
+
+    Raises:
+      ValueError: an unknown name, a bad ``bucket_bytes`` or one that conflicts with ``plan``; the
+        message names the argument, the value and the accepted values.
+    """
     bucket_bytes = check_bucket_bytes(bucket_bytes)
     if isinstance(plan, Plan):
         if bucket_bytes is not None and plan != BucketPlan(bucket_bytes):

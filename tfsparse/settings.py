@@ -97,7 +97,17 @@ ALIASES = ("bucket_bytes", "selection")
 
 
 def check_clip_norm(clip_norm) -> float | None:
-    """``clip_norm``: None (no clipping) or a positive finite number."""
+    """Checks ``clip_norm=``.
+
+    Args:
+      clip_norm: None (no clipping) or a positive finite number.
+
+    Returns:
+      None, or ``clip_norm`` as a float.
+
+    Raises:
+      ValueError: any other value.
+    """
     if clip_norm is None:
         return None
     return _checks.real("clip_norm", clip_norm, 0.0, lo_open=True, hint=(
@@ -105,16 +115,31 @@ def check_clip_norm(clip_norm) -> float | None:
 
 
 def check_pipeline(pipeline) -> int:
-    """``pipeline`` (Pipe-SGD's iteration dependency K) must be 1 (synchronous) or 2."""
+    """Checks ``pipeline=``, Pipe-SGD's iteration dependency K.
+
+    Args:
+      pipeline: 1 (synchronous) or 2.
+
+    Returns:
+      ``pipeline``.
+
+    Raises:
+      ValueError: any other value (pipe-sgd-li2018 §3.1: K > 2 only adds staleness).
+    """
     return _checks.choice("pipeline", pipeline, PIPELINES, accepted=(
         "1 (synchronous) or 2 (Pipe-SGD, the update of step t+1 applies step t's aggregated gradient; "
         "pipe-sgd-li2018 §3.1 shows K > 2 only adds staleness)"))
 
 
 class Options(Mapping):
-    """An algorithm's options, by name: a read-only mapping (a :class:`Settings` is a value;
-    :meth:`Settings.replace` makes a changed copy).  Equal to a dict of the same items; copied,
-    deep-copied and pickled as one."""
+    """An algorithm's options, by name: a read-only mapping.
+
+    A :class:`Settings` is a value; :meth:`Settings.replace` makes a changed copy.  Equal to a
+    dict of the same items; copied, deep-copied and pickled as one.
+
+    Args:
+      items: the options (a mapping), or None: none.
+    """
 
     __slots__ = ("_items",)
 
@@ -141,9 +166,18 @@ class Options(Mapping):
 
 
 def check_option_names(algorithm: str, options: Mapping) -> None:
-    """Every key of ``options`` must be an option of ``algorithm`` (a keyword that is neither a
-    setting nor an option ends up here): a ``ValueError`` names it, the nearest valid keyword, the
-    settings and the algorithm's options."""
+    """Checks that every key of ``options`` is an option of ``algorithm``.
+
+    A keyword that is neither a setting nor an option ends up here.
+
+    Args:
+      algorithm: a registered aggregator's name.
+      options: the keywords given besides the settings.
+
+    Raises:
+      ValueError: naming each unknown keyword, the nearest valid keyword, the settings and the
+        algorithm's options.
+    """
     accepted = aggregator_options(algorithm)
     unknown = sorted(k for k in options if k not in accepted)
     if not unknown:
@@ -200,9 +234,20 @@ _ACCEPTED = ("None or 'fused' (one bucket), a number of bytes (GradientFlow's la
 
 
 def make_grouping(plan, algorithm: str) -> Plan:
-    """``plan=`` -> a :class:`~tfsparse.plan.Plan`: a plan name, a byte threshold (an integer:
-    :class:`~tfsparse.plan.BucketPlan`), DRAGONN's cost model (``"cost_model"``, a
-    :class:`~tfsparse.selection.CostModel` or a mapping of its fields) or a Plan."""
+    """``plan=`` as a :class:`~tfsparse.plan.Plan`.
+
+    Args:
+      plan: a plan name, a byte threshold (an integer: :class:`~tfsparse.plan.BucketPlan`),
+        DRAGONN's cost model (``"cost_model"``, a :class:`~tfsparse.selection.CostModel` or a
+        mapping of its fields), a Plan, or None (one bucket).
+      algorithm: the algorithm the cost model decides for.
+
+    Returns:
+      A :class:`~tfsparse.plan.Plan`.
+
+    Raises:
+      ValueError: any other value, naming the accepted ones.
+    """
     if isinstance(plan, Plan):
         return plan
     if plan == "cost_model" or isinstance(plan, (CostModel, Mapping)):
@@ -215,9 +260,16 @@ def make_grouping(plan, algorithm: str) -> Plan:
 
 
 def plan_config(plan: Plan):
-    """The serialisable form of a plan (what :func:`make_grouping` takes back): None for the fused
-    plan, the byte threshold of a bucket plan, the cost model's ``"cost_model"`` or fields, else the
-    plan's name (a per-tensor plan's ``assign`` function is code, not configuration)."""
+    """The serialisable form of a plan (what :func:`make_grouping` takes back).
+
+    Args:
+      plan: a :class:`~tfsparse.plan.Plan`.
+
+    Returns:
+      None for the fused plan, the byte threshold of a bucket plan, the cost model's
+      ``"cost_model"`` or fields, else the plan's name (a per-tensor plan's ``assign`` function is
+      code, not configuration).
+    """
     if isinstance(plan, CostModelPlan):
         return "cost_model" if plan.model is None else plan.model.as_dict()
     if isinstance(plan, BucketPlan):
@@ -311,9 +363,23 @@ class Settings:
     @classmethod
     def of(cls, settings: "Settings | None" = None, *, bucket_bytes=None, selection=None,
            algorithm_options: Mapping | None = None, **kwargs) -> "Settings":
-        """Settings from keyword arguments (those of the module docstring; any other keyword is an
-        algorithm option), or ``settings`` itself when given alone.  ``bucket_bytes=`` and
-        ``selection=`` are deprecated aliases of ``plan=``."""
+        """Settings from keyword arguments, or ``settings`` itself when given alone.
+
+        A ``density`` or ``wire_dtype`` without an algorithm pins :data:`PINNED_DEFAULT`.
+
+        Args:
+          settings: a :class:`Settings` to start from (the keywords change a copy); None: the defaults.
+          bucket_bytes: deprecated alias of ``plan=`` (a byte threshold); warns.
+          selection: deprecated alias of ``plan=`` (DRAGONN's cost model); warns.
+          algorithm_options: the algorithm's options as a mapping.
+          **kwargs: the settings (the module docstring's); any other keyword is an algorithm option.
+
+        Returns:
+          A :class:`Settings`.
+
+        Raises:
+          ValueError: a value outside its accepted values, or an unknown keyword.
+        """
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in NAMES}
         options = {**(algorithm_options or {}), **kwargs}
         if given.get("algorithm") is None and settings is None and \
@@ -330,7 +396,21 @@ class Settings:
         return cls(**given, options=options)
 
     def replace(self, *, bucket_bytes=None, selection=None, **changes) -> "Settings":
-        """A copy with ``changes`` (validated)."""
+        """A copy with ``changes``, validated.
+
+        Changing the memory to one without a velocity drops the momentum factor.
+
+        Args:
+          bucket_bytes: deprecated alias of ``plan=``.
+          selection: deprecated alias of ``plan=``.
+          **changes: settings by name.
+
+        Returns:
+          A new :class:`Settings`.
+
+        Raises:
+          ValueError: a value outside its accepted values.
+        """
         current = {f.name: getattr(self, f.name) for f in fields(self)}
         if "memory" in changes and "momentum" not in changes and not keeps_velocity(changes["memory"]):
             current["momentum"] = None
@@ -340,10 +420,16 @@ class Settings:
         return Settings(**{**current, **changes})
 
     def resolved(self, momentum: float | None = None) -> "Settings":
-        """These settings with ``memory="auto"`` decided (itself when the memory was given):
-        ``"momentum_rows"`` with factor ``momentum`` -- the momentum of the optimizer that
-        applies the exchanged gradients, when the exchange can take it over (None: it cannot,
-        or there is none) -- for a sparse algorithm, else ``"residual"``."""
+        """These settings with ``memory="auto"`` decided (itself when the memory was given).
+
+        Args:
+          momentum: the momentum of the optimizer that applies the exchanged gradients, where the
+            exchange can take it over; None: it cannot, or there is none.
+
+        Returns:
+          ``"momentum_rows"`` with factor ``momentum`` for a sparse algorithm (or auto) where
+          ``momentum`` is given, else ``"residual"``; as a new :class:`Settings`.
+        """
         if self.memory != AUTO:
             return self
         if momentum and self.sparse_capable:
@@ -371,15 +457,26 @@ class Settings:
         return self.sparse_capable or get_wire(self.wire_dtype).lossy or keeps_velocity(self.memory)
 
     def config(self) -> dict:
-        """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings."""
+        """Every setting as plain values: ``Settings.of(**settings.config())`` gives the same settings.
+
+        Returns:
+          A dict of plain values.
+        """
         return {"algorithm": self.algorithm, "density": self.density, "wire_dtype": self.wire_dtype,
                 "plan": plan_config(self.plan), "memory": self.memory, "momentum": self.momentum,
                 "pipeline": self.pipeline, "clip_norm": self.clip_norm, "hierarchical": self.hierarchical,
                 "algorithm_options": dict(self.options)}
 
     def local_clip_norm(self, workers: int) -> float | None:
-        """The norm each rank clips its gradient to: ``clip_norm / sqrt(P)`` (DGC §3.3: "scale the
-        threshold by N^{-1/2}", so that the sum over P ranks is clipped to ``clip_norm``)."""
+        """The norm each rank clips its gradient to (DGC §3.3: "scale the threshold by N^{-1/2}").
+
+        Args:
+          workers: P, the ranks.
+
+        Returns:
+          ``clip_norm / sqrt(P)`` (so that the sum over P ranks is clipped to ``clip_norm``), or None
+          without clipping.
+        """
         return None if self.clip_norm is None else self.clip_norm / math.sqrt(workers)
 
     def __eq__(self, other):
