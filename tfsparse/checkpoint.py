@@ -26,12 +26,23 @@ PREFIX = "tfsparse."
 
 
 def is_entry(key) -> bool:
-    """Whether a Keras store key belongs to the exchange's state."""
+    """Whether a Keras store key belongs to the exchange's state.
+
+    Args:
+      key: a key of a Keras weights store.
+
+    Returns:
+      True where it starts with :data:`PREFIX`.
+    """
     return str(key).startswith(PREFIX)
 
 
 class Checkpointer:
-    """Gathers, saves and restores one exchange's state in Keras checkpoints."""
+    """Gathers, saves and restores one exchange's state in Keras checkpoints.
+
+    Args:
+      exchange: the :class:`~tfsparse.exchange.GradientExchange`.
+    """
 
     def __init__(self, exchange):
         self.exchange = exchange
@@ -39,7 +50,15 @@ class Checkpointer:
 
     def gather(self) -> dict:
         """Collective: every rank's ``get_state()``, stacked along a new first axis (rank order).
-        Rank 0 keeps it for its next checkpoint (:meth:`entries`)."""
+
+        Rank 0 keeps it for its next checkpoint (:meth:`entries`).
+
+        Returns:
+          ``{name: array}``, each with one row per rank.
+
+        Raises:
+          RuntimeError: the ranks hold states of different sizes.
+        """
         ex = self.exchange
         state = ex.get_state()
         keys = sorted(state)
@@ -60,9 +79,14 @@ class Checkpointer:
         return stacked
 
     def entries(self) -> dict:
-        """What a Keras checkpoint stores: the states gathered from every rank (when
-        :meth:`gather` ran since the last round), else this rank's own; ``tfsparse.ranks``
-        says whose rows these are."""
+        """What a Keras checkpoint stores.
+
+        The states gathered from every rank (when :meth:`gather` ran since the last round), else this
+        rank's own; ``tfsparse.ranks`` says whose rows these are.
+
+        Returns:
+          ``{"tfsparse.<name>": array}``; empty for an exchange never used.
+        """
         ex = self.exchange
         gathered, self._gathered = self._gathered, None
         if gathered is not None and gathered[0] == ex.rounds_done:
@@ -79,12 +103,19 @@ class Checkpointer:
         return entries
 
     def restore(self, entries) -> bool:
-        """Restores :meth:`entries` (a mapping, e.g. a Keras weights store); returns whether there
-        was anything to restore.  Each rank takes its own row.  A file without every rank's row
-        (another number of ranks, or saved without ``tfsparse.keras.callbacks.ModelCheckpoint``'s
-        gather): the saved residuals are summed and spread evenly over the ranks (the pending
-        update they hold is kept) and every rank takes the first row's aggregator state (so that
-        all ranks keep one schedule); a warning says so."""
+        """Restores :meth:`entries`; each rank takes its own row.
+
+        A file without every rank's row (another number of ranks, or saved without
+        ``tfsparse.keras.callbacks.ModelCheckpoint``'s gather): the saved residuals are summed and
+        spread evenly over the ranks (the pending update they hold is kept) and every rank takes the
+        first row's aggregator state (so that all ranks keep one schedule); a warning says so.
+
+        Args:
+          entries: a mapping, e.g. a Keras weights store.
+
+        Returns:
+          Whether there was anything to restore.
+        """
         keys = [k for k in entries.keys() if is_entry(k)]
         if PREFIX + "ranks" not in keys:
             return False

@@ -65,10 +65,21 @@ class Separate:
         return self.offer(aggregator, wire, memory.space.all_finite(memory.acc))
 
     def offer(self, aggregator, wire, finite: bool, candidates=None) -> tuple:
-        """``(acc, offer, finite)`` once the memory's ``acc`` is made: a vector that is not finite
-        on this rank is made harmless (its round is dropped on every rank); a device vector is
-        copied to the host for an aggregator that takes none; the memory's scratch is offered in
-        place to an aggregator that writes the new residual there."""
+        """What the aggregator is offered once the memory's ``acc`` is made.
+
+        A vector that is not finite on this rank is made harmless (its round is dropped on every
+        rank); a device vector is copied to the host for an aggregator that takes none; the memory's
+        scratch is offered in place to an aggregator that writes the new residual there.
+
+        Args:
+          aggregator: the round's aggregator.
+          wire: the round's wire.
+          finite: whether every element of ``acc`` is finite.
+          candidates: the selection's :class:`~tfsparse.compressors.Candidates` from a fused pass, or None.
+
+        Returns:
+          ``(acc, offer, finite)`` as :meth:`run`.
+        """
         memory = self.memory
         space, acc = memory.space, memory.acc
         if not finite:
@@ -86,7 +97,20 @@ class Fused(Separate):
     a dense exchange's encoded blocks (the module docstring)."""
 
     def run(self, comm, arrays, aggregator, k: int, wire) -> tuple:
-        """See :meth:`Separate.run`; the same arguments and result."""
+        """:meth:`Separate.run` in one pass: error feedback with the finite check and the selection's candidates or the encoded blocks.
+
+        Falls back to :meth:`Separate.run` where the memory does not fuse these gradients.
+
+        Args:
+          comm: the communicator the aggregator encodes for.
+          arrays: the bucket's gradients, in order.
+          aggregator: the round's aggregator.
+          k: the round's budget.
+          wire: the round's wire.
+
+        Returns:
+          ``(acc, offer, finite)`` as :meth:`Separate.run`.
+        """
         memory = self.memory
         if not memory.fuses(arrays):
             return super().run(comm, arrays, aggregator, k, wire)
@@ -103,8 +127,15 @@ class Fused(Separate):
 
 
 def compensation_for(memory) -> Separate:
-    """The pass for a bucket's ``memory``: :class:`Fused` for error feedback on the host (a
-    :class:`~tfsparse.memory.ResidualMemory` or one of its kinds), else :class:`Separate`."""
+    """The pass for a bucket's memory.
+
+    Args:
+      memory: the bucket's memory.
+
+    Returns:
+      :class:`Fused` for error feedback on the host (a :class:`~tfsparse.memory.ResidualMemory`
+      or one of its kinds), else :class:`Separate`.
+    """
     if isinstance(memory, ResidualMemory) and not memory.space.on_device:
         return Fused(memory)
     return Separate(memory)

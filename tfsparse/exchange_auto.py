@@ -58,9 +58,14 @@ class AutoSwitching:
     _auto: AutoState | None
 
     def inherit_choice(self, other: "GradientExchange") -> None:
-        """``algorithm="auto"``: this exchange (not yet built) runs the choice ``other`` made,
-        without measuring -- a new set of gradients of the same model (layers frozen or
-        unfrozen, compiled again) on the same ranks and link."""
+        """``algorithm="auto"``: this exchange (not yet built) runs the choice ``other`` made, without measuring.
+
+        For a new set of gradients of the same model (layers frozen or unfrozen, compiled again) on
+        the same ranks and link.  A choice on trial there runs its trial anew here.
+
+        Args:
+          other: the exchange of the previous trainable set.
+        """
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
             self._auto.two_level = other._auto.two_level

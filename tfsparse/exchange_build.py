@@ -279,12 +279,20 @@ class Building:
             self._side = comm.duplicate()
 
     def run_collective(self, fn):
-        """Runs ``fn(comm)`` on the communication thread, after the buckets already started,
-        over the exchange's communicator, and returns its result (e.g. the per-step metric
-        averaging, so that it never interleaves with the gradient collectives).  With a side
-        channel (:attr:`side_channel`, asked for by a pipelined wrapper) over a transport that
-        allows concurrent collectives, ``fn`` runs at once on the caller's thread over a
-        communicator of its own, so that it does not wait for the round in flight."""
+        """Runs ``fn(comm)`` on the communication thread, after the buckets already started.
+
+        Over the exchange's communicator (e.g. the per-step metric averaging, so that it never
+        interleaves with the gradient collectives).  With a side channel (:attr:`side_channel`, asked
+        for by a pipelined wrapper) over a transport that allows concurrent collectives, ``fn`` runs
+        at once on the caller's thread over a communicator of its own, so that it does not wait for
+        the round in flight.
+
+        Args:
+          fn: a callable of the communicator.
+
+        Returns:
+          What ``fn`` returned.
+        """
         if self._runner is None:
             return fn(self.comm)
         if self._side is not None:

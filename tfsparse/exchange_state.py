@@ -24,8 +24,15 @@ class ExchangeState:
         return self.over_layout(lambda b: b.memory.residual, lambda b: b.memory.space) if self.uses_memory else None
 
     def over_layout(self, part, space_of=None) -> np.ndarray:
-        """``part(bucket)`` of every bucket placed over the whole layout (zeros where it is None);
-        ``space_of(bucket)``: where that vector lives (default: the exchange's space)."""
+        """A vector of every bucket placed over the whole layout.
+
+        Args:
+          part: ``part(bucket)``: the bucket's vector, or None (zeros there).
+          space_of: ``space_of(bucket)``: where that vector lives; None: the exchange's space.
+
+        Returns:
+          A float32 host vector of the layout's elements.
+        """
         out = np.zeros(self.layout.n, np.float32)
         for b in self.bucket_states:
             value = part(b)
@@ -34,8 +41,14 @@ class ExchangeState:
         return out
 
     def check_idle(self, what: str) -> None:
-        """Raises RuntimeError, naming ``what`` and the buckets, when a round is in flight: the state
-        must not mix two rounds."""
+        """Raises when a round is in flight: the state must not mix two rounds.
+
+        Args:
+          what: the operation that needs none (named in the error).
+
+        Raises:
+          RuntimeError: naming ``what`` and the busy buckets.
+        """
         busy = sorted(b.spec.index for b in self.bucket_states if b.futures)
         if busy:
             raise RuntimeError(f"{what} while a round is in flight (buckets {busy}); wait() for it first: the "
@@ -43,10 +56,14 @@ class ExchangeState:
 
     @in_space
     def get_state(self) -> dict:
-        """``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets``
-        (the plan's element ranges), the memories' state over the layout (``residual`` when
-        kept, ``velocity`` for ``memory="momentum"``) and ``bucket<i>.<key>`` for every bucket
-        aggregator's state.  Not while a round is in flight."""
+        """The exchange's explicit state, as numpy arrays.  Not while a round is in flight.
+
+        Returns:
+          ``{name: numpy array}``: ``round`` (rounds done), ``sizes`` (the layout), ``buckets`` (the
+          plan's element ranges), the memories' state over the layout (``residual`` when kept,
+          ``velocity`` for momentum correction), auto's choice where it runs, and ``bucket<i>.<key>``
+          for every bucket aggregator's state.
+        """
         if not self.bucket_states:
             return dict(self._pending_state or {})
         self.check_idle("get_state()")
@@ -62,7 +79,14 @@ class ExchangeState:
 
     @in_space
     def set_state(self, state: dict) -> None:
-        """Restores :meth:`get_state`'s output (before :meth:`build`, it is applied at build)."""
+        """Restores :meth:`get_state`'s output (before :meth:`build`, it is applied at build).
+
+        Args:
+          state: what :meth:`get_state` returned (on this rank, or a checkpoint's row).
+
+        Raises:
+          ValueError: the state was saved for another layout or plan.
+        """
         state = {k: np.asarray(v) for k, v in state.items()}
         if not self.bucket_states:
             self._pending_state = state
@@ -76,13 +100,19 @@ class ExchangeState:
             b.set_state(state)
 
     def carry_memory(self, other: "ExchangeState") -> list[str]:
-        """Takes ``other``'s memory (residual; velocity for ``memory="momentum"``) of every tensor
-        this exchange's layout shares with ``other``'s -- the same name and shape -- and keeps
-        its own elsewhere; returns the names carried.  For a model whose trainable set changed
-        (layers frozen or unfrozen: a new exchange for the new set, built already) so that what
-        the old set had not sent yet is still sent.  The aggregators' own state (thresholds,
-        Ok-Topk's reused boundaries) and the round counter start afresh.  Neither exchange may
-        have a round in flight."""
+        """Takes ``other``'s memory of every tensor both layouts share -- the same name and shape.
+
+        Keeps its own elsewhere.  For a model whose trainable set changed (layers frozen or unfrozen:
+        a new exchange for the new set, built already) so that what the old set had not sent yet is
+        still sent.  The aggregators' own state (thresholds, Ok-Topk's reused boundaries) and the
+        round counter start afresh.  Neither exchange may have a round in flight.
+
+        Args:
+          other: the exchange of the previous trainable set.
+
+        Returns:
+          The names of the tensors carried.
+        """
         if not self.bucket_states or not other.bucket_states:
             return []
         theirs, mine = other.get_state(), self.get_state()

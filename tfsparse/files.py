@@ -25,9 +25,15 @@ PARTIAL = ".tfsparse-partial-"
 
 
 def partial_path(path) -> Path:
-    """Where :func:`replacing` writes ``path`` before renaming it: the same directory, the name
-    prefixed by :data:`PARTIAL` (so it keeps the destination's suffixes, ``.keras``,
-    ``.weights.h5``, ``.png``)."""
+    """Where :func:`replacing` writes ``path`` before renaming it.
+
+    Args:
+      path: the destination.
+
+    Returns:
+      A :class:`~pathlib.Path` in the same directory, the name prefixed by :data:`PARTIAL` (so it
+      keeps the destination's suffixes, ``.keras``, ``.weights.h5``, ``.png``).
+    """
     path = Path(path)
     return path.with_name(PARTIAL + path.name)
 
@@ -44,9 +50,21 @@ def _fsync(path: Path) -> None:
 
 @contextlib.contextmanager
 def replacing(path):
-    """Yields the temporary path to write ``path``'s new content to; when the block ends without
-    an exception, the temporary file is flushed to disk and renamed over ``path`` (atomic), else
-    removed and ``path`` is left as it was.  The directory is created if needed."""
+    """Yields the temporary path to write ``path``'s new content to, then renames it over ``path``.
+
+    When the block ends without an exception, the temporary file is flushed to disk and renamed
+    over ``path`` (atomic), else removed and ``path`` is left as it was.  The directory is created
+    if needed.
+
+    Args:
+      path: the destination.
+
+    Yields:
+      The temporary :class:`~pathlib.Path`.
+
+    Raises:
+      FileNotFoundError: the block wrote nothing to the temporary path.
+    """
     path = Path(path)
     if path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,19 +84,35 @@ def replacing(path):
 
 
 def write_text(path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically (:func:`replacing`)."""
+    """Writes ``text`` to ``path`` atomically (:func:`replacing`).
+
+    Args:
+      path: the destination.
+      text: the content.
+    """
     with replacing(path) as tmp:
         Path(tmp).write_text(text)
 
 
 def write_bytes(path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` atomically (:func:`replacing`)."""
+    """Writes ``data`` to ``path`` atomically (:func:`replacing`).
+
+    Args:
+      path: the destination.
+      data: the content.
+    """
     with replacing(path) as tmp:
         Path(tmp).write_bytes(data)
 
 
 def save_figure(fig, path, **kwargs) -> None:
-    """Saves the matplotlib figure ``fig`` to ``path`` atomically (``fig.savefig``, :func:`replacing`)."""
+    """Saves a matplotlib figure atomically (``fig.savefig``, :func:`replacing`).
+
+    Args:
+      fig: the figure.
+      path: the destination (its suffix picks the format).
+      **kwargs: passed to ``fig.savefig``.
+    """
     with replacing(path) as tmp:
         fig.savefig(tmp, **kwargs)
 
@@ -91,10 +125,18 @@ _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def check_saved_file(path) -> None:
-    """Raises ``FileNotFoundError`` when ``path`` does not exist and :class:`TruncatedFile` when it
-    is not a complete file of the format its name says: a ``.keras`` file must be a readable zip
-    archive, a ``.h5`` file must be an HDF5 file as long as its superblock says (checked with h5py
-where it imports).  Other names are not checked."""
+    """Checks that a saved file is complete.
+
+    A ``.keras`` file must be a readable zip archive, a ``.h5`` file an HDF5 file as long as its
+    superblock says (checked with h5py where it imports).  Other names are not checked.
+
+    Args:
+      path: the file.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      TruncatedFile: it is not a complete file of the format its name says.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")

@@ -96,22 +96,47 @@ class CostModel:
             object.__setattr__(self, name, _checks.real(name, getattr(self, name), 0.0, lo_open=strict))
 
     def t_comp(self, d: int) -> float:
-        """``T_comp(d) = comp_fixed + comp_per_element · d``: the seconds to encode a ``d``-element tensor
-        and decode the K payloads."""
+        """``T_comp(d) = comp_fixed + comp_per_element · d``.
+
+        Args:
+          d: the tensor's elements.
+
+        Returns:
+          The seconds to encode a ``d``-element tensor and decode the K payloads.
+        """
         return self.comp_fixed + self.comp_per_element * d
 
     def t_full(self, d: int, workers: int, value_bytes: int, latency: bool = True,
                dense: Aggregator | None = None) -> float:
-        """The dense aggregator's schedule of ``d`` values (``dense``, default a new
-        ``"dense"``) on the ring: ``2(K-1)(α + ⌈d/K⌉A/B)``; without the ``α`` term when
-        ``latency`` is False (the tensor rides in a fused allreduce sent anyway)."""
+        """The dense aggregator's schedule of ``d`` values on the ring: ``2(K-1)(α + ⌈d/K⌉A/B)``.
+
+        Args:
+          d: the tensor's elements.
+          workers: K, the ranks.
+          value_bytes: A, the bytes of a value on the wire.
+          latency: False: without the ``α`` term (the tensor rides in a fused allreduce sent anyway).
+          dense: the dense aggregator whose schedule is priced; None: a new ``"dense"``.
+
+        Returns:
+          Seconds.
+        """
         b = Builder(workers, value_bytes)
         (dense or get_aggregator("dense")).schedule(b, d, d, 1)
         return self._ring_seconds(b, latency)
 
     def t_spr(self, d: int, workers: int, k: int, value_bytes: int, sparse: Aggregator | None = None) -> float:
-        """The allgather of ``k`` (index, value) entries declared by ``sparse`` (an allgather
-        aggregator, default a new ``"topk"``): ``(K-1)(α + γdA/B)``."""
+        """The allgather of ``k`` (index, value) entries: ``(K-1)(α + γdA/B)``.
+
+        Args:
+          d: the tensor's elements.
+          workers: K, the ranks.
+          k: the entries each rank sends.
+          value_bytes: A, the bytes of a value on the wire.
+          sparse: the allgather aggregator whose schedule is priced; None: a new ``"topk"``.
+
+        Returns:
+          Seconds.
+        """
         b = Builder(workers, value_bytes)
         (sparse or get_aggregator("topk")).gather_schedule(b, d, k)
         return self._ring_seconds(b)
@@ -122,11 +147,19 @@ class CostModel:
         return b.seconds(AlphaBeta(self.alpha if latency else 0.0, self.beta), prefer="ring")
 
     def as_dict(self) -> dict:
-        """The four numbers (``selection=`` takes this dict back)."""
+        """The four numbers (``selection=`` takes this dict back).
+
+        Returns:
+          ``{"alpha": ..., "beta": ..., "comp_fixed": ..., "comp_per_element": ...}``.
+        """
         return asdict(self)
 
     def describe(self) -> str:
-        """The model in one line (α, B and ``T_comp``), as :meth:`CostModelPlan.report` prints it."""
+        """The model in one line (α, B and ``T_comp``), as :meth:`CostModelPlan.report` prints it.
+
+        Returns:
+          A string.
+        """
         return (f"alpha={format_time(self.alpha)}, B={format_rate(self.beta)}, T_comp(d) = "
                 f"{format_time(self.comp_fixed)} + {self.comp_per_element * 1e9:.3g} ns*d")
 
@@ -149,8 +182,11 @@ class Decision:
         return self.t_full - self.t_spr
 
     def why(self) -> str:
-        """Eq. 1 with this tensor's numbers, as text: ``T_comp < T_full - T_spr`` where it is compressed,
-        ``>=`` where not."""
+        """Eq. 1 with this tensor's numbers, as text.
+
+        Returns:
+          ``T_comp < T_full - T_spr`` where it is compressed, ``>=`` where not, with the times.
+        """
         rel = "<" if self.compress else ">="
         return (f"T_comp {format_time(self.t_comp)} {rel} T_full - T_spr = {format_time(self.t_full)} - "
                 f"{format_time(self.t_spr)}")
@@ -158,11 +194,27 @@ class Decision:
 
 def decide(model: CostModel, layout: Layout, workers: int, density: float, value_bytes: int = 4,
            fuse_dense: bool = True, algorithm: str = "topk", options: dict | None = None) -> list[Decision]:
-    """Eq. 1 for every tensor of ``layout`` (in layout order): compress iff
-    ``T_comp(d) < T_full(d) - T_spr(d)``, ``k = ceil(density·d)`` (a tensor with ``k = d``
-    never is); ``fuse_dense``: ``T_full`` without ``α`` (see the module docstring);
-    ``algorithm``, ``options``: the allgather algorithm whose schedule ``T_spr`` prices.  Pure
-    arithmetic: the same inputs give the same decisions on every rank."""
+    """Eq. 1 for every tensor of ``layout``: compress iff ``T_comp(d) < T_full(d) - T_spr(d)``.
+
+    ``k = ceil(density·d)`` (a tensor with ``k = d`` never is).  Pure arithmetic: the same inputs
+    give the same decisions on every rank.
+
+    Args:
+      model: the :class:`CostModel`.
+      layout: the gradients' :class:`~tfsparse.plan.Layout`.
+      workers: K, the ranks.
+      density: the fraction each compressed tensor sends.
+      value_bytes: the bytes of a value on the wire.
+      fuse_dense: ``T_full`` without ``α`` (see the module docstring).
+      algorithm: the allgather algorithm whose schedule ``T_spr`` prices.
+      options: its options; None: its defaults.
+
+    Returns:
+      A list of :class:`Decision`, in layout order.
+
+    Raises:
+      ValueError: ``algorithm`` is not an allgather algorithm.
+    """
     if algorithm not in ALLGATHER_ALGORITHMS:
         raise ValueError(_algorithm_error(algorithm))
     dense, sparse = get_aggregator("dense"), get_aggregator(algorithm, **(options or {}))
@@ -177,7 +229,15 @@ def decide(model: CostModel, layout: Layout, workers: int, density: float, value
 
 
 def best_time(fn, repeats: int = 5) -> float:
-    """The minimum wall time of ``repeats`` calls of ``fn`` after one untimed call, seconds."""
+    """The minimum wall time of ``repeats`` calls of ``fn`` after one untimed call.
+
+    Args:
+      fn: a callable of no arguments.
+      repeats: the timed calls.
+
+    Returns:
+      Seconds.
+    """
     fn()
     best = math.inf
     for _ in range(repeats):
@@ -189,9 +249,23 @@ def best_time(fn, repeats: int = 5) -> float:
 
 def profile_compression(comm, algorithm: str, options: dict, density: float, wire, workers: int,
                         sizes=PROFILE_SIZES) -> tuple[float, float]:
-    """``(c0, c1)`` of ``T_comp(d) = c0 + c1·d``: this rank's time to encode a ``d``-element
-    gradient with ``algorithm`` (a fresh instance, so no real bucket's state moves) and to
-    decode ``workers`` such payloads (the aggregator's ``combine``), at two sizes."""
+    """``(c0, c1)`` of ``T_comp(d) = c0 + c1·d``, measured on this rank at two sizes.
+
+    The time to encode a ``d``-element gradient with ``algorithm`` (a fresh instance, so no real
+    bucket's state moves) and to decode ``workers`` such payloads (the aggregator's ``combine``).
+
+    Args:
+      comm: the communicator the encoding is given (nothing is sent).
+      algorithm: the aggregator's name.
+      options: its options.
+      density: the fraction encoded.
+      wire: the :class:`~tfsparse.wire.Wire`.
+      workers: the payloads decoded.
+      sizes: the two tensor sizes timed.
+
+    Returns:
+      ``(c0, c1)``, seconds and seconds per element (both at least 0).
+    """
     rng = np.random.default_rng(0)
     times = []
     for d in sizes:
@@ -209,9 +283,21 @@ def profile_compression(comm, algorithm: str, options: dict, density: float, wir
 
 
 def measure_cost_model(comm, algorithm: str, options: dict, density: float, wire) -> CostModel:
-    """Collective: α and B by ping-pong (ranks 0 and 1), ``T_comp`` profiled on rank 0 and
-    broadcast -- every rank returns the same model.  One rank: nothing to communicate, a model
-    under which nothing is worth compressing (``T_full = T_spr = 0``)."""
+    """Collective: α and B by ping-pong (ranks 0 and 1), ``T_comp`` profiled on rank 0 and broadcast.
+
+    Every rank returns the same model.  One rank: nothing to communicate, a model under which
+    nothing is worth compressing (``T_full = T_spr = 0``).
+
+    Args:
+      comm: the communicator (every rank calls it).
+      algorithm: the aggregator's name.
+      options: its options.
+      density: the fraction encoded.
+      wire: the :class:`~tfsparse.wire.Wire`.
+
+    Returns:
+      A :class:`CostModel`.
+    """
     if comm.size < 2:
         return CostModel(alpha=0.0, beta=1.0, comp_fixed=0.0, comp_per_element=0.0)
     ab: AlphaBeta = measure_alpha_beta(comm, sizes=PING_SIZES, repeats=5, warmup=1)
@@ -259,14 +345,32 @@ class CostModelPlan(Plan):
         self.decisions: tuple[Decision, ...] | None = None
 
     def config(self):
-        """The plan's name, the model (``"measured"`` where none was given, else its repr) and ``fuse_dense``."""
+        """The plan's name, the model and ``fuse_dense``.
+
+        Returns:
+          A dict; the model is ``"measured"`` where none was given, else its repr.
+        """
         return {"plan": self.name, "cost_model": "measured" if self.model is None else repr(self.model),
                 "fuse_dense": self.fuse_dense}
 
     def prepare(self, comm, exchange, layout: Layout) -> "CostModelPlan":
-        """This plan with Eq. 1 decided for every tensor of ``layout`` (a copy; collective when
-        the model is measured: :func:`measure_cost_model`); rank 0 prints the decisions once
-        when ``verbose``."""
+        """This plan with Eq. 1 decided for every tensor of ``layout`` (a copy).
+
+        Collective when the model is measured (:func:`measure_cost_model`); rank 0 prints the
+        decisions once when ``verbose``.
+
+        Args:
+          comm: the exchange's communicator.
+          exchange: the :class:`~tfsparse.exchange.GradientExchange` (its algorithm, options,
+            density and wire are priced).
+          layout: the gradients' :class:`~tfsparse.plan.Layout`.
+
+        Returns:
+          A prepared :class:`CostModelPlan`.
+
+        Raises:
+          ValueError: the exchange's algorithm is not an allgather algorithm.
+        """
         if exchange.algorithm not in ALLGATHER_ALGORITHMS:
             raise ValueError(_algorithm_error(exchange.algorithm))
         model = self.model
@@ -281,9 +385,20 @@ class CostModelPlan(Plan):
         return prepared
 
     def buckets(self, layout: Layout) -> list[BucketSpec]:
-        """Last tensor first: a bucket of its own for every compressed tensor (the exchange's algorithm),
-        one ``"dense"`` bucket per run of consecutive dense tensors (per dense tensor without
-        ``fuse_dense``); RuntimeError unless :meth:`prepare` decided for ``layout``'s tensors."""
+        """The buckets, last tensor first.
+
+        A bucket of its own for every compressed tensor (the exchange's algorithm), one ``"dense"``
+        bucket per run of consecutive dense tensors (per dense tensor without ``fuse_dense``).
+
+        Args:
+          layout: the gradients' :class:`~tfsparse.plan.Layout`.
+
+        Returns:
+          A list of :class:`~tfsparse.plan.BucketSpec`.
+
+        Raises:
+          RuntimeError: :meth:`prepare` did not decide for ``layout``'s tensors.
+        """
         if self.decisions is None or len(self.decisions) != len(layout):
             raise RuntimeError("CostModelPlan.buckets() for gradients it was not prepared for: the exchange "
                                "prepares the plan (prepare()) with its layout")
@@ -302,7 +417,17 @@ class CostModelPlan(Plan):
         return out
 
     def report(self, model: CostModel, workers: int, density: float, limit: int = 12) -> str:
-        """The decisions as text: which tensors are compressed, which go dense, and why."""
+        """The decisions as text: which tensors are compressed, which go dense, and why.
+
+        Args:
+          model: the :class:`CostModel` used.
+          workers: the ranks.
+          density: the fraction each compressed tensor sends.
+          limit: how many tensors (the largest) get a line each.
+
+        Returns:
+          Lines of text.
+        """
         ds = self.decisions or []
         comp = [d for d in ds if d.compress]
         lines = [f"tfsparse cost model (dragonn-wang2022 Eq. 1; P={workers}, density={density}, {model.describe()}): "
@@ -326,9 +451,20 @@ def _algorithm_error(algorithm) -> str:
 
 
 def make_selection(selection, algorithm: str):
-    """``selection=``: None (every tensor takes the algorithm), ``"cost_model"`` (Eq. 1 with a model
-    measured at start-up) or a :class:`CostModel` (stated numbers; also as a dict of its fields)
-    -> a :class:`CostModelPlan` or None.  ValueError naming the argument and the accepted values otherwise."""
+    """``selection=`` as a plan.
+
+    Args:
+      selection: None (every tensor takes the algorithm), ``"cost_model"`` (Eq. 1 with a model
+        measured at start-up) or a :class:`CostModel` (stated numbers; also as a dict of its
+        fields).
+      algorithm: the exchange's algorithm (an allgather algorithm for the cost model).
+
+    Returns:
+      A :class:`CostModelPlan`, or None.
+
+    Raises:
+      ValueError: any other value, naming the argument and the accepted values.
+    """
     if selection is None:
         return None
     if isinstance(selection, Mapping):  # a CostModel's fields (what get_config saves)

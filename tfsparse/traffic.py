@@ -36,17 +36,35 @@ class Traffic:
         self._lock = threading.Lock()
 
     def add(self, stage: str, read: int, written: int) -> None:
-        """Adds ``read`` and ``written`` bytes to ``stage`` (from any thread)."""
+        """Adds bytes to a stage (from any thread).
+
+        Args:
+          stage: one of :data:`STAGES`.
+          read: bytes read.
+          written: bytes written.
+        """
         with self._lock:
             self.read[stage] += read
             self.written[stage] += written
 
     def bytes(self) -> int:
-        """The bytes read and written so far, over every stage."""
+        """The bytes read and written so far, over every stage.
+
+        Returns:
+          An int.
+        """
         return sum(self.read.values()) + sum(self.written.values())
 
     def passes(self, gradient_bytes: float, rounds: int = 1) -> dict:
-        """Per stage and ``"total"``: (bytes read + written) / ``gradient_bytes`` / ``rounds``."""
+        """The traffic in passes over the gradient, per stage and in total.
+
+        Args:
+          gradient_bytes: the bytes of one gradient (one pass).
+          rounds: the rounds recorded.
+
+        Returns:
+          ``{stage: (read + written) / gradient_bytes / rounds, ..., "total": ...}``, rounded to 2 places.
+        """
         per = {s: (self.read[s] + self.written[s]) / gradient_bytes / rounds for s in STAGES}
         per["total"] = sum(per.values())
         return {s: round(v, 2) for s, v in per.items()}
@@ -56,7 +74,13 @@ _recording: list = []
 
 
 def count(stage: str, read: int = 0, written: int = 0) -> None:
-    """Adds ``read`` and ``written`` bytes to ``stage`` of every recording :class:`Traffic`."""
+    """Adds bytes to ``stage`` of every recording :class:`Traffic` (nothing when none records).
+
+    Args:
+      stage: one of :data:`STAGES`.
+      read: bytes read.
+      written: bytes written.
+    """
     if _recording:
         for t in tuple(_recording):
             t.add(stage, int(read), int(written))
