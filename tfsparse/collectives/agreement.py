@@ -24,7 +24,14 @@ def _plain(value):
 
 
 def describe(description) -> str:
-    """The canonical text of ``description`` (sorted keys) that ranks compare."""
+    """The canonical text of a description that ranks compare.
+
+    Args:
+      description: anything JSON-like (functions by name, other objects by type).
+
+    Returns:
+      JSON with sorted keys.
+    """
     return json.dumps(description, sort_keys=True, default=_plain)
 
 
@@ -45,7 +52,16 @@ def _flatten(value, prefix="") -> dict:
 
 
 def differences(a, b, limit: int = 4) -> list[str]:
-    """The first ``limit`` keys whose values differ between two decoded descriptions."""
+    """The first keys whose values differ between two decoded descriptions.
+
+    Args:
+      a: one description (decoded JSON).
+      b: the other.
+      limit: how many to name (a last line counts the rest).
+
+    Returns:
+      Lines ``key: a's value vs b's value``.
+    """
     fa, fb = _flatten(a), _flatten(b)
     keys = sorted(set(fa) | set(fb), key=lambda k: (k.startswith("len("), k))
     out = [f"{k}: {fa.get(k, '<absent>')!r} vs {fb.get(k, '<absent>')!r}" for k in keys if fa.get(k) != fb.get(k)]
@@ -53,9 +69,19 @@ def differences(a, b, limit: int = 4) -> list[str]:
 
 
 def check_agreement(comm, subject: str, description, hint: str = "") -> None:
-    """Collective: raises :class:`ConfigurationMismatch` on every rank when the ranks'
-    ``description`` (anything JSON-like) differ, naming the ranks that differ from rank 0 and
-    how.  Costs one allgather of 32 bytes per rank when they agree."""
+    """Collective: raises on every rank when the ranks' descriptions differ.
+
+    Costs one allgather of 32 bytes per rank when they agree.
+
+    Args:
+      comm: the communicator (every rank calls it).
+      subject: what is compared, as the message names it.
+      description: this rank's description (anything JSON-like).
+      hint: a last line for the message (how to fix it); empty: none.
+
+    Raises:
+      ConfigurationMismatch: naming the ranks that differ from rank 0 and how.
+    """
     if comm.size == 1:
         return
     text = describe(description).encode()

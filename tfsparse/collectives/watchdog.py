@@ -48,7 +48,16 @@ TAG_STALL, TAG_QUERY, TAG_REPORT, TAG_FAILED = TAG + 1, TAG + 2, TAG + 3, TAG + 
 
 
 def tracked(fn):
-    """Marks the calling thread as blocked in a collective while ``fn`` runs."""
+    """Decorator: marks the calling thread as blocked in a collective while ``fn`` runs.
+
+    The outermost such call on a thread is recorded in :data:`progress` (for a stall report).
+
+    Args:
+      fn: a collective of a communicator.
+
+    Returns:
+      The wrapped function.
+    """
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -68,7 +77,11 @@ def tracked(fn):
 
 
 def note_round(index: int) -> None:
-    """The exchange's round ``index`` starts on this rank (what a stall report names)."""
+    """The exchange's round ``index`` starts on this rank (what a stall report names).
+
+    Args:
+      index: the round.
+    """
     progress["round"] = index
 
 
@@ -85,7 +98,13 @@ def abort_world(world, message: str, deadline: float = ABORT_DEADLINE) -> None:
     later ends itself -- ``SIGALRM`` with its default action (works whatever the calling thread
     and even if ``MPI_Abort`` holds the GIL), or ``os._exit(1)`` from a timer thread when the
     program installed a ``SIGALRM`` handler of its own.  ``mpirun`` then sees a rank end without
-    finalising and ends the job, so no rank is left waiting for it."""
+    finalising and ends the job, so no rank is left waiting for it.
+
+    Args:
+      world: the communicator to abort (``MPI.COMM_WORLD``).
+      message: the text written first (one clear message).
+      deadline: seconds before this rank ends itself should the abort block.
+    """
     sys.stdout.flush()
     sys.stderr.write(message)
     sys.stderr.flush()
@@ -99,14 +118,26 @@ def abort_world(world, message: str, deadline: float = ABORT_DEADLINE) -> None:
 
 
 def blocked_since() -> float | None:
-    """When the longest-running collective of any thread of this process began (None: none)."""
+    """When the longest-running collective of any thread of this process began.
+
+    Returns:
+      A ``time.monotonic()`` value, or None when no thread is in a collective.
+    """
     values = list(_busy.values())
     return min(values) if values else None
 
 
 def report(rank: int) -> dict:
-    """This rank's part of a stall report: its round, and either the collective it waits in and
-    for how long, or how long ago it left its last collective (and which)."""
+    """This rank's part of a stall report.
+
+    Args:
+      rank: this rank.
+
+    Returns:
+      ``{"rank", "round", "collective", "waiting_s", "idle_s"}``: its round, and either the
+      collective it waits in and for how long, or how long ago it left its last collective (and
+      which).
+    """
     now = time.monotonic()
     since = blocked_since()
     left = progress["left"]
@@ -116,9 +147,17 @@ def report(rank: int) -> dict:
 
 
 def describe(reports: dict, size: int) -> str:
-    """The lines of a stall report: first the ranks that have not arrived (not in a collective,
-    or no answer), then those that wait; ``reports``: ``{rank: report(rank)}`` of the ranks that
-    answered."""
+    """The lines of a stall report: first the ranks that have not arrived, then those that wait.
+
+    A rank has not arrived when it is not in a collective, or did not answer.
+
+    Args:
+      reports: ``{rank: report(rank)}`` of the ranks that answered.
+      size: the ranks of the job.
+
+    Returns:
+      The text, a head line and one line per rank.
+    """
     late = [r for r in range(size) if r not in reports or reports[r]["waiting_s"] is None]
     lines = []
     for r in late + [r for r in range(size) if r not in late]:
@@ -202,9 +241,12 @@ class DepartureWatch:
             self.failed.setdefault(source, name)
 
     def announce_failure(self, name: str, linger: float = 1.0) -> None:
-        """Tells every other rank that this one stops with the exception ``name`` (each prints one
-        line naming it), and waits up to ``linger`` seconds for their watch threads to take it
-        before the caller aborts the job."""
+        """Tells every other rank that this one stops with an exception (each prints one line naming it).
+
+        Args:
+          name: the exception's name.
+          linger: seconds to wait for their watch threads to take it before the caller aborts the job.
+        """
         self.failing = True
         for r in range(self.size):
             if r != self.rank:
@@ -215,8 +257,14 @@ class DepartureWatch:
         time.sleep(max(0.0, min(2 * self.poll, deadline - time.monotonic())))  # their next poll prints
 
     def first_failure(self, wait: float = 0.3) -> tuple[int, str] | None:
-        """``(rank, exception name)`` of a rank that announced its failure, after listening
-        ``wait`` more seconds; None when none did."""
+        """A rank that announced its failure, after listening a little longer.
+
+        Args:
+          wait: seconds to listen for announcements.
+
+        Returns:
+          ``(rank, exception name)`` of the lowest such rank; None when none did.
+        """
         deadline = time.monotonic() + wait
         while not self.failed and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -250,8 +298,11 @@ class DepartureWatch:
             self._noticed = time.monotonic()
 
     def inquire(self) -> dict:
-        """Every rank's :func:`report` (``{rank: report}``; a rank that does not answer within
-        ``answer_within`` seconds is left out), answering others' inquiries meanwhile."""
+        """Every rank's :func:`report`, answering others' inquiries meanwhile.
+
+        Returns:
+          ``{rank: report}``; a rank that does not answer within ``answer_within`` seconds is left out.
+        """
         for r in range(self.size):
             if r != self.rank:
                 self._send(self.rank, r, TAG_QUERY)
@@ -298,7 +349,14 @@ class DepartureWatch:
         sys.stderr.flush()
 
     def gone(self, wait: float = 0.5) -> list[int]:
-        """The ranks known to have ended, after listening ``wait`` more seconds for notices."""
+        """The ranks known to have ended, after listening a little longer for notices.
+
+        Args:
+          wait: seconds to listen.
+
+        Returns:
+          Their ranks, sorted.
+        """
         deadline = time.monotonic() + wait
         while True:
             if not self._thread.is_alive():  # else the watch thread receives them: never both
