@@ -138,7 +138,11 @@ class Candidate:
         return self.algorithm != "dense" or get_wire(self.wire_dtype).value_bytes < 2
 
     def pin(self) -> str:
-        """The arguments that pin this choice."""
+        """The arguments that pin this choice.
+
+        Returns:
+          Text such as ``algorithm='gtopk', density=0.01``.
+        """
         parts = [f"algorithm={self.algorithm!r}"]
         if self.algorithm != "dense":
             parts.append(f"density={self.density}")
@@ -208,7 +212,15 @@ class Decision:
         return CANDIDATES[self.index]
 
     def describe(self, workers: int, hosts: int | None = None) -> str:
-        """The line rank 0 prints; ``hosts``: the hosts, where two levels were an option."""
+        """The line rank 0 prints at the decision.
+
+        Args:
+          workers: the ranks.
+          hosts: the hosts, where two levels were an option; None: not named.
+
+        Returns:
+          One line: the choice, why (predicted steps, the link), the trial, and how to pin it.
+        """
         if hosts is not None and self.two_level:
             workers, two = f"{workers} ranks on {hosts} hosts (two-level)", ", hierarchical=True"
         else:
@@ -262,9 +274,17 @@ class Verdict:
         return f"{tried}, against dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}"
 
     def describe(self, two_level: bool = False) -> str:
-        """The line rank 0 prints at the trial's end: the candidate kept, or the switch to another
-        (dense over float16, or a contender tried earlier), and the arguments that pin it where it
-        is not the one the decision's line named (``two_level``: with ``hierarchical=True``)."""
+        """The line rank 0 prints at the trial's end.
+
+        The candidate kept, or the switch to another (dense over float16, or a contender tried
+        earlier), and the arguments that pin it where it is not the one the decision's line named.
+
+        Args:
+          two_level: the choice runs in two levels (the pin adds ``hierarchical=True``).
+
+        Returns:
+          One line.
+        """
         chosen = CANDIDATES[self.index]
         pin = f". Pin it with {chosen.pin()}{', hierarchical=True' if two_level else ''}"
         if self.index == self.tried:  # the second contender: the decision's line pinned the first
@@ -272,7 +292,14 @@ class Verdict:
         return f"tfsparse: algorithm='auto' switches to {chosen.label} -- {self._steps()}" + pin
 
     def describe_next(self, index: int) -> str:
-        """The line rank 0 prints where contender ``index`` runs on trial next."""
+        """The line rank 0 prints where another contender runs on trial next.
+
+        Args:
+          index: that contender, an index into :data:`CANDIDATES`.
+
+        Returns:
+          One line.
+        """
         return f"tfsparse: algorithm='auto' tries {CANDIDATES[index].label} next -- {self._steps()}"
 
 
@@ -285,13 +312,23 @@ def _slowest(comm, values) -> np.ndarray:
 
 
 def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdict:
-    """Collective, every rank at the same round: the end of candidate ``tried``'s trial from this
-    rank's ``periods`` on trial (seconds between consecutive rounds' starts), after the
-    contenders ``earlier`` (``(index, measured step)`` pairs).  Each one's measured step (the
-    slowest rank's median) times its :attr:`Candidate.epochs`, and dense over float16's measured
-    ``reference_s``: the smallest wins, and as :func:`choose` breaks ties, the first in
-    :data:`CANDIDATES` order within :data:`TOLERANCE` of it -- dense over float16 before any
-    compressed one.  Every rank returns the same verdict."""
+    """Collective, every rank at the same round: the end of a candidate's trial.
+
+    Each contender's measured step (the slowest rank's median) times its
+    :attr:`Candidate.epochs`, and dense over float16's measured step: the smallest wins, and as
+    :func:`choose` breaks ties, the first in :data:`CANDIDATES` order within :data:`TOLERANCE` of
+    it -- dense over float16 before any compressed one.  Every rank returns the same verdict.
+
+    Args:
+      comm: the communicator (every rank calls it).
+      tried: the candidate on trial (an index into :data:`CANDIDATES`).
+      reference_s: dense over float16's measured step, seconds.
+      periods: this rank's seconds between consecutive rounds' starts on trial.
+      earlier: the contenders tried before, ``(index, measured step)`` pairs.
+
+    Returns:
+      A :class:`Verdict`.
+    """
     step = float(_slowest(comm, [float(np.median(periods)) if len(periods) else np.inf])[0])
     earlier = tuple((int(i), float(s)) for i, s in earlier)
     scores = {MEASURING: float(reference_s) * CANDIDATES[MEASURING].epochs}
@@ -305,12 +342,24 @@ def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdic
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
             local_s: float, hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Prediction:
     """The predicted step and score of ``candidate`` for a gradient of ``n`` elements.
-    ``hosts``: ``(hosts, ranks per host)`` where the ranks share their host's link (on several
-    hosts, the flat exchange's ranks of one host send across the network together: each gets a
-    share of its bandwidth; on one host nothing crosses a host's link, and ``link`` is what was
-    measured between two of its ranks); with ``two_level_s`` > 0, the two-level exchange instead:
-    the algorithm among the hosts over the whole link, plus ``two_level_s`` for the hosts' sums and
-    broadcasts."""
+
+    Args:
+      candidate: a :class:`Candidate`.
+      n: the gradient's elements.
+      workers: the ranks that run the algorithm.
+      link: the link (None: one rank, nothing sent).
+      compute_s: the compute step, seconds.
+      local_s: the candidate's local work, seconds.
+      hosts: ``(hosts, ranks per host)`` where the ranks share their host's link (on several hosts,
+        the flat exchange's ranks of one host send across the network together: each gets a share
+        of its bandwidth; on one host nothing crosses a host's link, and ``link`` is what was
+        measured between two of its ranks); None: every rank has its own.
+      two_level_s: > 0: the two-level exchange instead -- the algorithm among the hosts over the
+        whole link, plus ``two_level_s`` for the hosts' sums and broadcasts.
+
+    Returns:
+      A :class:`Prediction` (step and score: step × epochs).
+    """
     comm_s = 0.0
     if hosts is not None and two_level_s > 0:
         workers = hosts[0]
@@ -326,18 +375,31 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
 
 def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
            hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0) -> Decision:
-    """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the
-    smallest (dense float32 first: where the predictions differ by less than their noise, the
-    simpler and lossless setting).  ``local_s``: each candidate's measured local work, seconds,
-    in :data:`CANDIDATES` order; ``sparse``: whether
-    the compressed candidates (:attr:`Candidate.compressed`) take part (False: dense over 16 or 32
-    bits alone).  ``hosts``: ``(hosts, ranks per host)`` where a two-level exchange is an
-    option (several hosts, some of several ranks), ``two_level_s`` its hosts' sums and broadcasts:
-    each candidate is priced flat (the host's ranks sharing its link) and in two levels, and the
-    flat one is kept unless the two-level one is predicted more than :data:`TOLERANCE` shorter.
-    ``busy``: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
-    in two levels only each host's leader does the local work while its other ranks wait
-    quietly (:mod:`tfsparse.hierarchy`), so there it is priced without it."""
+    """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the smallest.
+
+    Dense float32 comes first: where the predictions differ by less than their noise, the simpler
+    and lossless setting wins.  Where a two-level exchange is an option, each candidate is priced
+    flat (the host's ranks sharing its link) and in two levels, and the flat one is kept unless the
+    two-level one is predicted more than :data:`TOLERANCE` shorter.
+
+    Args:
+      n: the gradient's elements.
+      workers: the ranks.
+      link: the link (None: one rank).
+      compute_s: the compute step, seconds.
+      local_s: each candidate's measured local work, seconds, in :data:`CANDIDATES` order.
+      sparse: whether the compressed candidates (:attr:`Candidate.compressed`) take part (False:
+        dense over 16 or 32 bits alone).
+      hosts: ``(hosts, ranks per host)`` where a two-level exchange is an option (several hosts,
+        some of several ranks); None: not.
+      two_level_s: the two-level exchange's sums and broadcasts inside the hosts, seconds.
+      busy: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
+        in two levels only each host's leader does the local work while its other ranks wait
+        quietly (:mod:`tfsparse.hierarchy`), so there it is priced without it.
+
+    Returns:
+      A :class:`Decision` (with the contenders that run on trial).
+    """
     flat = tuple(predict(c, n, workers, link, compute_s, float(t), hosts) for c, t in zip(CANDIDATES, local_s))
     allowed = [i for i, c in enumerate(CANDIDATES) if sparse or not c.compressed]
     best = min(flat[i].score for i in allowed)
@@ -366,14 +428,23 @@ def _contenders(predictions, allowed, index: int) -> tuple[int, ...]:
 
 
 def two_level_costs(n: int, per_host: int) -> float:
-    """The two-level exchange's work inside a host for a gradient of ``n`` float32 elements,
-    seconds: ``ceil(log2 per_host)`` levels of a binomial tree up (a vector received and added
-    at each) and as many down (the result broadcast) -- a copy and an add timed here on
-    :data:`TWO_LEVEL_PROFILE` elements (beyond the caches, as the gradient is) and scaled to ``n``.
-    The same for every candidate: a sparse result crosses the host as indices and values
+    """The two-level exchange's work inside a host for a gradient of ``n`` float32 elements.
+
+    ``ceil(log2 per_host)`` levels of a binomial tree up (a vector received and added at each)
+    and as many down (the result broadcast) -- a copy and an add timed here on
+    :data:`TWO_LEVEL_PROFILE` elements (beyond the caches, as the gradient is) and scaled to
+    ``n``.  The same for every candidate: a sparse result crosses the host as indices and values
     (:mod:`tfsparse.hierarchy`), but where a host runs more ranks than cores the rank it goes to
     is often not running when it is ready, and the share was measured to take as long as a dense
-    broadcast (docs/cluster.md)."""
+    broadcast (docs/cluster.md).
+
+    Args:
+      n: the gradient's elements.
+      per_host: the ranks of a host.
+
+    Returns:
+      Seconds (0 for one rank per host).
+    """
     if per_host < 2:
         return 0.0
     m = int(min(n, TWO_LEVEL_PROFILE))
@@ -394,10 +465,20 @@ def _best_seconds(fn, repeats: int = 2) -> float:
 
 
 def local_costs(n: int, workers: int) -> np.ndarray:
-    """Each candidate's local work on a gradient of ``n`` elements, seconds: the selection of
-    ``k`` of ``n`` (the sparse candidates; decoding P payloads adds a scatter of ``P·k`` values,
-    counted as 5 % per rank) and a dense wire's encoding and decoding -- timed here on at most
-    :data:`PROFILE_ELEMENTS` elements and scaled to ``n`` (both are one pass over the vector)."""
+    """Each candidate's local work on a gradient of ``n`` elements, timed here.
+
+    The selection of ``k`` of ``n`` (the sparse candidates; decoding P payloads adds a scatter of
+    ``P·k`` values, counted as 5 % per rank) and a dense wire's encoding and decoding -- timed on
+    at most :data:`PROFILE_ELEMENTS` elements and scaled to ``n`` (both are one pass over the
+    vector).
+
+    Args:
+      n: the gradient's elements.
+      workers: the ranks.
+
+    Returns:
+      Seconds per candidate, in :data:`CANDIDATES` order (0 for the lossless dense wire).
+    """
     from . import ops
 
     m = int(min(n, PROFILE_ELEMENTS))
@@ -422,26 +503,46 @@ def local_costs(n: int, workers: int) -> np.ndarray:
 
 
 def oversubscription(ranks: int, cores: int | None = None) -> float:
-    """How many ranks share each core of a host that runs ``ranks`` of them on ``cores`` cores
-    (default this host's, ``os.cpu_count()``), at least 1: the factor by which the local work
-    timed alone on a core (:func:`local_costs`) takes longer when every rank of the host does it
-    at once, after the same gradients -- the timing model's rule for ranks that share cores
-    (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`); four ranks on two cores: 2
-    (what it was measured against: docs/choosing.md, "What it decides", the local work)."""
+    """How many ranks share each core of a host, at least 1.
+
+    The factor by which the local work timed alone on a core (:func:`local_costs`) takes longer
+    when every rank of the host does it at once -- the timing model's rule for ranks that share
+    cores (``max(1, busy / cores)``, :mod:`tfsparse.collectives.simulate`); four ranks on two
+    cores: 2.
+
+    Args:
+      ranks: the ranks the host runs.
+      cores: its cores; None: this host's (``os.cpu_count()``).
+
+    Returns:
+      A float >= 1.
+    """
     cores = (os.cpu_count() or 1) if cores is None else int(cores)
     return max(1.0, int(ranks) / max(1, cores))
 
 
 def calibrated(link: AlphaBeta, n: int, workers: int, exchange_s: float, local_s: float,
                hosts: tuple[int, int] | None = None) -> AlphaBeta:
-    """``link`` with the bandwidth that makes the timing model's dense float16 exchange of ``n``
-    elements (plus its measured ``local_s``) take ``exchange_s``, the measured rounds' own median
-    exchange -- the link as the collective itself used it, tens of megabytes at a time.  The round
-    trips of a few MiB that ``link`` was fitted to are a few milliseconds on a fast link, where a
-    rank that waits for a core adds as much: on a busy node their bandwidth can be off by an order
-    of magnitude either way (docs/choosing.md).  The latency stays the fitted one; an exchange
-    no longer than its latency terms leaves the bandwidth unbounded (1e13 B/s), one that cannot
-    be measured (0) leaves ``link`` as it is.  ``hosts`` as :func:`predict` takes it."""
+    """``link`` with the bandwidth that makes the model's dense float16 exchange take what the measured rounds took.
+
+    The round trips of a few MiB that ``link`` was fitted to are a few milliseconds on a fast
+    link, where a rank that waits for a core adds as much: on a busy node their bandwidth can be
+    off by an order of magnitude either way (docs/choosing.md).  The latency stays the fitted
+    one; an exchange no longer than its latency terms leaves the bandwidth unbounded (1e13 B/s),
+    one that cannot be measured (0) leaves ``link`` as it is.
+
+    Args:
+      link: the fitted link.
+      n: the gradient's elements.
+      workers: the ranks.
+      exchange_s: the measured rounds' median exchange, seconds (tens of megabytes through the
+        collective itself).
+      local_s: dense over float16's measured local work, seconds.
+      hosts: as :func:`predict` takes it.
+
+    Returns:
+      An :class:`~tfsparse.collectives.AlphaBeta`.
+    """
     target = exchange_s - local_s
     if not exchange_s > 0.0 or workers < 2:
         return link
@@ -471,12 +572,17 @@ def _peer(comm) -> tuple[int, tuple[int, int]]:
 
 
 class Probe:
-    """Auto's measurements of the link and of the local work, taken in pieces (:data:`PROBES`)
-    between the measured rounds: the exchange runs piece ``i`` (:meth:`run`) on its communication
-    thread after the ``i+1``-th measured round's last bucket, where it overlaps the ranks'
-    computation of the next gradients instead of lengthening a step.  Every rank runs every
-    piece, at the same point of its communication (the first one has collectives: the peer's
-    choice and a duplicate communicator, so the pings never count in the exchange's traffic)."""
+    """Auto's measurements of the link and of the local work, taken in pieces between the measured rounds.
+
+    The exchange runs piece ``i`` of :data:`PROBES` (:meth:`run`) on its communication thread
+    after the ``i+1``-th measured round's last bucket, where it overlaps the ranks' computation of
+    the next gradients instead of lengthening a step.  Every rank runs every piece, at the same
+    point of its communication (the first one has collectives: the peer's choice and a duplicate
+    communicator, so the pings never count in the exchange's traffic).
+
+    Args:
+      n: the gradient's elements.
+    """
 
     def __init__(self, n: int):
         self.n = int(n)
@@ -491,7 +597,15 @@ class Probe:
         self.busy = 1.0  # rank 0: ranks per core on the busiest host (oversubscription)
 
     def run(self, comm, index: int) -> None:
-        """Piece ``index`` of :data:`PROBES` (collective; every rank, in order)."""
+        """Runs piece ``index`` of :data:`PROBES` (collective; every rank, in order).
+
+        Args:
+          comm: the exchange's communicator.
+          index: the piece; it must be the next one.
+
+        Raises:
+          RuntimeError: a piece out of order.
+        """
         if index != self.done:
             raise RuntimeError(f"auto's measurement {index} ran after {self.done} of {len(PROBES)}")
         if index == 0 and comm.size > 1:
@@ -510,14 +624,26 @@ class Probe:
         self.done = index + 1
 
     def finish(self, comm) -> None:
-        """Runs the pieces not run yet (collective)."""
+        """Runs the pieces not run yet (collective).
+
+        Args:
+          comm: the exchange's communicator.
+        """
         for index in range(self.done, len(PROBES)):
             self.run(comm, index)
 
     def fit(self) -> AlphaBeta:
-        """Rank 0: α and β fitted to the median one-way time of each size (its first round trip
-        untimed) -- or, where noise on a busy node hides the growth with the size there, to the
-        fastest (contention only adds time); ValueError when neither fits."""
+        """Rank 0: α and β fitted to the median one-way time of each size (its first round trip untimed).
+
+        Where noise on a busy node hides the growth with the size there, fitted to the fastest
+        instead (contention only adds time).
+
+        Returns:
+          An :class:`~tfsparse.collectives.AlphaBeta`.
+
+        Raises:
+          ValueError: neither fits.
+        """
         sizes = sorted(self.times)
         timed = [self.times[s][1:] or self.times[s] for s in sizes]
         try:
@@ -528,17 +654,28 @@ class Probe:
 
 def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None,
            workers: int | None = None, two_level: bool = True) -> Decision:
-    """Collective, every rank of ``comm`` at the same round: the choice for a gradient of ``n``
-    elements from this rank's ``periods`` (seconds between consecutive rounds' starts) and
-    ``rounds`` (the earlier round's exchange, seconds) and ``probe``'s measurements (the pieces
-    not yet run are run now; None: all of them).  ``sparse``: whether the compressed candidates (sparse
-    algorithms, dense over int8) may be chosen (their epochs are measured with momentum correction
-    only); ``workers``: how many run
-    the algorithm (default every rank of ``comm``; a two-level exchange the user asked for: the
-    hosts); ``two_level``: whether the two-level exchange may be chosen (on several hosts, some of
-    several ranks; :func:`choose`).  Every rank returns the
-    same decision.  A link whose round-trip times cannot be fitted (noise on a busy node) leaves
-    the measured setting, dense over float16, on every rank, with a warning."""
+    """Collective, every rank at the same round: the choice for a gradient of ``n`` elements.
+
+    Every rank returns the same decision.  A link whose round-trip times cannot be fitted (noise
+    on a busy node) leaves the measured setting, dense over float16, on every rank, with a warning.
+
+    Args:
+      comm: the exchange's communicator.
+      n: the gradient's elements.
+      periods: this rank's seconds between consecutive measured rounds' starts.
+      rounds: the earlier round's exchange, seconds, per period.
+      sparse: whether the compressed candidates (sparse algorithms, dense over int8) may be chosen
+        (their epochs are measured with momentum correction only).
+      probe: the :class:`Probe` whose pieces were run between the rounds (the rest run now); None:
+        all of them now.
+      workers: how many run the algorithm (default every rank of ``comm``; a two-level exchange
+        the user asked for: the hosts).
+      two_level: whether the two-level exchange may be chosen (on several hosts, some of several
+        ranks; :func:`choose`).
+
+    Returns:
+      A :class:`Decision`.
+    """
     probe = Probe(n) if probe is None else probe
     probe.finish(comm)
     clean = list(periods[len(PROBES) + 1:]) or list(periods)  # the rounds no piece of the probe ran in

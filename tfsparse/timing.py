@@ -29,9 +29,19 @@ ALGORITHMS = available_aggregators()
 
 def declared(aggregator: Aggregator, workers: int, n: int, density: float, step: int = 1,
              value_bytes: int = VALUE_BYTES) -> Schedule:
-    """The :class:`~tfsparse.collectives.simulate.Schedule` ``aggregator`` declares for step
-    ``step`` on ``workers`` ranks, a bucket of ``n`` elements at ``density`` (``k`` by
-    :func:`~tfsparse.schedules.k_from_density`, as the exchange) and ``value_bytes`` per value."""
+    """The schedule ``aggregator`` declares for one exchange step.
+
+    Args:
+      aggregator: an :class:`~tfsparse.aggregators.Aggregator`.
+      workers: the ranks.
+      n: the bucket's elements.
+      density: the fraction sent (``k`` by :func:`~tfsparse.schedules.k_from_density`, as the exchange).
+      step: the step, counted from 1.
+      value_bytes: bytes per value on the wire.
+
+    Returns:
+      A :class:`~tfsparse.collectives.simulate.Schedule`.
+    """
     b = Builder(workers, value_bytes)
     k = k_from_density(n, density)
     aggregator.schedule(b, n, k, step)
@@ -47,22 +57,43 @@ def _case(algorithm, workers, n, density, options) -> tuple:
 
 
 def schedule(algorithm: str, workers: int, n: int, density: float, *, step: int = 1, **options) -> Schedule:
-    """The messages of exchange step ``step`` (counted from 1) of ``algorithm`` on ``workers``
-    ranks for a bucket of ``n`` float32 elements at ``density``.  ``options`` are the
-    aggregator's (``tfsparse.aggregators.get_aggregator(algorithm, **options)``: ``tau``,
-    ``tau_prime`` for Ok-Topk, ``chunk_size``, ``chunk_selection`` for CSC, ``sample_ratio``,
-    ``min_samples`` for DGC; those that do not change the expected schedule change nothing).
-    ValueError naming the argument and the accepted values on bad input."""
+    """The messages of one exchange step of ``algorithm`` for a bucket of ``n`` float32 elements.
+
+    Args:
+      algorithm: one of :data:`ALGORITHMS`.
+      workers: the ranks (>= 1).
+      n: the bucket's elements (>= 1).
+      density: in (0, 1].
+      step: the step, counted from 1.
+      **options: the aggregator's (``tfsparse.aggregators.get_aggregator(algorithm, **options)``:
+        ``tau``, ``tau_prime`` for Ok-Topk, ``chunk_size``, ``chunk_selection`` for CSC,
+        ``sample_ratio``, ``min_samples`` for DGC; those that do not change the expected schedule
+        change nothing).
+
+    Returns:
+      A :class:`~tfsparse.collectives.simulate.Schedule`.
+
+    Raises:
+      ValueError: naming the argument and the accepted values on bad input.
+    """
     aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
     return declared(aggregator, workers, n, density, _checks.integer("step", step, 1))
 
 
 def period(algorithm: str, **options) -> tuple:
-    """``((step, weight), ...)``: the distinct steps of the algorithm's steady period and the
-    fraction of steps like each (the aggregator's ``period()``).  Ok-Topk: one period of
-    ``lcm(tau, tau_prime)`` steps (step 1 repartitions and re-evaluates, ``1 + tau_prime·j``
-    re-evaluate, the rest reuse); CSC with ``chunk_selection="previous"``: step 2 (the first
-    step alone differs); others: step 1."""
+    """The distinct steps of the algorithm's steady period and the fraction of steps like each.
+
+    Ok-Topk: one period of ``lcm(tau, tau_prime)`` steps (step 1 repartitions and re-evaluates,
+    ``1 + tau_prime·j`` re-evaluate, the rest reuse); CSC with ``chunk_selection="previous"``:
+    step 2 (the first step alone differs); others: step 1.
+
+    Args:
+      algorithm: one of :data:`ALGORITHMS`.
+      **options: the aggregator's options.
+
+    Returns:
+      ``((step, weight), ...)`` (the aggregator's ``period()``).
+    """
     return get_aggregator(algorithm, **options).period()
 
 
@@ -73,7 +104,9 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
 
     Args:
       algorithm: one of :data:`ALGORITHMS` (the aggregator registry's names).
-      workers: P (>= 1).  n: elements of the (one, fused) bucket.  density: in (0, 1].
+      workers: P (>= 1).
+      n: elements of the (one, fused) bucket.
+      density: in (0, 1].
       ab: the link (:class:`~tfsparse.collectives.AlphaBeta`; its ``burst``, a token bucket's
         depth, lets the first bytes after an idle moment through at once).
       gamma: seconds per element of local work inside the exchange (>= 0; default 0, the pure
@@ -83,11 +116,15 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
         by ``busy / cores``.
       step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
       value_bytes: bytes per value on the wire (default 4, float32; 2 for the 16-bit wires).
-      options: the aggregator's options (see :func:`schedule`).
+      **options: the aggregator's options (see :func:`schedule`).
 
-    Returns a :class:`~tfsparse.collectives.simulate.SimResult` (``seconds``, ``bytes`` -- max
-    bytes sent by one rank --, ``rounds``).  One rank (``workers=1``) communicates nothing:
-    0 seconds, 0 bytes.
+    Returns:
+      A :class:`~tfsparse.collectives.simulate.SimResult` (``seconds``, ``bytes`` -- max bytes
+      sent by one rank --, ``rounds``).  One rank (``workers=1``) communicates nothing: 0
+      seconds, 0 bytes.
+
+    Raises:
+      ValueError: naming the argument and the accepted values on bad input.
     """
     ab, gamma, cores = check_model(ab, gamma, cores)
     aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
@@ -104,9 +141,18 @@ SHARED_MEMORY = AlphaBeta(alpha=1e-6, beta=4e9)
 
 
 def shared_link(ab: AlphaBeta, per_host: int) -> AlphaBeta:
-    """The link each of a host's ``per_host`` ranks sees in the flat exchange: the host's link
-    ``ab`` with its bandwidth (and burst) divided among them -- every rank of a host sends across
-    the network in the same rounds; the latency stays."""
+    """The link each of a host's ranks sees in the flat exchange.
+
+    Every rank of a host sends across the network in the same rounds, so the host's bandwidth
+    (and burst) is divided among them; the latency stays.
+
+    Args:
+      ab: the host's link.
+      per_host: the ranks of the host.
+
+    Returns:
+      An :class:`~tfsparse.collectives.AlphaBeta`.
+    """
     return AlphaBeta(alpha=ab.alpha, beta=ab.beta / per_host, burst=ab.burst / per_host)
 
 
@@ -114,9 +160,7 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
                        gamma: float = 0.0, *, local: AlphaBeta = SHARED_MEMORY, add_s: float | None = None,
                        level_s: float | None = None, step: int | None = None, value_bytes: int = VALUE_BYTES,
                        **options) -> dict:
-    """Predicted time of one step of the two-level exchange (``hierarchical=True``) on ``hosts``
-    hosts of ``per_host`` ranks, and of the flat exchange on the same ranks, for a bucket of ``n``
-    elements at ``density``: ``{"two_level_s", "flat_s", "phases_s", "cross_bytes", "flat_bytes"}``.
+    """Predicted time of one step of the two-level exchange (``hierarchical=True``), and of the flat one on the same ranks.
 
     * Two-level: the host's sum up a binomial tree (``ceil(log2 per_host)`` levels, each a float32
       vector of ``n`` over ``local`` and its addition: ``gamma`` per element), then the algorithm
@@ -125,14 +169,30 @@ def simulate_two_level(algorithm: str, hosts: int, per_host: int, n: int, densit
       algorithm, a sparse one's indices and values (at most ``hosts · k`` pairs of 4-byte values
       and 8-byte indices, :mod:`tfsparse.hierarchy`).
     * Flat: the algorithm among all ``hosts · per_host`` ranks, whose ``per_host`` ranks share
-      their host's link (``ab``'s bandwidth divided among them: every rank of a host sends across
-      the network in the same rounds) -- one host: shared memory alone (``local``).
+      their host's link (:func:`shared_link`) -- one host: shared memory alone (``local``).
 
     Both are the α-β(-γ) model of :mod:`tfsparse.collectives.simulate`; the network part of the
-    two-level step is exactly :func:`simulate` over the hosts.  ``add_s`` and ``level_s``: the
-    host's parts measured instead (seconds to receive and add one rank's vector, and per level
-    of the broadcast -- ``tools/bench_two_level.py`` measures both), for a machine whose memory
-    traffic the α-β model of ``local`` does not describe."""
+    two-level step is exactly :func:`simulate` over the hosts.
+
+    Args:
+      algorithm: one of :data:`ALGORITHMS`.
+      hosts: the hosts (>= 1).
+      per_host: the ranks of each host (>= 1).
+      n: the bucket's elements.
+      density: in (0, 1].
+      ab: the link between hosts.
+      gamma: seconds per element of local work.
+      local: the link inside a host (default :data:`SHARED_MEMORY`).
+      add_s: measured seconds to receive and add one rank's vector inside the host, instead of
+        ``local``'s model (``tools/bench_two_level.py`` measures it); None: modelled.
+      level_s: measured seconds per level of the host's broadcast; None: modelled.
+      step: the step to price (from 1); None: the mean over the period.
+      value_bytes: bytes per value on the wire.
+      **options: the aggregator's options.
+
+    Returns:
+      ``{"two_level_s", "flat_s", "phases_s", "cross_bytes", "flat_bytes"}``.
+    """
     hosts = _checks.integer("hosts", hosts, 1)
     per_host = _checks.integer("per_host", per_host, 1)
     n = _checks.integer("n", n, 1)
