@@ -56,22 +56,27 @@ NOTHING = Offer()
 class AllreduceResult:
     """Result of one sparse allreduce.
 
-    Attributes:
+    Args:
       indices: int64 indices of the global result, ascending and unique; ``None``
         for a dense result (``values`` then holds every element).
-      values: float32 values at ``indices``, **summed** over ranks; identical on all ranks.
+      values: float32 values at ``indices``, **summed** over ranks; identical on all ranks (None:
+        given as ``pieces``).
       contributed: this rank's indices whose values went into the result (residual
         bookkeeping); ``None`` means every element was contributed.
       sent_elements: gradient elements (values) this rank contributed, for density stats.
       loss: what this rank's encodings lost on values that reached the result
-        (:class:`~tfsparse.wire.WireLoss`; empty for the float32 wire).
+        (:class:`~tfsparse.wire.WireLoss`; empty for the float32 wire; None: empty).
       pieces: for an allgather result, the ``(indices, values)`` payloads of every rank in rank
         order (each with unique indices), not yet summed; ``values`` is then their dense sum,
         decoded on first access (:func:`sparse_decode`) -- a device-resident exchange decodes
         the pieces on the device instead (:mod:`tfsparse.space`), and the host never does.
+      n: the vector's elements (what ``pieces`` are decoded into).
       residual_in_place: the aggregator wrote this rank's new residual into the offered vector
         itself (an :class:`Offer` with ``in_place``: what its encodings lost, everything having been
         contributed); ``loss`` is then empty.
+
+    Raises:
+      ValueError: neither ``values`` nor ``pieces`` is given.
     """
 
     def __init__(self, indices, values=None, contributed=None, sent_elements: int = 0, loss: WireLoss | None = None,
@@ -100,7 +105,15 @@ class AllreduceResult:
         ``n`` elements: every element is written).  Into ``out``, a sparse result (allgathered
         pieces, or indices) is written in one sequential pass where its indices ascend
         (:func:`densify`), the same bits as zeros plus a scatter; a dense result already in
-        ``out`` (the aggregator wrote it there) is not copied."""
+        ``out`` (the aggregator wrote it there) is not copied.
+
+        Args:
+          n: the vector's elements.
+          out: a host float32 vector of ``n`` elements to write into (every element is written); None: a new one.
+
+        Returns:
+          ``out``, or a new float32 vector.
+        """
         if self.indices is None and (self.pieces is None or out is None):
             values = self.values.reshape(-1)
             if out is None:
@@ -127,7 +140,16 @@ def densify(out: np.ndarray, pieces, add: bool = True) -> np.ndarray:
     stored as they are).  Pieces whose indices ascend (exact top-k, thresholds, the tree and
     Ok-Topk results) are written in one sequential pass (:func:`tfsparse.ops.cpu.densify_into`);
     otherwise (pieces in any other order) ``out`` is zeroed and the pieces scattered into it --
-    the same bits either way."""
+    the same bits either way.
+
+    Args:
+      out: the host float32 vector to write.
+      pieces: ``(indices, values)`` pairs, each with unique indices.
+      add: sum the pieces from zeros; False: one piece, its values stored as they are.
+
+    Returns:
+      ``out``.
+    """
     from ..ops import cpu
 
     idx = np.concatenate([p[0] for p in pieces]) if len(pieces) != 1 else pieces[0][0]
@@ -189,7 +211,16 @@ class Aggregator(Stateful):
         ``in_place``) encodes, each a message of its own, where it takes them encoded already
         (:attr:`Offer.encoded`): the memory then sums and encodes them in one pass
         (:meth:`ResidualMemory.compensate_encode <tfsparse.memory.ResidualMemory.compensate_encode>`).
-        None (the default): it encodes what it selects itself."""
+        None (the default): it encodes what it selects itself.
+
+        Args:
+          comm: asked only for its rank and size.
+          n: the offered vector's elements.
+          wire: the round's wire.
+
+        Returns:
+          A list of ``(start, stop)`` pairs, or None.
+        """
         return None
 
     def prefilter(self, comm: Communicator, n: int, k: int, peek):
@@ -197,11 +228,30 @@ class Aggregator(Stateful):
         before error feedback makes the vector, so that the memory's pass collects it on the way
         (:meth:`tfsparse.compressors.Compressor.prefilter`; ``peek(positions)`` gives the vector's
         values at those positions).  None: nothing to collect, the selection reads the vector.
-        Changes no state."""
+        Changes no state.
+
+        Args:
+          comm: asked only for its rank and size.
+          n: the vector's elements.
+          k: the budget.
+          peek: ``peek(positions)``: the vector's values at int64 positions.
+
+        Returns:
+          A :class:`~tfsparse.compressors.Prefilter`, or None.
+        """
         return None if self.compressor is None else self.compressor.prefilter(n, k, peek)
 
     def select(self, acc, k: int, candidates=None):
-        """The compressor's selection of ``acc`` (from ``candidates`` where given)."""
+        """The compressor's selection of ``acc`` (from ``candidates`` where given).
+
+        Args:
+          acc: the offered vector.
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``.
+        """
         return self.compressor.compress(acc, k, candidates)
 
     def exchange(self, comm: Communicator, payload, out: np.ndarray | None = None, settled=None) -> AllreduceResult:
@@ -224,19 +274,40 @@ class Aggregator(Stateful):
         raise TypeError(f"{type(self).__name__} does not define exchange()")
 
     def allreduce(self, comm: Communicator, acc: np.ndarray, k: int, wire: Wire = FLOAT32) -> AllreduceResult:
-        """``exchange(comm, encode(comm, acc, k, wire))``."""
+        """``exchange(comm, encode(comm, acc, k, wire))``.
+
+        Args:
+          comm: the communicator.
+          acc: this rank's vector (after error feedback).
+          k: the budget.
+          wire: the values' encoding.
+
+        Returns:
+          An :class:`AllreduceResult`.
+        """
         return self.exchange(comm, self.encode(comm, acc, k, wire))
 
     def schedule(self, b: Builder, n: int, k: int, step: int) -> None:
         """Declares to ``b`` the messages exchange step ``step`` (from 1) sends for a bucket of
         ``n`` elements and the budget ``k``: the collectives :meth:`exchange` calls, in order,
         with the sizes it calls them with (their expectations where those depend on the data).
-        What the α-β simulator (:mod:`tfsparse.timing`) and the cost model price."""
+        What the α-β simulator (:mod:`tfsparse.timing`) and the cost model price.
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         raise TypeError(f"{type(self).__name__} does not declare its schedule()")
 
     def period(self) -> tuple:
         """``((step, weight), ...)``: the distinct steps of the steady period of :meth:`schedule`
-        and the fraction of steps like each; ``((1, 1.0),)``: every step alike."""
+        and the fraction of steps like each; ``((1, 1.0),)``: every step alike.
+
+        Returns:
+          A tuple of ``(step, weight)`` pairs whose weights sum to 1.
+        """
         return ((1, 1.0),)
 
     def reset(self) -> None:
@@ -247,13 +318,36 @@ class Aggregator(Stateful):
 
 
 def check_k(k, n: int) -> int:
-    """``k`` must be an integer in ``[0, n]``; raises ValueError before any communication."""
+    """``k`` must be an integer in ``[0, n]``; raises ValueError before any communication.
+
+    Args:
+      k: the budget.
+      n: the vector's elements.
+
+    Returns:
+      ``k`` as an int.
+
+    Raises:
+      ValueError: ``k`` is not an integer in ``[0, n]``.
+    """
     return _checks.integer("k", k, 0, n, hint=f" (the number of elements to keep of the gradient's {n})")
 
 
 def check_acc(acc: np.ndarray, k) -> tuple[np.ndarray, int]:
     """Flat contiguous float32 ``acc`` and a valid integer ``k`` (ValueError otherwise); a CUDA
-    device vector stays on the device."""
+    device vector stays on the device.
+
+    Args:
+      acc: a rank's vector (any float array, or a CUDA device vector).
+      k: the budget.
+
+    Returns:
+      ``(acc, k)``: the vector flat and contiguous float32 (a device vector stays on the device),
+      ``k`` an int.
+
+    Raises:
+      ValueError: ``k`` is not an integer in ``[0, acc.size]``.
+    """
     from .. import ops
 
     if ops.device_kind(acc) == "cuda":
@@ -264,7 +358,16 @@ def check_acc(acc: np.ndarray, k) -> tuple[np.ndarray, int]:
 
 
 def reject_unknown_options(algorithm: str, unknown: dict, accepted) -> None:
-    """Raises ValueError naming the unknown options and the accepted ones."""
+    """Raises ValueError naming the unknown options and the accepted ones.
+
+    Args:
+      algorithm: the aggregator's name.
+      unknown: the options it does not take, by name (nothing happens when empty).
+      accepted: the names it takes.
+
+    Raises:
+      ValueError: ``unknown`` is not empty.
+    """
     if unknown:
         names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
         acc = ", ".join(accepted) if accepted else "(none)"
@@ -277,7 +380,15 @@ def sparse_decode(n: int, pieces) -> np.ndarray:
     float32 sum -- "we batch these K compressed tensors, i.e. concatenate all of them, for one
     decoding operation"; "also applicable to other GS algorithms, such as DGC, TopK".  Each
     element is summed in rank order (``np.add.at``'s order), so every rank gets bit-identical
-    sums."""
+    sums.
+
+    Args:
+      n: the vector's elements.
+      pieces: every rank's ``(indices, values)``, in rank order.
+
+    Returns:
+      The dense float32 sum.
+    """
     from .. import ops
 
     if not pieces:

@@ -71,7 +71,16 @@ def check_chunk_size(chunk_size) -> int:
 
 
 def chunk_elements(chunks: np.ndarray, chunk_size: int, n: int) -> np.ndarray:
-    """The element indices (int64, ascending) of the ascending ``chunks`` of an ``n``-vector."""
+    """The element indices (int64, ascending) of the ascending ``chunks`` of an ``n``-vector.
+
+    Args:
+      chunks: ascending chunk numbers.
+      chunk_size: elements per chunk.
+      n: the vector's elements (the last chunk may be shorter).
+
+    Returns:
+      int64 element indices, ascending.
+    """
     chunks = np.asarray(chunks, np.int64)
     if chunks.size == 0:
         return np.empty(0, np.int64)
@@ -83,7 +92,15 @@ def chunk_elements(chunks: np.ndarray, chunk_size: int, n: int) -> np.ndarray:
 
 def top_chunks(norms: np.ndarray, m: int) -> np.ndarray:
     """The ``m`` chunks with the largest norms, ascending; ties go to the lower index, a NaN
-    norm ranks first (the non-finite values then reach every rank)."""
+    norm ranks first (the non-finite values then reach every rank).
+
+    Args:
+      norms: each chunk's norm.
+      m: how many chunks to keep.
+
+    Returns:
+      Their numbers (int64), ascending.
+    """
     key = np.where(np.isnan(norms), np.inf, norms).astype(np.float64)
     order = np.argsort(-key, kind="stable")[:m]
     return np.sort(order).astype(np.int64)
@@ -116,13 +133,32 @@ class CoarseSparseAllreduce(Aggregator):
         self._next = np.empty(0, np.int64)  # "previous": the set chosen by the last step
 
     def chunks_for(self, n: int, k: int) -> int:
-        """``m``: the chunks a bucket of ``n`` elements sends for ``k`` (at least one if k > 0)."""
+        """``m``: the chunks a bucket of ``n`` elements sends for ``k`` (at least one if k > 0).
+
+        Args:
+          n: the bucket's elements.
+          k: the budget.
+
+        Returns:
+          ``m``, an int.
+        """
         return min(math.ceil(n / self.chunk_size), math.ceil(k / self.chunk_size))
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
         """``m`` chunks for ``k``: under ``"previous"``, with a set of ``m`` chunks chosen by the last step, those
         chunks gathered and encoded for the dense allreduce; otherwise this rank's chunk L1 norms, which
-        :meth:`exchange` allreduces."""
+        :meth:`exchange` allreduces.
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+
+        Returns:
+          The payload :meth:`exchange` takes.
+        """
         acc, k = check_acc(acc, k)
         m = self.chunks_for(acc.size, k)
         payload = _CSCPayload(acc, wire, m)
@@ -136,7 +172,17 @@ class CoarseSparseAllreduce(Aggregator):
 
     def exchange(self, comm, payload, out=None, settled=None):
         """The chunk set (the top ``m`` of the allreduced norms, unless known already), the dense
-        allreduce of its elements and, under ``"previous"``, the next step's set (Fig. 18)."""
+        allreduce of its elements and, under ``"previous"``, the next step's set (Fig. 18).
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: ignored (the result holds the chosen chunks' elements).
+          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+
+        Returns:
+          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+        """
         acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
         if payload.m == 0:
             self._next = np.empty(0, np.int64)
@@ -166,7 +212,14 @@ class CoarseSparseAllreduce(Aggregator):
 
     def schedule(self, b, n, k, step):
         """The chunk-norm allreduce (``C`` float32: before the chunks, or after them under
-        ``"previous"`` and before them too at step 1) and the dense allreduce of the ``m`` chunks, taken as full."""
+        ``"previous"`` and before them too at step 1) and the dense allreduce of the ``m`` chunks, taken as full.
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         chunks = math.ceil(n / self.chunk_size)
         m = self.chunks_for(n, k)
         if self.selection == "current" or step == 1:
@@ -176,7 +229,11 @@ class CoarseSparseAllreduce(Aggregator):
             b.allreduce("chunk norms (next step)", chunks, 4)
 
     def period(self):
-        """Step 2 under ``"previous"`` (step 1 allreduces the norms twice), else step 1: every step alike."""
+        """Step 2 under ``"previous"`` (step 1 allreduces the norms twice), else step 1: every step alike.
+
+        Returns:
+          ``((2, 1.0),)`` or ``((1, 1.0),)``.
+        """
         return ((2, 1.0),) if self.selection == "previous" else ((1, 1.0),)
 
     def reset(self):
@@ -184,11 +241,19 @@ class CoarseSparseAllreduce(Aggregator):
         self._next = np.empty(0, np.int64)
 
     def get_state(self):
-        """``chunks``: the set chosen for the next step, under ``"previous"`` (nothing under ``"current"``)."""
+        """``chunks``: the set chosen for the next step, under ``"previous"`` (nothing under ``"current"``).
+
+        Returns:
+          ``{name: numpy array}`` (empty where there is nothing to keep).
+        """
         return {"chunks": self._next.copy()} if self.selection == "previous" else {}
 
     def set_state(self, state):
-        """Restores the next step's chunk set (none where the state holds no ``chunks``)."""
+        """Restores the next step's chunk set (none where the state holds no ``chunks``).
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         super().set_state(state)
         chunks = state.get("chunks")
         self._next = np.empty(0, np.int64) if chunks is None else np.asarray(chunks, np.int64).reshape(-1).copy()

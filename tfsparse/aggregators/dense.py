@@ -84,7 +84,17 @@ class DenseAllreduce(Aggregator):
     def fused_spans(self, comm, n, wire):
         """The direct reduce-scatter's blocks for the other ranks, over a lossy wire whose
         encoding fuses the error feedback's sum (:attr:`Wire.fuses_compensation
-        <tfsparse.wire.Wire.fuses_compensation>`)."""
+        <tfsparse.wire.Wire.fuses_compensation>`).
+
+        Args:
+          comm: asked only for its rank and size.
+          n: the offered vector's elements.
+          wire: the round's wire.
+
+        Returns:
+          The ``P - 1`` blocks' ``(start, stop)``; None where the wire is lossless or does not fuse,
+          on one rank, or where the reduce-scatter is not the direct one.
+        """
         if not (wire.lossy and wire.fuses_compensation) or comm.size == 1 or self.reduce_scatter != "direct":
             return None
         offs = np.concatenate(([0], np.cumsum(split_counts(n, comm.size))))
@@ -95,7 +105,18 @@ class DenseAllreduce(Aggregator):
         encoding writes what it lost over the block it read (one pass), so that after the
         exchange ``acc`` holds this rank's new residual (``result.residual_in_place``) and nothing
         else is kept.  ``offer.encoded``: those blocks' messages, made already with the error
-        feedback's pass (in the order of :meth:`fused_spans`)."""
+        feedback's pass (in the order of :meth:`fused_spans`).
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+
+        Returns:
+          The payload :meth:`exchange` takes.
+        """
         in_place, encoded = offer.in_place, offer.encoded
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
         if not wire.lossy or comm.size == 1:
@@ -121,7 +142,17 @@ class DenseAllreduce(Aggregator):
     def exchange(self, comm, payload, out=None, settled=None):
         """``settled``: called once ``payload.acc`` holds this rank's new residual (a payload
         encoded ``in_place``): after the reduce-scatter and the encoding of this rank's block of
-        the sum, before the allgather, which reads ``acc`` no more."""
+        the sum, before the allgather, which reads ``acc`` no more.
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: a host float32 vector of the payload's size to receive the sum into; None: a new one.
+          settled: see above; None: not called.
+
+        Returns:
+          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+        """
         acc, wire = payload.acc, payload.wire
         if payload.counts is None:
             total = comm.allreduce(acc, op="sum", out=out)
@@ -212,7 +243,14 @@ class DenseAllreduce(Aggregator):
         return partial
 
     def schedule(self, b, n, k, step):
-        """One allreduce of the ``n`` values in the wire's value bytes (Eq. 5), whatever ``k`` and ``step``."""
+        """One allreduce of the ``n`` values in the wire's value bytes (Eq. 5), whatever ``k`` and ``step``.
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         b.allreduce("allreduce", n, b.value_bytes)
 
     def _encode(self, wire, values, acc, where: slice, loss: WireLoss, in_place: bool) -> np.ndarray:

@@ -70,6 +70,7 @@ class DragonnAllgather(AllgatherAggregator):
         uses ``seed · 2**32 + s`` on every rank.
       small_density: None (default), or the authors' behaviour: every tensor of at most 131072
         elements runs at this density (their 0.01) whatever the requested density.
+      **unknown: any other keyword is refused (ValueError naming the accepted options).
 
     State (``get_state``): the step counter, so a resumed run hashes exactly as an
     uninterrupted one.

@@ -70,7 +70,18 @@ class _GTopKPayload:
 def top_merge(a_idx, a_val, b_idx, b_val, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``G~^a ⊤ G~^b`` (gtopk-ssgd-shi2019 §III-C, Definition 1): the exact top-k (by
     magnitude) of the sum of two sparse vectors.  Inputs and output: ascending unique int64
-    indices with float32 values; the output has ``min(k, |I^a ∪ I^b|)`` entries."""
+    indices with float32 values; the output has ``min(k, |I^a ∪ I^b|)`` entries.
+
+    Args:
+      a_idx: the first vector's indices.
+      a_val: its values.
+      b_idx: the second vector's indices.
+      b_val: its values.
+      k: how many entries to keep.
+
+    Returns:
+      ``(indices, values)``.
+    """
     from ..ops import cpu
 
     union, summed = cpu.merge_sum(a_idx, a_val, b_idx, b_val)  # one linear merge of the sorted inputs
@@ -81,7 +92,14 @@ def top_merge(a_idx, a_val, b_idx, b_val, k: int) -> tuple[np.ndarray, np.ndarra
 def tree_schedule(size: int):
     """The reduction tree as a list of rounds, each a list of ``(receiver, sender)`` pairs:
     the fold round for the surplus ranks (if ``size`` is not a power of two), then the
-    recursive-doubling rounds at distance 1, 2, 4, ... (Alg. 3 lines 4-18)."""
+    recursive-doubling rounds at distance 1, 2, 4, ... (Alg. 3 lines 4-18).
+
+    Args:
+      size: the ranks.
+
+    Returns:
+      A list of rounds.
+    """
     p2 = 1 << (size.bit_length() - 1)
     rounds = []
     if size > p2:
@@ -102,6 +120,9 @@ class GTopKAllreduce(Aggregator):
     ``contributed`` is ``Mask ∩ gMask`` (Alg. 4 line 10, see the module docstring for the
     known loss).  After each call ``last_info`` holds ``rounds`` (the tree depth),
     ``received_bytes`` (bytes this rank received in the reduction) and ``local_count``.
+
+    Args:
+      **unknown: any other keyword is refused (ValueError naming the accepted options).
     """
 
     def __init__(self, **unknown):
@@ -116,7 +137,18 @@ class GTopKAllreduce(Aggregator):
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
         """The exact local top-k of ``acc`` (Alg. 4 lines 5-7, :class:`~tfsparse.compressors.TopK`) and the index
-        codec of ``k``-entry messages; nothing is encoded before :meth:`exchange`."""
+        codec of ``k``-entry messages; nothing is encoded before :meth:`exchange`.
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+
+        Returns:
+          The payload :meth:`exchange` takes.
+        """
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
         local_idx, local_val = self.select(acc, k, offer.candidates)
@@ -124,7 +156,14 @@ class GTopKAllreduce(Aggregator):
 
     def schedule(self, b, n, k, step):
         """The rounds of :func:`tree_schedule` (one ``k``-entry message per sender, a ``2k``-element merge
-        per receiver), then rank 0's broadcasts of the result's length and of the result (Alg. 3 line 19)."""
+        per receiver), then rank 0's broadcasts of the result's length and of the result (Alg. 3 line 19).
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         msg = b.message(n, k)
         tree = tree_schedule(b.P)  # the fold round (non-power-of-two P), then recursive doubling
         sent = np.zeros(b.P)
@@ -137,7 +176,17 @@ class GTopKAllreduce(Aggregator):
 
     def exchange(self, comm, payload, out=None, settled=None):
         """Alg. 3: the ⊤ merges up the tree (:func:`top_merge`) and rank 0's broadcast of the result;
-        ``contributed`` is Alg. 4 line 10's ``Mask ∩ gMask``."""
+        ``contributed`` is Alg. 4 line 10's ``Mask ∩ gMask``.
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: ignored (the result is sparse).
+          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+
+        Returns:
+          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+        """
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val
         rank, size = comm.rank, comm.size

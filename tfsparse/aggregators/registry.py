@@ -20,13 +20,34 @@ def available_aggregators() -> tuple[str, ...]:
 
 def aggregator_options(name: str) -> tuple[str, ...]:
     """The option names the aggregator registered as ``name`` takes (its constructor's named
-    keyword arguments), in the constructor's order."""
+    keyword arguments), in the constructor's order.
+
+    Args:
+      name: a registered aggregator's name.
+
+    Returns:
+      A tuple of option names.
+
+    Raises:
+      ValueError: ``name`` is not registered.
+    """
     params = inspect.signature(AGGREGATORS.get(name)).parameters.values()
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def get_aggregator(name: str, **options):
-    """Instantiates the aggregator registered as ``name`` with ``options``."""
+    """Instantiates the aggregator registered as ``name`` with ``options``.
+
+    Args:
+      name: a registered aggregator's name (:func:`available_aggregators`).
+      **options: its options.
+
+    Returns:
+      A new :class:`~tfsparse.aggregators.Aggregator`.
+
+    Raises:
+      ValueError: an unknown name or option, or an option's bad value.
+    """
     cls = AGGREGATORS.get(name)
     try:
         return cls(**options)

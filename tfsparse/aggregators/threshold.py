@@ -47,6 +47,7 @@ class DGCAllgather(AllgatherAggregator):
       exact_below: tensors of at most this many elements take the exact top-k (default 16384).
       small_density: None, or the density the DRAGONN authors' baseline gives every tensor of at
         most 131072 elements (their 0.01, whatever ``density`` says).
+      **unknown: any other keyword is refused (ValueError naming the accepted options).
 
     State (``get_state``): the sampler's random generator, so a resumed run draws the same
     samples as an uninterrupted one.
@@ -76,6 +77,7 @@ class GaussianKAllgather(AllgatherAggregator):
       scale: factor applied to the Gaussian threshold while at most 3k/4 entries pass
         (default 0.9).
       max_adjust: most adjustment steps (default 50; 0 = pure Gaussian threshold).
+      **unknown: any other keyword is refused (ValueError naming the accepted options).
     """
 
     def __init__(self, scale: float = 0.9, max_adjust: int = 50, **unknown):

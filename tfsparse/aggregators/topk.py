@@ -38,7 +38,12 @@ class _SparsePayload:
 
 @register("topk")
 class AllgatherAggregator(Aggregator):
-    """Compress locally, allgather (index, value) messages, sum in rank order."""
+    """Compress locally, allgather (index, value) messages, sum in rank order.
+
+    Args:
+      compressor: the :class:`~tfsparse.compressors.Compressor` that selects (a name or an
+        instance: :func:`~tfsparse.compressors.check_compressor`); the subclasses build their own.
+    """
 
     def __init__(self, compressor: Compressor | str | None = None):
         """``compressor``: a :class:`~tfsparse.compressors.Compressor` or its name (``"topk"``,
@@ -52,7 +57,18 @@ class AllgatherAggregator(Aggregator):
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
         """The compressor's selection of ``acc`` (from ``offer.candidates`` where given) packed into one
-        ``[indices | values]`` message (:func:`tfsparse.wire.pack_sparse`), what the wire lost recorded."""
+        ``[indices | values]`` message (:func:`tfsparse.wire.pack_sparse`), what the wire lost recorded.
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+
+        Returns:
+          The payload :meth:`exchange` takes.
+        """
         acc, k = check_acc(acc, k)
         idx, val = self.select(acc, k, offer.candidates)
         idx = np.asarray(idx, dtype=np.int64)
@@ -63,12 +79,30 @@ class AllgatherAggregator(Aggregator):
         return _SparsePayload(acc.size, message, idx, codec, wire, loss)
 
     def exchange(self, comm, payload, out=None, settled=None):
-        """One allgather of every rank's message, summed in rank order (:meth:`combine`)."""
+        """One allgather of every rank's message, summed in rank order (:meth:`combine`).
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: ignored (the result is sparse).
+          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+
+        Returns:
+          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+        """
         return self.combine(comm.allgather(payload.message), payload)
 
     def combine(self, messages, payload) -> AllreduceResult:
         """The local half of :meth:`exchange`: every rank's message (rank order) summed.  Also
-        what the cost model (:mod:`tfsparse.selection`) times as the decoding cost."""
+        what the cost model (:mod:`tfsparse.selection`) times as the decoding cost.
+
+        Args:
+          messages: every rank's message, in rank order.
+          payload: this rank's payload (its index codec and wire).
+
+        Returns:
+          An :class:`~tfsparse.aggregators.AllreduceResult` whose ``pieces`` are the decoded messages.
+        """
         pieces = [unpack_sparse(m, payload.codec, payload.wire) for m in messages]
         return AllreduceResult(indices=None, pieces=pieces, n=payload.n, contributed=payload.indices,
                                sent_elements=int(payload.indices.size), loss=payload.loss)
@@ -79,23 +113,45 @@ class AllgatherAggregator(Aggregator):
     def schedule(self, b, n, k, step):
         """The allgather of the compressor's expected count
         (:meth:`~tfsparse.compressors.Compressor.expected_count`) and the sum of the ``P`` payloads
-        (:meth:`gather_schedule`)."""
+        (:meth:`gather_schedule`).
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         self.gather_schedule(b, n, self.compressor.expected_count(n, k), k)
 
     def gather_schedule(self, b, n, count, k=None) -> None:
         """The exchange of ``count`` entries per rank (for the budget ``k``, default ``count``):
         their allgather and the sum of the ``P`` payloads (what the cost model prices for the
-        ``k`` entries of dragonn-wang2022 Eq. 1)."""
+        ``k`` entries of dragonn-wang2022 Eq. 1).
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          count: the entries each rank sends.
+          k: the budget; None: ``count``.
+        """
         b.allgather("allgather (index, value)", b.message(n, count, k, self.compressor.ascending))
         b.local(self.DECODE, b.P * count)
 
     def get_state(self):
         """The compressor's state (DGC's random generator, DRAGONN's step counter; none for the exact
-        top-k)."""
+        top-k).
+
+        Returns:
+          ``{name: numpy array}`` (empty where there is nothing to keep).
+        """
         return self.compressor.get_state()
 
     def set_state(self, state):
-        """Restores the compressor's state."""
+        """Restores the compressor's state.
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         self.compressor.set_state(state)
 
     def __repr__(self):

@@ -83,7 +83,11 @@ class DGCSampledThreshold(Compressor):
 
     def get_state(self) -> dict:
         """The sampler's PCG64 state as six uint64 words (state and increment, 128 bits
-        each, then the buffered 32-bit half): drawing resumes exactly where it stopped."""
+        each, then the buffered 32-bit half): drawing resumes exactly where it stopped.
+
+        Returns:
+          ``{name: numpy array}``.
+        """
         st = self._rng.bit_generator.state
         words = []
         for big in (st["state"]["state"], st["state"]["inc"]):
@@ -92,7 +96,11 @@ class DGCSampledThreshold(Compressor):
         return {"rng": np.array(words, dtype=np.uint64)}
 
     def set_state(self, state: dict) -> None:
-        """Restores :meth:`get_state`'s sampler words; an empty state restarts the generator from ``seed``."""
+        """Restores :meth:`get_state`'s sampler words; an empty state restarts the generator from ``seed``.
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         super().set_state(state)
         if not state:  # nothing saved: start afresh, from the seed
             self._rng = np.random.default_rng(self.seed)
@@ -105,7 +113,15 @@ class DGCSampledThreshold(Compressor):
                                          "has_uint32": w[4], "uinteger": w[5]}
 
     def threshold(self, acc: np.ndarray, k: int) -> float:
-        """The sampled estimate of the k-th largest ``|acc|``."""
+        """The sampled estimate of the k-th largest ``|acc|``.
+
+        Args:
+          acc: the vector.
+          k: the budget.
+
+        Returns:
+          The threshold, a float.
+        """
         n = acc.size
         if k <= 0 or n == 0:
             return float("inf")
@@ -117,7 +133,16 @@ class DGCSampledThreshold(Compressor):
         return float(np.partition(sample, s - ks)[s - ks])
 
     def compress(self, acc, k, candidates=None):
-        """Steps 1-6 of the class docstring: sampled threshold, adaptation, truncation (``k >= n``: the non-zeros)."""
+        """Steps 1-6 of the class docstring: sampled threshold, adaptation, truncation (``k >= n``: the non-zeros).
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, ascending (the truncation keeps their order), and their float32 values.
+        """
         k = small_tensor_k(acc.size, int(k), self.small_density)
         if k <= 0:
             return np.empty(0, np.int64), np.empty(0, np.float32)
@@ -150,7 +175,15 @@ class DGCSampledThreshold(Compressor):
         """The exact top-k (``k``) for tensors of at most ``exact_below`` elements; otherwise the
         sampled threshold's expected count (:func:`sampled_count`, strictly above it), moved into
         ``[lower k, upper k]`` by the adaptation (assumed to succeed when ``adapt_iters > 0``) and
-        cut to ``k`` by the truncation -- ``k`` with the defaults."""
+        cut to ``k`` by the truncation -- ``k`` with the defaults.
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+
+        Returns:
+          The expected entries, a number.
+        """
         k = small_tensor_k(n, int(k), self.small_density)
         if n <= self.exact_below or k >= n:
             return float(min(k, n))

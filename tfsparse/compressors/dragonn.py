@@ -36,6 +36,13 @@ class HashedThreshold(Compressor):
     entry (no hashing: nothing may collide); a threshold of 0 (more zeros than ``n - k``) is
     raised to the smallest positive float, so zeros are never sent.  ``small_density``: as in
     :class:`DGCSampledThreshold` (the authors' 0.01 for tensors of at most 131072 elements).
+
+    Args:
+      capacity_factor: slots per selected element, ``m = capacity_factor · k`` (an integer >= 1).
+      sample_ratio: fraction of the gradient sampled for the threshold.
+      min_samples: below this many samples the threshold is the exact k-th largest magnitude.
+      seed: base seed of the hash functions and the sampling positions.
+      small_density: None, or the density every tensor of at most 131072 elements runs at.
     """
 
     name = "dragonn"
@@ -53,11 +60,27 @@ class HashedThreshold(Compressor):
         self.last_threshold = None
 
     def step_seed(self, step: int | None = None) -> int:
-        """The seed of step ``step`` (default: the next one) -- the same on every rank."""
+        """The seed of step ``step`` (default: the next one) -- the same on every rank.
+
+        Args:
+          step: the step; None: the next one.
+
+        Returns:
+          The seed, an int.
+        """
         return self.seed * 2**32 + (self.step if step is None else int(step))
 
     def threshold(self, acc: np.ndarray, k: int, seed: int) -> float:
-        """DGC's sampled estimate of the k-th largest ``|acc|`` (exact for small tensors)."""
+        """DGC's sampled estimate of the k-th largest ``|acc|`` (exact for small tensors).
+
+        Args:
+          acc: the vector.
+          k: the budget.
+          seed: the step's seed (the sample's positions).
+
+        Returns:
+          The threshold, a float.
+        """
         from .. import ops
 
         ratio = self._sample_ratio(acc.size)
@@ -76,7 +99,16 @@ class HashedThreshold(Compressor):
 
     def prefilter(self, n, k, peek):
         """The step's sampled threshold, from the sample positions read through ``peek``: the pass
-        collects exactly what the hash table takes (every element at or above it)."""
+        collects exactly what the hash table takes (every element at or above it).
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+          peek: ``peek(positions)``: the vector's values at int64 positions.
+
+        Returns:
+          A :class:`~tfsparse.compressors.Prefilter`, or None.
+        """
         from ..ops import _common as C, cpu
 
         k = small_tensor_k(n, int(k), self.small_density)
@@ -91,7 +123,16 @@ class HashedThreshold(Compressor):
         return Prefilter(C.threshold_key(t), t)
 
     def compress(self, acc, k, candidates=None):
-        """Alg. 1 with this step's seed (the step counter then advances): threshold, hash table, survivors."""
+        """Alg. 1 with this step's seed (the step counter then advances): threshold, hash table, survivors.
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, in slot order, and their float32 values.
+        """
         from .. import ops
 
         seed = self.step_seed()
@@ -126,7 +167,15 @@ class HashedThreshold(Compressor):
     def expected_count(self, n, k):
         """The occupied slots: the sampled threshold passes ``l`` elements (:func:`sampled_count`,
         at or above it), hashed into ``m = capacity_factor·k`` slots, of which ``m(1 - (1 - 1/m)^l)``
-        keep one (balls into bins; dragonn-wang2022 App. A.2) -- about ``0.89 k`` for ``m = 4k``."""
+        keep one (balls into bins; dragonn-wang2022 App. A.2) -- about ``0.89 k`` for ``m = 4k``.
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+
+        Returns:
+          The expected entries, a number.
+        """
         k = small_tensor_k(n, int(k), self.small_density)
         if k >= n:
             return float(n)
@@ -135,11 +184,19 @@ class HashedThreshold(Compressor):
         return float(m * -math.expm1(passed * math.log1p(-1.0 / m))) if m > 1 else min(1.0, passed)
 
     def get_state(self):
-        """``step``: the step counter, which seeds the next step's hash and sample."""
+        """``step``: the step counter, which seeds the next step's hash and sample.
+
+        Returns:
+          ``{name: numpy array}``.
+        """
         return {"step": np.array([self.step], np.int64)}
 
     def set_state(self, state):
-        """Restores the step counter (an empty state: step 0)."""
+        """Restores the step counter (an empty state: step 0).
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         super().set_state(state)
         self.step = int(np.asarray(state["step"]).reshape(-1)[0]) if state else 0
 

@@ -60,7 +60,15 @@ class GaussianKThreshold(Compressor):
 
     @staticmethod
     def gaussian_threshold(acc: np.ndarray, k: int) -> float:
-        """``|mu| + sigma * ppf(1 - k/(2n))`` of ``acc`` (before adjustment)."""
+        """``|mu| + sigma * ppf(1 - k/(2n))`` of ``acc`` (before adjustment).
+
+        Args:
+          acc: the vector.
+          k: the budget.
+
+        Returns:
+          The threshold, a float.
+        """
         from statistics import NormalDist
 
         n = acc.size
@@ -71,7 +79,16 @@ class GaussianKThreshold(Compressor):
         return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - rho / 2.0)
 
     def compress(self, acc, k, candidates=None):
-        """``|acc| > t``, the Gaussian ``t`` scaled while at most ``3k/4`` pass (§5.4; fewer non-zeros: all)."""
+        """``|acc| > t``, the Gaussian ``t`` scaled while at most ``3k/4`` pass (§5.4; fewer non-zeros: all).
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+        """
         k = int(k)
         n = acc.size
         if k <= 0 or n == 0:

@@ -13,7 +13,16 @@ from .topk import topk_prefilter
 def kth_largest_magnitude(values: np.ndarray, k: int, candidates: Candidates | None = None) -> float:
     """The exact k-th largest ``|values|`` (the "accurate threshold", §3.1.3); 0.0 when there
     are at most k values (then every non-zero value passes, also on the steps that reuse it).
-    ``candidates`` (of ``values``): taken from them when they hold at least ``k``."""
+    ``candidates`` (of ``values``): taken from them when they hold at least ``k``.
+
+    Args:
+      values: the vector.
+      k: the rank of the magnitude.
+      candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+    Returns:
+      The magnitude, a float.
+    """
     from .. import ops
 
     m = values.size
@@ -31,7 +40,16 @@ def kth_largest_magnitude(values: np.ndarray, k: int, candidates: Candidates | N
 def select_local(acc: np.ndarray, threshold: float, candidates: Candidates | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, values)`` of ``|acc| >= threshold``, indices ascending (NaN entries always
     pass); a non-positive threshold selects the non-zero entries.  One pass, no temporaries, for
-    a positive one; none with ``candidates`` collected at or below the threshold."""
+    a positive one; none with ``candidates`` collected at or below the threshold.
+
+    Args:
+      acc: the vector.
+      threshold: the magnitude to reach.
+      candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+    Returns:
+      ``(indices, values)``.
+    """
     from .. import ops
     from ..ops import _common as C
 
@@ -45,13 +63,36 @@ def select_local(acc: np.ndarray, threshold: float, candidates: Candidates | Non
 
 
 def check_factor(name, value, default) -> float:
-    """One of the Ok-Topk authors' threshold adjustment factors (>= 1)."""
+    """One of the Ok-Topk authors' threshold adjustment factors (>= 1).
+
+    Args:
+      name: the option's name.
+      value: its value, a number >= 1 (1.0 turns the adjustment off).
+      default: the authors' value, named in the error.
+
+    Returns:
+      The factor, a float >= 1.
+
+    Raises:
+      ValueError: any other value.
+    """
     return _checks.real(name, value, 1.0, hint=(
         f" (the authors' threshold adjustment factor; default {default}, 1.0 turns it off)"))
 
 
 def adjusted_threshold(threshold, count, k, high, factor):
-    """The next step's threshold: ÷ ``factor`` below ``2k/3`` entries, × above ``high * k``."""
+    """The next step's threshold: ÷ ``factor`` below ``2k/3`` entries, × above ``high * k``.
+
+    Args:
+      threshold: this step's threshold.
+      count: the entries it selected.
+      k: the budget.
+      high: the upper bound, in units of ``k``.
+      factor: the adjustment factor.
+
+    Returns:
+      The threshold, a float.
+    """
     if factor == 1.0 or k <= 0 or threshold is None or not 0.0 < threshold < np.inf:
         return threshold
     if count < 2 * k / 3:
@@ -78,6 +119,10 @@ class ReusedThreshold(Compressor):
 
     State: :attr:`threshold`, the one the next call starts from (None: re-evaluate);
     :attr:`last_threshold` is the one the last call used.
+
+    Args:
+      local_raise: the factor a reused threshold is raised by (>= 1; the authors' 1.03).
+      local_adjust: the factor of the adjustment for the next step (>= 1; the authors' 1.012).
     """
 
     name = "oktopk"
@@ -93,7 +138,17 @@ class ReusedThreshold(Compressor):
     def prefilter(self, n, k, peek, fresh: bool | None = None):
         """What the next :meth:`compress` reads: on a re-evaluation step (``fresh``; default: no
         threshold kept) the exact top-k's candidates (:func:`topk_prefilter`), else every element
-        at or above the kept threshold (a raised one passes a subset)."""
+        at or above the kept threshold (a raised one passes a subset).
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+          peek: ``peek(positions)``: the vector's values at int64 positions.
+          fresh: whether this step re-evaluates; None: where no threshold is kept.
+
+        Returns:
+          A :class:`~tfsparse.compressors.Prefilter`, or None.
+        """
         from ..ops import _common as C
 
         if fresh is None:
@@ -103,7 +158,16 @@ class ReusedThreshold(Compressor):
         return Prefilter(C.threshold_key(self.threshold)) if k > 0 and self.threshold > 0.0 else None
 
     def compress(self, acc, k, candidates=None):
-        """``|acc| >= threshold`` (the exact k-th largest where none is kept), raised and adjusted as the class says."""
+        """``|acc| >= threshold`` (the exact k-th largest where none is kept), raised and adjusted as the class says.
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+        """
         fresh = self.threshold is None
         if fresh:
             self.threshold = kth_largest_magnitude(acc, k, candidates)
@@ -134,11 +198,19 @@ class ReusedThreshold(Compressor):
         return threshold, idx[passing], val[passing]
 
     def get_state(self):
-        """``threshold``: the one the next call starts from (NaN: none, re-evaluate)."""
+        """``threshold``: the one the next call starts from (NaN: none, re-evaluate).
+
+        Returns:
+          ``{name: numpy array}``.
+        """
         return {"threshold": np.array([np.nan if self.threshold is None else self.threshold], np.float64)}
 
     def set_state(self, state):
-        """Restores the kept threshold (NaN or an empty state: None, re-evaluate)."""
+        """Restores the kept threshold (NaN or an empty state: None, re-evaluate).
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         super().set_state(state)
         t = float(np.asarray(state["threshold"], np.float64).reshape(-1)[0]) if state else float("nan")
         self.threshold = None if np.isnan(t) else t

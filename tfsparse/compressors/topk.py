@@ -15,6 +15,13 @@ def topk_indices(acc: np.ndarray, k: int) -> np.ndarray:
     selection is a function of the values alone -- the 16-bit wires make ties common.
     NaN compares larger than any number, so non-finite gradients are always sent
     (and show up in the result instead of hiding in the residual).
+
+    Args:
+      acc: the vector (float32).
+      k: how many entries.
+
+    Returns:
+      int64 indices, ascending.
     """
     idx, _ = topk_with_values(acc, k)
     return idx
@@ -22,7 +29,15 @@ def topk_indices(acc: np.ndarray, k: int) -> np.ndarray:
 
 def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, acc[indices])`` of :func:`topk_indices`; a CUDA device ``acc`` is selected on
-    the device (:func:`tfsparse.ops.topk_abs`, the same indices) and only the payload comes back."""
+    the device (:func:`tfsparse.ops.topk_abs`, the same indices) and only the payload comes back.
+
+    Args:
+      acc: the vector (float32, host or CUDA device).
+      k: how many entries.
+
+    Returns:
+      ``(indices, values)`` on the host.
+    """
     from .. import ops
 
     n = acc.size
@@ -58,7 +73,16 @@ def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
 def topk_prefilter(n: int, k: int, peek) -> Prefilter | None:
     """The exact top-k's prefilter (:func:`tfsparse.ops.topk_abs`'s own sample, read through
     ``peek``): a key below the k-th largest with high probability; None where the top-k takes
-    another path (``k`` above ``n / 64``, small vectors)."""
+    another path (``k`` above ``n / 64``, small vectors).
+
+    Args:
+      n: the vector's elements.
+      k: the budget.
+      peek: ``peek(positions)``: the vector's values at int64 positions.
+
+    Returns:
+      A :class:`~tfsparse.compressors.Prefilter`, or None.
+    """
     from ..ops import cpu
 
     plan = cpu.prefilter_plan(n, k) if 0 < k <= n // 16 else None
@@ -69,7 +93,16 @@ def topk_prefilter(n: int, k: int, peek) -> Prefilter | None:
 
 
 def topk_of(acc, k: int, candidates: Candidates | None):
-    """:func:`topk_with_values`, from ``candidates`` when they hold at least ``k`` elements."""
+    """:func:`topk_with_values`, from ``candidates`` when they hold at least ``k`` elements.
+
+    Args:
+      acc: the offered vector (float32).
+      k: the budget.
+      candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+    Returns:
+      ``(indices, values)``: int64 indices, ascending, and their float32 values.
+    """
     if candidates is not None:
         from ..ops import cpu
 
@@ -91,12 +124,30 @@ class TopK(Compressor):
     ascending = True
 
     def compress(self, acc, k, candidates=None):
-        """The exact top-k (:func:`topk_with_values`), taken among ``candidates`` when they hold at least ``k``."""
+        """The exact top-k (:func:`topk_with_values`), taken among ``candidates`` when they hold at least ``k``.
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+        """
         return topk_of(acc, k, candidates)
 
     def prefilter(self, n, k, peek):
         """:func:`topk_prefilter`: a key below the k-th largest magnitude with high probability;
-        where the pass collects fewer than ``k`` elements, :meth:`compress` reads ``acc`` itself."""
+        where the pass collects fewer than ``k`` elements, :meth:`compress` reads ``acc`` itself.
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+          peek: ``peek(positions)``: the vector's values at int64 positions.
+
+        Returns:
+          A :class:`~tfsparse.compressors.Prefilter`, or None.
+        """
         return topk_prefilter(n, k, peek)
 
 
@@ -108,9 +159,26 @@ class Identity(Compressor):
     ascending = True
 
     def compress(self, acc, k, candidates=None):
-        """Every index ``0 .. n-1`` and a copy of ``acc``."""
+        """Every index ``0 .. n-1`` and a copy of ``acc``.
+
+        Args:
+          acc: the offered vector (float32).
+          k: the budget.
+          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+
+        Returns:
+          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+        """
         return np.arange(acc.size, dtype=np.int64), acc.copy()
 
     def expected_count(self, n, k):
-        """``n``: every element, whatever ``k``."""
+        """``n``: every element, whatever ``k``.
+
+        Args:
+          n: the vector's elements.
+          k: the budget.
+
+        Returns:
+          The expected entries, a number.
+        """
         return n
