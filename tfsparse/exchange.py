@@ -44,9 +44,7 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
-
-from .bucket import Bucket, ExchangeStats, Outcome, assemble
+from .bucket import Bucket, ExchangeStats, Outcome
 from .collectives.watchdog import note_round
 from .exchange_auto import AutoState, AutoSwitching
 from .exchange_build import Building
@@ -55,7 +53,7 @@ from .memory import keeps_velocity
 from .plan import Layout
 from .schedules import check_density
 from .settings import AUTO, Settings
-from .space import HOST, in_space, space_for
+from .space import HOST, in_space
 from .wire import get_wire
 
 
@@ -71,7 +69,13 @@ _SENT = _Sent()
 
 
 class Round:
-    """One round of an exchange, started by :meth:`GradientExchange.start`."""
+    """One round of an exchange, started by :meth:`GradientExchange.start`.
+
+    Args:
+      exchange: the exchange.
+      index: the round's index.
+      flat: whether the gradients were given as one flat array.
+    """
 
     def __init__(self, exchange, index: int, flat: bool):
         self._exchange = exchange
@@ -80,8 +84,12 @@ class Round:
         self._result = None
 
     def wait(self):
-        """The summed gradients, shaped like the input of :meth:`GradientExchange.start` (a
-        flat array, or a list of arrays in layout order).  Blocks until the round is done."""
+        """Blocks until the round is done.
+
+        Returns:
+          The summed gradients, shaped like the input of :meth:`GradientExchange.start` (a flat
+          array, or a list of arrays in layout order).
+        """
         if self._result is None:
             ex = self._exchange
             with ex.space.active():
@@ -203,14 +211,20 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
         return [b.aggregator for b in self.bucket_states]
 
     def config(self) -> dict:
-        """Every setting as given, as plain values (:meth:`Settings.config` of :attr:`requested`,
-        with the current density -- auto's own choice excepted): what makes this exchange again."""
+        """Every setting as given, as plain values: what makes this exchange again.
+
+        Returns:
+          :meth:`Settings.config` of :attr:`requested`, with the current density (auto's own choice
+          excepted).
+        """
         return {**self.requested.config(), **({} if self._auto is not None else {"density": self.density})}
 
     def decide_memory(self, momentum: float | None) -> None:
-        """Decides ``memory="auto"`` (:meth:`Settings.resolved`) for an optimizer whose momentum
-        factor ``momentum`` the exchange may take over (None: none to take).  Once built, the
-        memory is decided: nothing changes."""
+        """Decides ``memory="auto"`` (:meth:`Settings.resolved`); once built, the memory is decided and nothing changes.
+
+        Args:
+          momentum: the momentum factor of the optimizer that the exchange may take over; None: none.
+        """
         if self.layout is None:
             self.settings = self.requested.resolved(momentum)
 
@@ -227,14 +241,27 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
 
     # -- rounds -----------------------------------------------------------
     def exchange_numpy(self, grads):
-        """One round on numpy data: ``grads`` is one flat array or a list of arrays; returns
-        the summed gradients in the same form.  The residuals stay in the exchange.  Device
-        arrays (anything with ``__cuda_array_interface__``): see the module docstring."""
+        """One round on numpy data; the residuals stay in the exchange.
+
+        Device arrays (anything with ``__cuda_array_interface__``): see the module docstring.
+
+        Args:
+          grads: one flat array or a list of arrays.
+
+        Returns:
+          The summed gradients in the same form.
+        """
         return self.start(grads).wait()
 
     def start(self, grads) -> Round:
-        """Starts a round: every bucket is encoded here and handed to the communication
-        thread; :meth:`Round.wait` returns the result."""
+        """Starts a round: every bucket is encoded here and handed to the communication thread.
+
+        Args:
+          grads: one flat array or a list of arrays.
+
+        Returns:
+          A :class:`Round`; its :meth:`Round.wait` returns the result.
+        """
         with self.space_of(grads).active():
             flat, arrays = self.arrays(grads)
             self.prepare_round()
@@ -243,34 +270,20 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
                 index = self.begin(b, arrays[b.spec.first:b.spec.last])
         return Round(self, index, flat)
 
-    def space_of(self, grads):
-        """The exchange's space once built; before, the space where ``grads`` live."""
-        if self.layout is not None:
-            return self.space
-        return space_for(grads if not isinstance(grads, (list, tuple)) else (grads[0] if grads else None))
-
-    def arrays(self, grads) -> tuple[bool, list]:
-        """``(flat, arrays)`` for numpy or device input (one flat array, or a list of arrays);
-        builds the plan the first time (in the space where the gradients live), and afterwards
-        checks the shapes."""
-        single = not isinstance(grads, (list, tuple))
-        space = self.space_of(grads)
-        # one array is flat (a 2-D numpy array: a list of rows, as always); a list: one per tensor
-        flat = single and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
-        arrays = [space.accept(grads).reshape(-1)] if flat else [space.accept(g) for g in grads]
-        self.build(Layout.of(arrays), space)
-        if self.clip_norm is not None:
-            arrays = space.clip_by_global_norm(arrays, self.local_clip_norm)
-        return flat, arrays
-
-    def assemble(self, dense: dict, flat: bool):
-        """Bucket results (``{bucket index: flat array}``) as one flat array or per tensor."""
-        return assemble(self.layout, self.bucket_states, dense, flat, self.space)
-
     def begin(self, b: Bucket, arrays, dsync: bool = False) -> int:
-        """Starts bucket ``b``'s next round from its gradients ``arrays`` (the caller's-thread
-        stages, then the communication job); returns the round's index, for :meth:`finish`.
-        ``dsync``: over a float32 wire whatever the settings say (Pipe-SGD's D-Sync warm-up)."""
+        """Starts bucket ``b``'s next round from its gradients: the caller's-thread stages, then the communication job.
+
+        Args:
+          b: the :class:`~tfsparse.bucket.Bucket`.
+          arrays: its gradients.
+          dsync: over a float32 wire whatever the settings say (Pipe-SGD's D-Sync warm-up).
+
+        Returns:
+          The round's index, for :meth:`finish`.
+
+        Raises:
+          RuntimeError: an earlier round failed (the ranks are out of step).
+        """
         if self._failed is not None:
             raise RuntimeError(f"this exchange failed in an earlier round ({type(self._failed).__name__}: "
                                f"{self._failed}); the ranks are out of step, restart training") from self._failed
@@ -330,8 +343,17 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
             b.settlements[index].set()
 
     def finish(self, b: Bucket, index: int):
-        """Bucket ``b``'s result of round ``index``: waits for its communication job, then decodes
-        it and updates the memory on this thread (:meth:`Bucket.complete`)."""
+        """Bucket ``b``'s result of a round: waits for its communication job, then decodes it and updates the memory on this thread.
+
+        (:meth:`Bucket.complete <tfsparse.bucket.Bucket.complete>`.)
+
+        Args:
+          b: the :class:`~tfsparse.bucket.Bucket`.
+          index: what :meth:`begin` returned.
+
+        Returns:
+          The bucket's summed vector.
+        """
         t0 = time.perf_counter()
         try:
             received = b.futures[index].result()

@@ -11,8 +11,10 @@ import time
 import weakref
 from concurrent.futures import Future
 
+import numpy as np
+
 from . import _checks, auto
-from .bucket import agreement, make_bucket
+from .bucket import agreement, assemble, make_bucket
 from .collectives.agreement import check_agreement
 from .collectives.hosts import host_ids
 from .collectives.thread import CommThread
@@ -20,7 +22,7 @@ from .hierarchy import TwoLevel
 from .memory import keeps_velocity
 from .plan import Layout, Plan
 from .settings import Settings
-from .space import HOST
+from .space import HOST, space_for
 from .wire import get_wire
 
 #: seconds between the tests of a quiet wait on a communication thread that runs ahead
@@ -90,6 +92,54 @@ class _Inline:
 class Building:
     """:class:`~tfsparse.exchange.GradientExchange`'s build and the communicators it makes (a base
     of it: it sets the exchange's layout, buckets, communicators and runner)."""
+
+    # -- the gradients as given, and the result in their form ------------------
+    def space_of(self, grads):
+        """Where a round's vectors live.
+
+        Args:
+          grads: one flat array or a list of arrays (numpy or device).
+
+        Returns:
+          The exchange's space once built; before, the space where ``grads`` live
+          (:mod:`tfsparse.space`).
+        """
+        if self.layout is not None:
+            return self.space
+        return space_for(grads if not isinstance(grads, (list, tuple)) else (grads[0] if grads else None))
+
+    def arrays(self, grads) -> tuple[bool, list]:
+        """The gradients as the buckets take them; builds the plan the first time (in the space
+        where the gradients live), and afterwards checks the shapes.
+
+        Args:
+          grads: one flat array or a list of arrays (numpy or device).
+
+        Returns:
+          ``(flat, arrays)``: whether ``grads`` was one flat array, and the arrays (clipped by
+          ``clip_norm`` where set).
+        """
+        single = not isinstance(grads, (list, tuple))
+        space = self.space_of(grads)
+        # one array is flat (a 2-D numpy array: a list of rows, as always); a list: one per tensor
+        flat = single and not (isinstance(grads, np.ndarray) and grads.ndim > 1)
+        arrays = [space.accept(grads).reshape(-1)] if flat else [space.accept(g) for g in grads]
+        self.build(Layout.of(arrays), space)
+        if self.clip_norm is not None:
+            arrays = space.clip_by_global_norm(arrays, self.local_clip_norm)
+        return flat, arrays
+
+    def assemble(self, dense: dict, flat: bool):
+        """The buckets' results in the form the gradients were given.
+
+        Args:
+          dense: ``{bucket index: flat array}``.
+          flat: one flat array (True) or one array per tensor.
+
+        Returns:
+          One flat array, or a list of arrays in layout order.
+        """
+        return assemble(self.layout, self.bucket_states, dense, flat, self.space)
 
     def build(self, layout: Layout, space=None) -> None:
         """Plans the buckets for ``layout`` (the first time; later calls check the layout).
