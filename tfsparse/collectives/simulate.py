@@ -118,12 +118,29 @@ class Round:
     free: float = 0.0
 
     def local_seconds(self, gamma: float = 0.0, cores: int | None = None) -> float:
-        """``gamma · elements · max(1, busy / cores)`` (unweighted)."""
+        """``gamma · elements · max(1, busy / cores)`` (unweighted).
+
+        Args:
+          gamma: seconds per element of local work.
+          cores: the cores the ``busy`` ranks share; None: each has its own.
+
+        Returns:
+          Seconds.
+        """
         share = max(1.0, self.busy / cores) if cores else 1.0
         return gamma * self.elements * share
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> float:
-        """``weight · (alpha · messages + (bytes - free) / beta + gamma · elements · max(1, busy / cores))``."""
+        """``weight · (alpha · messages + (bytes - free) / beta + gamma · elements · max(1, busy / cores))``.
+
+        Args:
+          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          gamma: seconds per element of local work.
+          cores: the cores the ranks share; None: each has its own.
+
+        Returns:
+          Seconds.
+        """
         return self.weight * (ab.alpha * self.messages + (self.bytes - self.free) / ab.beta
                               + self.local_seconds(gamma, cores))
 
@@ -136,7 +153,18 @@ def through_bucket(rounds, ab: AlphaBeta, gamma: float = 0.0, cores: int | None 
     latency and its local work, which follows the transfer (a received block is reduced or
     merged after it arrived) -- and each round's bytes first take what it holds.  The same
     bucket shapes what a rank sends and what it receives (``tfsparse-run --net``), and a round's
-    ``bytes`` are the larger of the two, so one bucket stands for both."""
+    ``bytes`` are the larger of the two, so one bucket stands for both.
+
+    Args:
+      rounds: the rounds, in order.
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      gamma: seconds per element of local work.
+      cores: the cores the ranks share; None: each has its own.
+      tokens: the bytes in the bucket at the start; None: full.
+
+    Returns:
+      ``(rounds, tokens)``.
+    """
     tokens = ab.burst if tokens is None else min(ab.burst, tokens)
     out = []
     for r in rounds:
@@ -159,7 +187,18 @@ class Phase:
              prefer: str | None = None) -> tuple:
         """``(rounds, tokens)``: the fastest variant's rounds under the model -- the variant named
         ``prefer`` where the phase has one -- starting with ``tokens`` in the link's token bucket
-        (None: full), and the tokens left (:func:`through_bucket`)."""
+        (None: full), and the tokens left (:func:`through_bucket`).
+
+        Args:
+          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          gamma: seconds per element of local work.
+          cores: the cores the ranks share; None: each has its own.
+          tokens: the bytes in the link's token bucket at the start; None: full.
+          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+        Returns:
+          ``(rounds, tokens)``.
+        """
         variants = [rounds for method, rounds in self.variants if method == prefer] or \
             [rounds for _, rounds in self.variants]
         priced = [through_bucket(rounds, ab, gamma, cores, tokens) for rounds in variants]
@@ -195,18 +234,49 @@ class Schedule:
         """The rounds of the fastest variant of every phase under the model (``prefer``: the
         variant of that name where a phase has one, e.g. ``"ring"``), in order; the step starts
         with a full token bucket (the link idle during the backward pass and the local selection
-        before the exchange)."""
+        before the exchange).
+
+        Args:
+          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          gamma: seconds per element of local work.
+          cores: the cores the ranks share; None: each has its own.
+          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+        Returns:
+          A tuple of :class:`Round`.
+        """
         return priced_rounds(self.phases, ab, gamma, cores, prefer)
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> float:
         """The step's predicted seconds under the model: the sum over the rounds of :meth:`rounds`
-        (:func:`seconds_of`)."""
+        (:func:`seconds_of`).
+
+        Args:
+          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          gamma: seconds per element of local work.
+          cores: the cores the ranks share; None: each has its own.
+          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+        Returns:
+          Seconds.
+        """
         return seconds_of(self.phases, ab, gamma, cores, prefer)
 
 
 def priced_rounds(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None,
                   prefer: str | None = None) -> tuple:
-    """The rounds of ``phases`` as :meth:`Schedule.rounds` prices them."""
+    """The rounds of ``phases`` as :meth:`Schedule.rounds` prices them.
+
+    Args:
+      phases: the :class:`Phase` s, in order.
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      gamma: seconds per element of local work.
+      cores: the cores the ranks share; None: each has its own.
+      prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+    Returns:
+      A tuple of :class:`Round`.
+    """
     out, tokens = [], None
     for phase in phases:
         rounds, tokens = phase.best(ab, gamma, cores, tokens, prefer)
@@ -216,7 +286,18 @@ def priced_rounds(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None =
 
 def seconds_of(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None,
                prefer: str | None = None) -> float:
-    """The seconds of :func:`priced_rounds`."""
+    """The seconds of :func:`priced_rounds`.
+
+    Args:
+      phases: the :class:`Phase` s, in order.
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      gamma: seconds per element of local work.
+      cores: the cores the ranks share; None: each has its own.
+      prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+    Returns:
+      Seconds.
+    """
     return float(sum(r.seconds(ab, gamma, cores) for r in priced_rounds(phases, ab, gamma, cores, prefer)))
 
 
@@ -252,14 +333,22 @@ class SimResult:
         return float(sum(r.weight * r.messages for r in self.rounds))
 
     def breakdown(self) -> dict:
-        """Seconds per phase, in schedule order."""
+        """Seconds per phase, in schedule order.
+
+        Returns:
+          ``{phase: seconds}``.
+        """
         out: dict = {}
         for r in self.rounds:
             out[r.phase] = out.get(r.phase, 0.0) + r.seconds(self.ab, self.gamma, self.cores)
         return out
 
     def as_dict(self) -> dict:
-        """Plain values (JSON): the case, ``seconds``, ``bytes``, the model and the phases."""
+        """Plain values (JSON): the case, ``seconds``, ``bytes``, the model and the phases.
+
+        Returns:
+          A dict of plain values.
+        """
         return {"algorithm": self.algorithm, "workers": self.workers, "n": self.n, "density": self.density,
                 "k": self.k, "seconds": self.seconds, "bytes": self.bytes,
                 "rounds": float(sum(r.weight for r in self.rounds if r.messages)),
@@ -282,6 +371,10 @@ class Builder:
       P: the workers.
       value_bytes: bytes of one value on the wire (4: float32; the cost model prices 16-bit
         wires' 2).
+
+    Args:
+      workers: P, the ranks.
+      value_bytes: bytes of one value on the wire.
     """
 
     def __init__(self, workers: int, value_bytes: int = VALUE_BYTES):
@@ -294,16 +387,47 @@ class Builder:
         """Bytes of a sparse message of ``count`` ``(index, value)`` entries of an ``n``-element
         vector: its indices as :func:`tfsparse.wire.index_codec` codes them for messages of about
         ``budget`` entries (default ``count``; blocked where they ascend and that is smaller, else
-        int32 -- int64 from 2**31 elements), then the values."""
+        int32 -- int64 from 2**31 elements), then the values.
+
+        Args:
+          n: the vector's elements.
+          count: the entries sent (may be an expectation).
+          budget: the entries the index codec is chosen for; None: ``count``.
+          ascending: whether the indices ascend.
+
+        Returns:
+          Bytes.
+        """
         codec = index_codec(n, count if budget is None else budget, ascending)
         return codec.nbytes(count) + count * self.value_bytes
 
     def finish(self, algorithm: str, n: int, density: float, k: int, step: int) -> "Schedule":
-        """The :class:`Schedule` of what was declared."""
+        """The :class:`Schedule` of what was declared.
+
+        Args:
+          algorithm: the aggregator's name.
+          n: the bucket's elements.
+          density: the fraction sent.
+          k: the budget.
+          step: the step, counted from 1.
+
+        Returns:
+          A :class:`Schedule`.
+        """
         return Schedule(algorithm, self.P, n, density, k, step, tuple(self.phases), self.sent)
 
     def seconds(self, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None, prefer: str | None = None) -> float:
-        """The price of what was declared so far (:meth:`Schedule.seconds`)."""
+        """The price of what was declared so far (:meth:`Schedule.seconds`).
+
+        Args:
+          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          gamma: seconds per element of local work.
+          cores: the cores the ranks share; None: each has its own.
+          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+
+        Returns:
+          Seconds.
+        """
         return seconds_of(self.phases, ab, gamma, cores, prefer)
 
     def _phase(self, name, *variants):
@@ -311,12 +435,24 @@ class Builder:
 
     def local(self, name, elements) -> None:
         """Local work of the busiest rank (no messages): the γ term only (none on one rank:
-        nothing is exchanged)."""
+        nothing is exchanged).
+
+        Args:
+          name: the phase's name.
+          elements: values the busiest rank adds, merges or selects.
+        """
         if elements and self.P > 1:
             self._phase(name, ("local", [Round(name, "local", 0, 0, int(round(elements)), busy=self.P)]))
 
     def allreduce(self, name, count: int, itemsize: int, reduce: bool = True) -> None:
-        """``comm.allreduce`` of ``count`` elements: counted ``2·nbytes·(P-1)//P`` per rank."""
+        """``comm.allreduce`` of ``count`` elements: counted ``2·nbytes·(P-1)//P`` per rank.
+
+        Args:
+          name: the phase's name.
+          count: the elements reduced.
+          itemsize: bytes per element.
+          reduce: whether the ranks add what they receive (the γ term).
+        """
         P = self.P
         if P == 1:
             return
@@ -337,7 +473,12 @@ class Builder:
 
     def allgather(self, name, blocks) -> None:
         """``comm.allgather`` of per-rank blocks of ``blocks`` bytes (a number or one per rank):
-        counted as every block but the successor's."""
+        counted as every block but the successor's.
+
+        Args:
+          name: the phase's name.
+          blocks: each rank's block, in bytes (one number for all, or one per rank).
+        """
         P = self.P
         if P == 1:
             return
@@ -354,7 +495,13 @@ class Builder:
         self._phase(name, ("ring", ring), ("bruck", bruck))
 
     def bcast(self, name, nbytes: int, root: int = 0) -> None:
-        """``comm.bcast`` of ``nbytes``: binomial tree, counted ``nbytes · children(rank)``."""
+        """``comm.bcast`` of ``nbytes``: binomial tree, counted ``nbytes · children(rank)``.
+
+        Args:
+          name: the phase's name.
+          nbytes: the bytes broadcast.
+          root: the rank that broadcasts.
+        """
         P = self.P
         if P == 1:
             return
@@ -362,7 +509,12 @@ class Builder:
         self._phase(name, ("binomial", [Round(name, "binomial", 1, int(nbytes))] * _log2_ceil(P)))
 
     def alltoall(self, name, block: int) -> None:
-        """``comm.alltoall`` of one ``block``-byte block per destination: counted ``(P-1)·block``."""
+        """``comm.alltoall`` of one ``block``-byte block per destination: counted ``(P-1)·block``.
+
+        Args:
+          name: the phase's name.
+          block: the bytes sent to each other rank.
+        """
         P = self.P
         if P == 1:
             return
@@ -374,7 +526,14 @@ class Builder:
         self._phase(name, ("direct", direct), ("bruck", bruck))
 
     def point_to_point(self, name, method, rounds, sent) -> None:
-        """An aggregator's own messages: ``rounds`` and the bytes each rank sends."""
+        """An aggregator's own messages: ``rounds`` and the bytes each rank sends.
+
+        Args:
+          name: the phase's name.
+          method: the variant's name.
+          rounds: the :class:`Round` s.
+          sent: the bytes each rank sends (one per rank).
+        """
         if self.P == 1:
             return
         self.sent += np.asarray(sent, dtype=np.float64)
@@ -385,7 +544,19 @@ class Builder:
 
 def check_model(ab, gamma, cores) -> tuple:
     """``(ab, gamma, cores)`` validated: an :class:`AlphaBeta`, ``gamma >= 0``, ``cores`` None or
-    an integer >= 1 (ValueError naming the argument and the accepted values otherwise)."""
+    an integer >= 1 (ValueError naming the argument and the accepted values otherwise).
+
+    Args:
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      gamma: seconds per element of local work.
+      cores: the cores the ranks share; None: each has its own.
+
+    Returns:
+      ``(ab, gamma, cores)``.
+
+    Raises:
+      ValueError: naming the argument and the accepted values.
+    """
     if not isinstance(ab, AlphaBeta):
         raise ValueError(f"ab={ab!r} is not valid; accepted: a tfsparse.collectives.AlphaBeta, e.g. "
                          f"AlphaBeta.from_strings('1gbit', '50us')")
@@ -398,7 +569,17 @@ def check_model(ab, gamma, cores) -> tuple:
 def price(steps, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) -> SimResult:
     """The :class:`SimResult` of ``steps``, ``((schedule, weight), ...)``: one exchange step's
     :class:`Schedule` (weight 1.0) or the distinct steps of an aggregator's period with the
-    fraction of steps like each; ``seconds`` and ``bytes`` are the weighted sums."""
+    fraction of steps like each; ``seconds`` and ``bytes`` are the weighted sums.
+
+    Args:
+      steps: ``((schedule, weight), ...)``.
+      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      gamma: seconds per element of local work.
+      cores: the cores the ranks share; None: each has its own.
+
+    Returns:
+      A :class:`SimResult`.
+    """
     rounds, sent, case = [], None, None
     for s, weight in steps:
         case = s

@@ -42,7 +42,14 @@ def _default_path() -> str:
 
 
 def set_path(path: str | None) -> None:
-    """Forces the execution path (``"cpu"`` or ``"cuda"``); ``None`` restores the default."""
+    """Forces the execution path (``"cpu"`` or ``"cuda"``); ``None`` restores the default.
+
+    Args:
+      path: ``"cpu"``, ``"cuda"`` or None.
+
+    Raises:
+      ValueError: any other value.
+    """
     _checks.choice("path", path, PATHS + (None,))
     _PATH[0] = path
 
@@ -50,7 +57,11 @@ def set_path(path: str | None) -> None:
 def get_path() -> str:
     """The execution path in use, ``"cpu"`` or ``"cuda"``: the one :func:`set_path` forced, else
     the default (``"cuda"`` when TensorFlow sees a GPU and ``numba.cuda`` is usable), chosen at the
-    first call and kept."""
+    first call and kept.
+
+    Returns:
+      ``"cpu"`` or ``"cuda"``.
+    """
     if _PATH[0] is None:
         _PATH[0] = _default_path()
     return _PATH[0]
@@ -61,7 +72,14 @@ def exchange_device(tensors) -> str | None:
     a TF device name for the ``"cuda"`` path -- the tensors' device when they are placed on a GPU,
     the first GPU TensorFlow sees when they are not placed (TF's own placement) -- or None for
     the host path (tensors placed on a CPU, or the ``"cpu"`` path).  Under Numba's CUDA
-    simulator a forced ``"cuda"`` path runs on the CPU device, for the tests."""
+    simulator a forced ``"cuda"`` path runs on the CPU device, for the tests.
+
+    Args:
+      tensors: the gradients (TF tensors).
+
+    Returns:
+      A TF device name, or None.
+    """
     if get_path() != "cuda":
         return None
     named = next((t.device for t in tensors if getattr(t, "device", "")), "")
@@ -75,7 +93,14 @@ def exchange_device(tensors) -> str | None:
 def device_ordinal(device: str) -> int:
     """The CUDA ordinal of TF device ``device`` -- the GPU its tensors' DLPack export names,
     which need not be the TF index (``tf.config.set_visible_devices``); 0 for a host device
-    (the simulator)."""
+    (the simulator).
+
+    Args:
+      device: a TF device name.
+
+    Returns:
+      The CUDA ordinal, an int.
+    """
     from ._dlpack import CUDA_DEVICE_TYPES
 
     with tf.init_scope(), tf.device(device):
@@ -86,14 +111,30 @@ def device_ordinal(device: str) -> int:
 def device_views(tensors) -> list:
     """Zero-copy float32 device views of TF tensors (DLPack, :func:`tfsparse.ops.cuda.as_device`),
     after the device finished the work that made them (TF's stream is not Numba's); host
-    tensors are copied to the device (the simulator)."""
+    tensors are copied to the device (the simulator).
+
+    Args:
+      tensors: TF tensors (float32).
+
+    Returns:
+      A list of device arrays, one per tensor.
+    """
     mod = _dispatch.backend("cuda")
     mod.sync()
     return [mod.as_device(t, np.float32) for t in tensors]
 
 
 def to_tensor(value, dtype: tf.DType, device: str):
-    """A device result as a TF tensor on ``device`` (device-to-device copy)."""
+    """A device result as a TF tensor on ``device`` (device-to-device copy).
+
+    Args:
+      value: a device array (or a numpy array, made a constant as it is).
+      dtype: the tensor's TF dtype.
+      device: the TF device to place it on.
+
+    Returns:
+      A TF tensor.
+    """
     if isinstance(value, (np.ndarray, np.generic)):
         return tf.constant(value, dtype=dtype)
     mod = _dispatch.backend("cuda")
