@@ -130,7 +130,16 @@ class _OkTopkPayload:
 def local_boundaries(sel: np.ndarray, n: int, size: int) -> np.ndarray:
     """The P-1 interior boundaries that split the sorted local top-k indices ``sel`` into P
     regions holding equal numbers of them (§3.1.1); an even split of ``[0, n)`` when the rank
-    selected fewer than P entries."""
+    selected fewer than P entries.
+
+    Args:
+      sel: this rank's local top-k indices, ascending.
+      n: the vector's elements.
+      size: P, the ranks.
+
+    Returns:
+      The P-1 boundaries (int64).
+    """
     cnt = sel.size
     j = np.arange(1, size, dtype=np.int64)
     if cnt < size:
@@ -142,9 +151,14 @@ def balance_plan(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """Data-balancing scheme (§3.1.2, Fig. 3) from the all-gathered buffer sizes.
 
     The buffers, concatenated in rank order, are re-split into P chunks of
-    ``split_counts(total, P)`` entries.  Returns ``(starts, targets, moves)`` where
-    ``moves[p, q]`` is the number of entries rank p sends to rank q, taken from p's buffer at
-    offset ``max(starts[p], targets[q]) - starts[p]``.
+    ``split_counts(total, P)`` entries.
+
+    Args:
+      counts: every rank's buffer size, in rank order.
+
+    Returns:
+      ``(starts, targets, moves)`` where ``moves[p, q]`` is the number of entries rank p sends
+      to rank q, taken from p's buffer at offset ``max(starts[p], targets[q]) - starts[p]``.
     """
     counts = np.asarray(counts, dtype=np.int64)
     size = counts.size
@@ -175,6 +189,7 @@ class OkTopkAllreduce(Aggregator):
         reuse).
       local_adjust: the same, the local threshold's adjustment (default 1.012).
       global_adjust: the same, the global threshold's adjustment (default 1.008).
+      **unknown: any other keyword is refused (ValueError naming the accepted options).
 
     After each call ``last_info`` holds ``step``, ``fresh_thresholds``, ``repartitioned``,
     ``balanced``, ``local_count``, ``global_count``, ``local_threshold``,
@@ -208,7 +223,11 @@ class OkTopkAllreduce(Aggregator):
     # -- explicit state ---------------------------------------------------------------------
     def get_state(self):
         """``t`` (the iteration counter), the layout and ``k`` the cache belongs to, the two
-        thresholds (NaN: none yet) and the region boundaries (empty: none yet)."""
+        thresholds (NaN: none yet) and the region boundaries (empty: none yet).
+
+        Returns:
+          ``{name: numpy array}`` (empty where there is nothing to keep).
+        """
         none, local = float("nan"), self.compressor.threshold
         return {"t": np.array([self._t], np.int64),
                 "layout": np.array(self._layout if self._layout is not None else (-1, -1), np.int64),
@@ -220,7 +239,11 @@ class OkTopkAllreduce(Aggregator):
                                else np.asarray(self.boundaries, np.int64).copy())}
 
     def set_state(self, state):
-        """Restores :meth:`get_state`'s output over a :meth:`reset` (an empty state: start afresh)."""
+        """Restores :meth:`get_state`'s output over a :meth:`reset` (an empty state: start afresh).
+
+        Args:
+          state: what :meth:`get_state` returned.
+        """
         super().set_state(state)
         self.reset()
         if not state:  # nothing saved: start afresh
@@ -238,12 +261,26 @@ class OkTopkAllreduce(Aggregator):
 
     def due(self, t: int) -> tuple[bool, bool]:
         """Whether step ``t`` (from 1) re-evaluates the thresholds (every ``tau_prime`` steps,
-        §3.1.3) and repartitions the space (every ``tau``, §3.1.1) by the period alone."""
+        §3.1.3) and repartitions the space (every ``tau``, §3.1.1) by the period alone.
+
+        Args:
+          t: the step, counted from 1.
+
+        Returns:
+          ``(re-evaluate, repartition)``.
+        """
         return (t - 1) % self.tau_prime == 0, (t - 1) % self.tau == 0
 
     # -- timing (module docstring) ------------------------------------------------------------
     def schedule(self, b, n, k, step):
-        """Step ``step``'s expected messages (module docstring), its phases as :meth:`due` decides them."""
+        """Step ``step``'s expected messages (module docstring), its phases as :meth:`due` decides them.
+
+        Args:
+          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          n: the bucket's elements.
+          k: the budget.
+          step: the exchange step, counted from 1.
+        """
         P = b.P
         fresh, repartition = self.due(step)
         share = k / P                                    # expected entries per (rank, region)
@@ -266,7 +303,11 @@ class OkTopkAllreduce(Aggregator):
 
     def period(self):
         """One period of ``lcm(tau, tau_prime)`` steps: step 1 repartitions and re-evaluates,
-        ``1 + tau_prime·j`` re-evaluate, the rest reuse."""
+        ``1 + tau_prime·j`` re-evaluate, the rest reuse.
+
+        Returns:
+          A tuple of ``(step, weight)`` pairs.
+        """
         length = math.lcm(self.tau, self.tau_prime)
         kinds: dict = {}
         for t in range(1, length + 1):
@@ -277,7 +318,17 @@ class OkTopkAllreduce(Aggregator):
     # -- Alg. 1 ---------------------------------------------------------------------------
     def prefilter(self, comm, n, k, peek):
         """The local selection's prefilter, told whether the next :meth:`encode` re-evaluates the
-        threshold (as it decides: the period, a new layout or ``k``, no threshold yet)."""
+        threshold (as it decides: the period, a new layout or ``k``, no threshold yet).
+
+        Args:
+          comm: asked only for its size.
+          n: the vector's elements.
+          k: the budget.
+          peek: ``peek(positions)``: the vector's values at int64 positions.
+
+        Returns:
+          A :class:`~tfsparse.compressors.Prefilter`, or None.
+        """
         selection = self.compressor
         fresh = (self.due(self._t + 1)[0] or self._layout != (n, comm.size) or self._k != k
                  or selection.threshold is None or self.global_threshold is None)
@@ -285,7 +336,18 @@ class OkTopkAllreduce(Aggregator):
 
     def encode(self, comm, acc, k, wire, offer=NOTHING):
         """Lines 2-4 (local threshold, local top-k by threshold: :attr:`compressor`) and the
-        step's schedule."""
+        step's schedule.
+
+        Args:
+          comm: asked only for its rank and size.
+          acc: this rank's vector (after error feedback).
+          k: the budget: how many elements to send.
+          wire: the values' encoding on the wire.
+          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+
+        Returns:
+          The payload :meth:`exchange` takes.
+        """
         acc, k = check_acc(acc, k)
         n, size = acc.size, comm.size
         selection = self.compressor
@@ -308,7 +370,17 @@ class OkTopkAllreduce(Aggregator):
                               selection.last_threshold)
 
     def exchange(self, comm, payload, out=None, settled=None):
-        """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv."""
+        """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv.
+
+        Args:
+          comm: the communicator the collectives run over.
+          payload: what :meth:`encode` returned.
+          out: ignored (the result is sparse).
+          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+
+        Returns:
+          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+        """
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         n, size = payload.n, comm.size
         loss = WireLoss()
@@ -322,7 +394,8 @@ class OkTopkAllreduce(Aggregator):
         bounds = self.boundaries
 
         # line 8: split and reduce
-        red_idx, red_val = self._split_and_reduce(comm, local_idx, payload.local_val, bounds, codec, wire, loss)
+        red_idx, red_val = split_and_reduce(comm, local_idx, payload.local_val, bounds, codec, wire, loss,
+                                            self.bucket_size)
 
         # lines 9-12: global threshold (all-gather of the reduced values on re-evaluation steps)
         if payload.fresh:
@@ -337,7 +410,8 @@ class OkTopkAllreduce(Aggregator):
         g_idx, g_val = red_idx[keep], red_val[keep]
 
         # line 13: balance and allgatherv
-        u_idx, u_val, balanced = self._balance_and_allgatherv(comm, g_idx, g_val, codec, wire, loss)
+        u_idx, u_val, balanced = balance_and_allgatherv(comm, g_idx, g_val, codec, wire, loss,
+                                                        self.balance_factor)
 
         # line 14: indexes = local ∩ global
         from ..ops import cpu
@@ -353,112 +427,148 @@ class OkTopkAllreduce(Aggregator):
         return AllreduceResult(indices=u_idx, values=u_val, contributed=contributed,
                                sent_elements=int(local_idx.size), loss=loss.restrict(u_idx))
 
-    # -- §3.1.1 ---------------------------------------------------------------------------
-    def _split_and_reduce(self, comm, local_idx, local_val, bounds, codec, wire, loss):
-        """Returns this rank's region's reduced local top-k entries (ascending indices).  The
-        own region's entries go in at full precision, the others' decoded from the wire."""
-        rank, size = comm.rank, comm.size
-        cuts = np.searchsorted(local_idx, bounds)  # local_idx[cuts[j]:cuts[j+1]] lies in region j
-        messages = [None] * size
-        for dst in range(size):
-            c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
-            if dst != rank and c1 > c0:
-                part = local_idx[c0:c1]
-                messages[dst], lost = pack_sparse(part, local_val[c0:c1], codec, wire)
-                loss.add(part, lost)
-        send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
-        if size > 1:  # message lengths first, so that every receive can be posted at once
-            recv_bytes = np.concatenate(comm.alltoall([send_bytes[j:j + 1] for j in range(size)]))
-        else:
-            recv_bytes = send_bytes.copy()
-        from ..ops import cpu
-
-        # the region's sum so far as a sparse vector (ascending indices): each part is merged in
-        # (ops.cpu.merge_sum: a new index gets 0 + value, a known one its sum + value) -- what
-        # adding the parts into a zeroed region vector gives, without the region-sized passes
-        reduced_idx, reduced_val = np.empty(0, np.int64), np.empty(0, np.float32)
-
-        def reduce_part(idx, val):
-            nonlocal reduced_idx, reduced_val
-            reduced_idx, reduced_val = cpu.merge_sum(reduced_idx, reduced_val, idx, val)
-
-        steps = list(range(1, size))
-        buckets = [steps[i:i + self.bucket_size] for i in range(0, len(steps), self.bucket_size)]
-        sends = []
-        pending = None  # (list of (source, request)) of the bucket in flight
-        own = slice(int(cuts[rank]), int(cuts[rank + 1]))
-        own_reduced = False
-        for bucket in buckets + [[]]:  # the last, empty bucket reduces what the one before it brought
-            posted = []
-            for s in bucket:  # destination rotation (Fig. 2(b))
-                dst, src = (rank + s) % size, (rank - s) % size
-                if recv_bytes[src] > 0:
-                    posted.append((src, comm.irecv(src, int(recv_bytes[src]), tag=TAG_REDUCE, dtype=np.uint8)))
-                if messages[dst] is not None:
-                    sends.append(comm.isend(messages[dst], dst, tag=TAG_REDUCE))
-            # overlap: reduce what is already here while this bucket is in flight
-            if not own_reduced:
-                reduce_part(local_idx[own], local_val[own])
-                own_reduced = True
-            if pending is not None:
-                for _src, req in pending:
-                    reduce_part(*unpack_sparse(req.wait(), codec, wire))
-            pending = posted
-        for req in sends:
-            req.wait()
-        return reduced_idx, reduced_val
-
-    # -- §3.1.2 ---------------------------------------------------------------------------
-    def _balance_and_allgatherv(self, comm, g_idx, g_val, codec, wire, loss):
-        """All ranks get the concatenation (rank order) of every rank's global top-k buffer.
-        Whoever encodes values (a balancing sender, a buffer's holder) keeps what that lost."""
-        size, rank = comm.size, comm.rank
-        if size == 1:
-            return g_idx.astype(np.int64, copy=False), g_val.astype(np.float32, copy=False), False
-        counts = np.concatenate(comm.allgather(np.array([g_idx.size], dtype=np.int64)))
-        total = int(counts.sum())
-        balanced = total > 0 and counts.max() > self.balance_factor * (total / size)
-        if balanced:
-            starts, targets, moves = balance_plan(counts)
-            sends = []
-            for q in range(size):
-                if q != rank and moves[rank, q] > 0:
-                    off = max(starts[rank], targets[q]) - starts[rank]
-                    sl = slice(int(off), int(off + moves[rank, q]))
-                    message, lost = pack_sparse(g_idx[sl], g_val[sl], codec, wire)
-                    loss.add(g_idx[sl], lost)
-                    sends.append(comm.isend(message, q, tag=TAG_BALANCE))
-            parts_idx, parts_val = [], []
-            for p in range(size):  # the chunk in global order: pieces from lower ranks first
-                if moves[p, rank] == 0:
-                    continue
-                if p == rank:
-                    off = max(starts[rank], targets[rank]) - starts[rank]
-                    sl = slice(int(off), int(off + moves[rank, rank]))
-                    parts_idx.append(g_idx[sl])
-                    parts_val.append(g_val[sl])
-                else:
-                    i, v = unpack_sparse(comm.recv(p, tag=TAG_BALANCE, dtype=np.uint8), codec, wire)
-                    parts_idx.append(i)
-                    parts_val.append(v)
-            for req in sends:
-                req.wait()
-            mine_idx = np.concatenate(parts_idx) if parts_idx else np.empty(0, np.int64)
-            mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
-        else:
-            mine_idx, mine_val = g_idx, g_val
-        message, lost = pack_sparse(mine_idx, mine_val, codec, wire)
-        loss.add(mine_idx, lost)
-        pieces = [unpack_sparse(b, codec, wire) for b in comm.allgather(message)]
-        u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
-        u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)
-        return u_idx, u_val, bool(balanced)
-
     def __repr__(self):
         return (f"{type(self).__name__}(tau={self.tau}, tau_prime={self.tau_prime}, "
                 f"bucket_size={self.bucket_size}, balance_factor={self.balance_factor}, "
                 f"local_raise={self.compressor.local_raise}, local_adjust={self.compressor.local_adjust}, "
                 f"global_adjust={self.global_adjust})")
+
+
+# -- §3.1.1 ---------------------------------------------------------------------------
+
+def split_and_reduce(comm, local_idx, local_val, bounds, codec, wire, loss, bucket_size: int):
+    """Returns this rank's region's reduced local top-k entries (ascending indices).  The
+    own region's entries go in at full precision, the others' decoded from the wire.
+
+    Split and reduce (§3.1.1, Alg. 1 line 8): each region's entries go to its owner, in buckets
+    of ``bucket_size`` peers by destination rotation (Fig. 2(b)), reduced as they arrive.
+
+    Args:
+      comm: the communicator.
+      local_idx: this rank's local top-k indices, ascending.
+      local_val: their values.
+      bounds: the P+1 region boundaries.
+      codec: the index codec of the messages.
+      wire: the values' encoding.
+      loss: the round's :class:`~tfsparse.wire.WireLoss`, to record what the encodings lost.
+      bucket_size: peers per communication bucket.
+
+    Returns:
+      ``(indices, values)`` of this rank's region, summed over the ranks.
+    """
+    rank, size = comm.rank, comm.size
+    cuts = np.searchsorted(local_idx, bounds)  # local_idx[cuts[j]:cuts[j+1]] lies in region j
+    messages = [None] * size
+    for dst in range(size):
+        c0, c1 = int(cuts[dst]), int(cuts[dst + 1])
+        if dst != rank and c1 > c0:
+            part = local_idx[c0:c1]
+            messages[dst], lost = pack_sparse(part, local_val[c0:c1], codec, wire)
+            loss.add(part, lost)
+    send_bytes = np.array([0 if m is None else m.size for m in messages], dtype=np.int64)
+    if size > 1:  # message lengths first, so that every receive can be posted at once
+        recv_bytes = np.concatenate(comm.alltoall([send_bytes[j:j + 1] for j in range(size)]))
+    else:
+        recv_bytes = send_bytes.copy()
+    from ..ops import cpu
+
+    # the region's sum so far as a sparse vector (ascending indices): each part is merged in
+    # (ops.cpu.merge_sum: a new index gets 0 + value, a known one its sum + value) -- what
+    # adding the parts into a zeroed region vector gives, without the region-sized passes
+    reduced_idx, reduced_val = np.empty(0, np.int64), np.empty(0, np.float32)
+
+    def reduce_part(idx, val):
+        nonlocal reduced_idx, reduced_val
+        reduced_idx, reduced_val = cpu.merge_sum(reduced_idx, reduced_val, idx, val)
+
+    steps = list(range(1, size))
+    buckets = [steps[i:i + bucket_size] for i in range(0, len(steps), bucket_size)]
+    sends = []
+    pending = None  # (list of (source, request)) of the bucket in flight
+    own = slice(int(cuts[rank]), int(cuts[rank + 1]))
+    own_reduced = False
+    for bucket in buckets + [[]]:  # the last, empty bucket reduces what the one before it brought
+        posted = []
+        for s in bucket:  # destination rotation (Fig. 2(b))
+            dst, src = (rank + s) % size, (rank - s) % size
+            if recv_bytes[src] > 0:
+                posted.append((src, comm.irecv(src, int(recv_bytes[src]), tag=TAG_REDUCE, dtype=np.uint8)))
+            if messages[dst] is not None:
+                sends.append(comm.isend(messages[dst], dst, tag=TAG_REDUCE))
+        # overlap: reduce what is already here while this bucket is in flight
+        if not own_reduced:
+            reduce_part(local_idx[own], local_val[own])
+            own_reduced = True
+        if pending is not None:
+            for _src, req in pending:
+                reduce_part(*unpack_sparse(req.wait(), codec, wire))
+        pending = posted
+    for req in sends:
+        req.wait()
+    return reduced_idx, reduced_val
+
+
+# -- §3.1.2 ---------------------------------------------------------------------------
+
+def balance_and_allgatherv(comm, g_idx, g_val, codec, wire, loss, balance_factor: float):
+    """All ranks get the concatenation (rank order) of every rank's global top-k buffer.
+    Whoever encodes values (a balancing sender, a buffer's holder) keeps what that lost.
+
+    Data balancing (§3.1.2) runs first where the largest buffer exceeds ``balance_factor`` times the mean.
+
+    Args:
+      comm: the communicator.
+      g_idx: this rank's global top-k buffer's indices.
+      g_val: their values.
+      codec: the index codec of the messages.
+      wire: the values' encoding.
+      loss: the round's :class:`~tfsparse.wire.WireLoss`, to record what the encodings lost.
+      balance_factor: the aggregator's ``balance_factor``.
+
+    Returns:
+      ``(indices, values, balanced)``.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return g_idx.astype(np.int64, copy=False), g_val.astype(np.float32, copy=False), False
+    counts = np.concatenate(comm.allgather(np.array([g_idx.size], dtype=np.int64)))
+    total = int(counts.sum())
+    balanced = total > 0 and counts.max() > balance_factor * (total / size)
+    if balanced:
+        starts, targets, moves = balance_plan(counts)
+        sends = []
+        for q in range(size):
+            if q != rank and moves[rank, q] > 0:
+                off = max(starts[rank], targets[q]) - starts[rank]
+                sl = slice(int(off), int(off + moves[rank, q]))
+                message, lost = pack_sparse(g_idx[sl], g_val[sl], codec, wire)
+                loss.add(g_idx[sl], lost)
+                sends.append(comm.isend(message, q, tag=TAG_BALANCE))
+        parts_idx, parts_val = [], []
+        for p in range(size):  # the chunk in global order: pieces from lower ranks first
+            if moves[p, rank] == 0:
+                continue
+            if p == rank:
+                off = max(starts[rank], targets[rank]) - starts[rank]
+                sl = slice(int(off), int(off + moves[rank, rank]))
+                parts_idx.append(g_idx[sl])
+                parts_val.append(g_val[sl])
+            else:
+                i, v = unpack_sparse(comm.recv(p, tag=TAG_BALANCE, dtype=np.uint8), codec, wire)
+                parts_idx.append(i)
+                parts_val.append(v)
+        for req in sends:
+            req.wait()
+        mine_idx = np.concatenate(parts_idx) if parts_idx else np.empty(0, np.int64)
+        mine_val = np.concatenate(parts_val) if parts_val else np.empty(0, np.float32)
+    else:
+        mine_idx, mine_val = g_idx, g_val
+    message, lost = pack_sparse(mine_idx, mine_val, codec, wire)
+    loss.add(mine_idx, lost)
+    pieces = [unpack_sparse(b, codec, wire) for b in comm.allgather(message)]
+    u_idx = np.concatenate([p[0] for p in pieces]) if pieces else np.empty(0, np.int64)
+    u_val = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.float32)
+    return u_idx, u_val, bool(balanced)
 
 
 def _positive_int(name, value) -> int:
