@@ -42,6 +42,12 @@ def _check(results, P, backend):
                                        "horovod.tensorflow.mpi_threads_supported; provided: init, shutdown")
         assert "rank >= 1" in e["scalar"]
         assert "accepted: num_groups=0, groups=None" in e["groups"]
+        shapes = ", ".join(f"(2, {q + 1})" for q in range(P))
+        why = ("allgather: every rank's tensor must have the same rank and the same dimensions after the first; "
+               f"got shapes [{shapes}]")
+        assert e["shapes"] == f"ValueError: {why}"
+        assert e["shapes_graph"].startswith("InvalidArgumentError: ") and why in e["shapes_graph"], e["shapes_graph"]
+        assert e["after_shapes"] == [float(q) for q in range(P)]
         # the custom loop (DistributedGradientTape, variables broadcast after the first batch):
         # the same weights and optimizer state on every rank, the loss falling, the tape's
         # gradient the mean of the ranks' own

@@ -164,6 +164,21 @@ errors = {
     "scalar": error_of(lambda: hvd.allgather(tf.constant(1.0))),
     "groups": error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)),
 }
+
+
+def shapes_error() -> str:
+    """allgather, in a tf.function, of tensors whose dimensions after the first differ between
+    ranks: TensorFlow raises the collective's ValueError as its own error, on every rank."""
+    try:
+        tf.function(hvd.allgather)(tf.zeros([2, r + 1]))
+    except tf.errors.InvalidArgumentError as e:
+        return f"{type(e).__name__}: {e.message}"
+    return ""
+
+
+errors["shapes"] = error_of(lambda: hvd.allgather(tf.zeros([2, r + 1])))  # eagerly: the ValueError itself
+errors["shapes_graph"] = shapes_error()
+errors["after_shapes"] = hvd.allgather(tf.constant([float(r)])).numpy().tolist()  # still in step
 hvd.shutdown()
 after_shutdown = error_of(hvd.size)
 save_result(r, queries=queries, failures=failures, weights=flat, errors=errors, before_init=before_init,
