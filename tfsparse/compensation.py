@@ -102,14 +102,16 @@ class Fused(Separate):
         Falls back to :meth:`Separate.run` where the memory does not fuse these gradients.
 
         Args:
-          comm: the communicator the aggregator encodes for.
-          arrays: the bucket's gradients, in order.
-          aggregator: the round's aggregator.
-          k: the round's budget.
-          wire: the round's wire.
+          comm: asked by the aggregator for the blocks it takes encoded and for its prefilter.
+          arrays: the bucket's gradients: contiguous float32 host arrays where the pass fuses.
+          aggregator: tells what the pass collects (:meth:`~tfsparse.aggregators.Aggregator.prefilter`)
+            or encodes (:meth:`~tfsparse.aggregators.Aggregator.fused_spans`).
+          k: the budget its prefilter is asked about.
+          wire: the wire the fused blocks are encoded with.
 
         Returns:
-          ``(acc, offer, finite)`` as :meth:`Separate.run`.
+          ``(acc, offer, finite)`` as :meth:`Separate.run`; the offer holds the candidates or the
+          encoded blocks.
         """
         memory = self.memory
         if not memory.fuses(arrays):

@@ -150,14 +150,14 @@ class CoarseSparseAllreduce(Aggregator):
         :meth:`exchange` allreduces.
 
         Args:
-          comm: asked only for its rank and size.
-          acc: this rank's vector (after error feedback).
-          k: the budget: how many elements to send.
-          wire: the values' encoding on the wire.
-          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+          comm: asked only for its rank and size (the dense allreduce's blocks).
+          acc: this rank's vector.
+          k: the budget, in elements; ``m = chunks_for(n, k)`` chunks carry it.
+          wire: the encoding of the chunks' dense allreduce.
+          offer: unused.
 
         Returns:
-          The payload :meth:`exchange` takes.
+          The payload: the norms to allreduce, or the known chunks already encoded.
         """
         acc, k = check_acc(acc, k)
         m = self.chunks_for(acc.size, k)
@@ -175,13 +175,14 @@ class CoarseSparseAllreduce(Aggregator):
         allreduce of its elements and, under ``"previous"``, the next step's set (Fig. 18).
 
         Args:
-          comm: the communicator the collectives run over.
+          comm: the ranks the chunks are summed over.
           payload: what :meth:`encode` returned.
-          out: ignored (the result holds the chosen chunks' elements).
-          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+          out: ignored: the chunks' sum is received into a vector of their own size.
+          settled: never called.
 
         Returns:
-          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+          An :class:`~tfsparse.aggregators.AllreduceResult` over the chosen chunks' elements, every rank
+          contributing all of them.
         """
         acc, n, cs = payload.acc, payload.acc.size, self.chunk_size
         if payload.m == 0:
@@ -215,10 +216,10 @@ class CoarseSparseAllreduce(Aggregator):
         ``"previous"`` and before them too at step 1) and the dense allreduce of the ``m`` chunks, taken as full.
 
         Args:
-          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
-          n: the bucket's elements.
-          k: the budget.
-          step: the exchange step, counted from 1.
+          b: the builder the two allreduces are declared to.
+          n: the bucket's elements (``C = ceil(n / chunk_size)`` norms).
+          k: the budget, which sets ``m``.
+          step: 1 or later (under ``"previous"`` step 1 differs).
         """
         chunks = math.ceil(n / self.chunk_size)
         m = self.chunks_for(n, k)

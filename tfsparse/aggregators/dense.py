@@ -108,14 +108,14 @@ class DenseAllreduce(Aggregator):
         feedback's pass (in the order of :meth:`fused_spans`).
 
         Args:
-          comm: asked only for its rank and size.
-          acc: this rank's vector (after error feedback).
-          k: the budget: how many elements to send.
-          wire: the values' encoding on the wire.
-          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+          comm: asked only for its rank and size (the reduce-scatter's blocks).
+          acc: this rank's whole vector, every element of which is sent.
+          k: ignored: the dense sum has every element (None: ``acc.size``).
+          wire: the encoding of the blocks (float32: one ``comm.allreduce`` of ``acc`` as it is).
+          offer: ``in_place`` and ``encoded`` as above; its ``candidates`` are never asked for.
 
         Returns:
-          The payload :meth:`exchange` takes.
+          The payload: ``acc``, the wire and, over a lossy wire, this rank's encoded blocks.
         """
         in_place, encoded = offer.in_place, offer.encoded
         acc, _ = check_acc(acc, np.size(acc) if k is None else k)
@@ -145,13 +145,14 @@ class DenseAllreduce(Aggregator):
         the sum, before the allgather, which reads ``acc`` no more.
 
         Args:
-          comm: the communicator the collectives run over.
+          comm: the ranks the sum is over.
           payload: what :meth:`encode` returned.
-          out: a host float32 vector of the payload's size to receive the sum into; None: a new one.
-          settled: see above; None: not called.
+          out: a host float32 vector of ``acc``'s size that the sum is written into; None: a new one.
+          settled: as above; None: nothing to call.
 
         Returns:
-          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+          A dense :class:`~tfsparse.aggregators.AllreduceResult` (``indices`` None): every element's sum,
+          identical on every rank.
         """
         acc, wire = payload.acc, payload.wire
         if payload.counts is None:
@@ -246,10 +247,10 @@ class DenseAllreduce(Aggregator):
         """One allreduce of the ``n`` values in the wire's value bytes (Eq. 5), whatever ``k`` and ``step``.
 
         Args:
-          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
-          n: the bucket's elements.
-          k: the budget.
-          step: the exchange step, counted from 1.
+          b: the builder the allreduce is declared to.
+          n: the values summed.
+          k: ignored.
+          step: ignored: every step alike.
         """
         b.allreduce("allreduce", n, b.value_bytes)
 

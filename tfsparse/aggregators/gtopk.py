@@ -140,14 +140,14 @@ class GTopKAllreduce(Aggregator):
         codec of ``k``-entry messages; nothing is encoded before :meth:`exchange`.
 
         Args:
-          comm: asked only for its rank and size.
-          acc: this rank's vector (after error feedback).
-          k: the budget: how many elements to send.
-          wire: the values' encoding on the wire.
-          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+          comm: unused (the tree's ranks are the exchange's).
+          acc: this rank's vector (host or CUDA device: the top-k runs where it lives).
+          k: the size of the local and of the global top-k.
+          wire: the values' encoding in the tree's messages and the broadcast.
+          offer: its ``candidates``, where the fused pass collected them for the top-k.
 
         Returns:
-          The payload :meth:`exchange` takes.
+          The payload: the local top-k (indices ascending), ``k``, the codec and the wire.
         """
         acc, k = check_acc(acc, k)
         # Alg. 4 lines 5-7: exact local top-k (Mask)
@@ -159,10 +159,10 @@ class GTopKAllreduce(Aggregator):
         per receiver), then rank 0's broadcasts of the result's length and of the result (Alg. 3 line 19).
 
         Args:
-          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
-          n: the bucket's elements.
-          k: the budget.
-          step: the exchange step, counted from 1.
+          b: the builder the tree's messages are declared to.
+          n: the bucket's elements (the index codec's).
+          k: the entries of each message and of the result.
+          step: ignored: every step alike.
         """
         msg = b.message(n, k)
         tree = tree_schedule(b.P)  # the fold round (non-power-of-two P), then recursive doubling
@@ -179,13 +179,14 @@ class GTopKAllreduce(Aggregator):
         ``contributed`` is Alg. 4 line 10's ``Mask ∩ gMask``.
 
         Args:
-          comm: the communicator the collectives run over.
+          comm: the ranks of the tree.
           payload: what :meth:`encode` returned.
-          out: ignored (the result is sparse).
-          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+          out: ignored: the result has at most ``k`` entries.
+          settled: never called.
 
         Returns:
-          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+          An :class:`~tfsparse.aggregators.AllreduceResult` of at most ``k`` ascending indices, the same on
+          every rank; ``contributed`` this rank's surviving entries.
         """
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         cur_idx, cur_val = local_idx, payload.local_val

@@ -276,10 +276,10 @@ class OkTopkAllreduce(Aggregator):
         """Step ``step``'s expected messages (module docstring), its phases as :meth:`due` decides them.
 
         Args:
-          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          b: the builder the step's phases are declared to.
           n: the bucket's elements.
-          k: the budget.
-          step: the exchange step, counted from 1.
+          k: the budget (``k/P`` expected entries per rank and region).
+          step: which step of the period (:meth:`due`).
         """
         P = b.P
         fresh, repartition = self.due(step)
@@ -339,14 +339,15 @@ class OkTopkAllreduce(Aggregator):
         step's schedule.
 
         Args:
-          comm: asked only for its rank and size.
-          acc: this rank's vector (after error feedback).
-          k: the budget: how many elements to send.
-          wire: the values' encoding on the wire.
-          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+          comm: asked only for its size (the codec's ``k/P``-entry messages).
+          acc: this rank's vector.
+          k: the budget of the local and of the global selection.
+          wire: the values' encoding in every message.
+          offer: its ``candidates``, collected for :meth:`prefilter`'s answer.
 
         Returns:
-          The payload :meth:`exchange` takes.
+          The payload: the step's counter and schedule, the local selection, the codec, the wire and
+          the local threshold used.
         """
         acc, k = check_acc(acc, k)
         n, size = acc.size, comm.size
@@ -373,13 +374,14 @@ class OkTopkAllreduce(Aggregator):
         """Lines 5-14: repartition, split and reduce, global threshold, balance, allgatherv.
 
         Args:
-          comm: the communicator the collectives run over.
+          comm: the ranks of the step.
           payload: what :meth:`encode` returned.
-          out: ignored (the result is sparse).
-          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+          out: ignored: the result is the union of the regions' global top-k.
+          settled: never called.
 
         Returns:
-          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+          An :class:`~tfsparse.aggregators.AllreduceResult` (ascending indices, identical everywhere);
+          ``contributed`` is local ∩ global (line 14).
         """
         k, local_idx, codec, wire = payload.k, payload.local_idx, payload.codec, payload.wire
         n, size = payload.n, comm.size

@@ -60,14 +60,14 @@ class AllgatherAggregator(Aggregator):
         ``[indices | values]`` message (:func:`tfsparse.wire.pack_sparse`), what the wire lost recorded.
 
         Args:
-          comm: asked only for its rank and size.
-          acc: this rank's vector (after error feedback).
-          k: the budget: how many elements to send.
-          wire: the values' encoding on the wire.
-          offer: what error feedback's pass made on the way (:class:`~tfsparse.aggregators.base.Offer`).
+          comm: unused (the ranks gathered from are the exchange's).
+          acc: this rank's vector (host, or a device where the compressor selects there).
+          k: the compressor's budget.
+          wire: the values' encoding in the message.
+          offer: its ``candidates``, handed to the compressor.
 
         Returns:
-          The payload :meth:`exchange` takes.
+          The payload: the message, the selected indices, the codec, the wire and what it lost.
         """
         acc, k = check_acc(acc, k)
         idx, val = self.select(acc, k, offer.candidates)
@@ -82,13 +82,14 @@ class AllgatherAggregator(Aggregator):
         """One allgather of every rank's message, summed in rank order (:meth:`combine`).
 
         Args:
-          comm: the communicator the collectives run over.
+          comm: the ranks gathered from.
           payload: what :meth:`encode` returned.
-          out: ignored (the result is sparse).
-          settled: never called here (only the dense allreduce over a lossy wire has such a moment).
+          out: ignored: the result keeps the ranks' pieces.
+          settled: never called.
 
         Returns:
-          The global result, an :class:`~tfsparse.aggregators.AllreduceResult`, identical on every rank.
+          An :class:`~tfsparse.aggregators.AllreduceResult` whose ``pieces`` are every rank's entries (its
+          ``values`` their sum, on first access); ``contributed`` this rank's selection.
         """
         return self.combine(comm.allgather(payload.message), payload)
 
@@ -116,10 +117,10 @@ class AllgatherAggregator(Aggregator):
         (:meth:`gather_schedule`).
 
         Args:
-          b: the :class:`~tfsparse.collectives.simulate.Builder` to declare to.
+          b: the builder the allgather is declared to.
           n: the bucket's elements.
-          k: the budget.
-          step: the exchange step, counted from 1.
+          k: the compressor's budget.
+          step: ignored: every step alike.
         """
         self.gather_schedule(b, n, self.compressor.expected_count(n, k), k)
 

@@ -121,11 +121,11 @@ class Round:
         """``gamma · elements · max(1, busy / cores)`` (unweighted).
 
         Args:
-          gamma: seconds per element of local work.
-          cores: the cores the ``busy`` ranks share; None: each has its own.
+          gamma: seconds per element added, merged or selected.
+          cores: the cores the round's ``busy`` ranks share; None: each has its own.
 
         Returns:
-          Seconds.
+          Seconds, not weighted.
         """
         share = max(1.0, self.busy / cores) if cores else 1.0
         return gamma * self.elements * share
@@ -134,12 +134,12 @@ class Round:
         """``weight · (alpha · messages + (bytes - free) / beta + gamma · elements · max(1, busy / cores))``.
 
         Args:
-          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
-          gamma: seconds per element of local work.
-          cores: the cores the ranks share; None: each has its own.
+          ab: the link: ``alpha`` per message, ``beta`` for the bytes the token bucket did not free.
+          gamma: seconds per element of the round's local work.
+          cores: as :meth:`local_seconds` takes them.
 
         Returns:
-          Seconds.
+          Seconds, weighted by :attr:`weight`.
         """
         return self.weight * (ab.alpha * self.messages + (self.bytes - self.free) / ab.beta
                               + self.local_seconds(gamma, cores))
@@ -157,13 +157,13 @@ def through_bucket(rounds, ab: AlphaBeta, gamma: float = 0.0, cores: int | None 
 
     Args:
       rounds: the rounds, in order.
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
-      gamma: seconds per element of local work.
+      ab: the link, whose ``burst`` is the bucket's depth and ``beta`` its fill rate.
+      gamma: seconds per element of local work (the bucket fills meanwhile).
       cores: the cores the ranks share; None: each has its own.
       tokens: the bytes in the bucket at the start; None: full.
 
     Returns:
-      ``(rounds, tokens)``.
+      ``(rounds, tokens)``: the rounds with ``free`` set, and the bytes left in the bucket.
     """
     tokens = ab.burst if tokens is None else min(ab.burst, tokens)
     out = []
@@ -190,14 +190,14 @@ class Phase:
         (None: full), and the tokens left (:func:`through_bucket`).
 
         Args:
-          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          ab: the link each variant is priced over.
           gamma: seconds per element of local work.
           cores: the cores the ranks share; None: each has its own.
           tokens: the bytes in the link's token bucket at the start; None: full.
-          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+          prefer: the variant to take where the phase has one of that name; None: the fastest.
 
         Returns:
-          ``(rounds, tokens)``.
+          ``(rounds, tokens)`` of the variant taken.
         """
         variants = [rounds for method, rounds in self.variants if method == prefer] or \
             [rounds for _, rounds in self.variants]
@@ -237,13 +237,13 @@ class Schedule:
         before the exchange).
 
         Args:
-          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          ab: the link the step is priced over.
           gamma: seconds per element of local work.
           cores: the cores the ranks share; None: each has its own.
-          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+          prefer: a variant's name to take wherever a phase has it; None: each phase's fastest.
 
         Returns:
-          A tuple of :class:`Round`.
+          A tuple of :class:`Round`, every phase's in order.
         """
         return priced_rounds(self.phases, ab, gamma, cores, prefer)
 
@@ -252,13 +252,13 @@ class Schedule:
         (:func:`seconds_of`).
 
         Args:
-          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+          ab: the link.
           gamma: seconds per element of local work.
-          cores: the cores the ranks share; None: each has its own.
-          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+          cores: the ranks' shared cores (None: their own).
+          prefer: as :meth:`rounds` takes it.
 
         Returns:
-          Seconds.
+          The step's seconds.
         """
         return seconds_of(self.phases, ab, gamma, cores, prefer)
 
@@ -268,11 +268,11 @@ def priced_rounds(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None =
     """The rounds of ``phases`` as :meth:`Schedule.rounds` prices them.
 
     Args:
-      phases: the :class:`Phase` s, in order.
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      phases: the :class:`Phase` s, in order (the token bucket carries from one to the next).
+      ab: the link.
       gamma: seconds per element of local work.
       cores: the cores the ranks share; None: each has its own.
-      prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+      prefer: a variant's name; None: each phase's fastest.
 
     Returns:
       A tuple of :class:`Round`.
@@ -290,13 +290,13 @@ def seconds_of(phases, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = No
 
     Args:
       phases: the :class:`Phase` s, in order.
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
-      gamma: seconds per element of local work.
-      cores: the cores the ranks share; None: each has its own.
-      prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+      ab: the link.
+      gamma: the local work's seconds per element.
+      cores: the shared cores, or None.
+      prefer: as :func:`priced_rounds` takes it.
 
     Returns:
-      Seconds.
+      The sum of the rounds' seconds.
     """
     return float(sum(r.seconds(ab, gamma, cores) for r in priced_rounds(phases, ab, gamma, cores, prefer)))
 
@@ -420,13 +420,13 @@ class Builder:
         """The price of what was declared so far (:meth:`Schedule.seconds`).
 
         Args:
-          ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
-          gamma: seconds per element of local work.
-          cores: the cores the ranks share; None: each has its own.
-          prefer: the variant of that name where a phase has one (e.g. ``"ring"``); None: the fastest.
+          ab: the link the phases declared so far are priced over.
+          gamma: seconds per element of their local work.
+          cores: the cores the ranks share, or None.
+          prefer: as :meth:`Schedule.rounds` takes it.
 
         Returns:
-          Seconds.
+          Seconds (:func:`seconds_of` of the phases so far).
         """
         return seconds_of(self.phases, ab, gamma, cores, prefer)
 
@@ -547,12 +547,12 @@ def check_model(ab, gamma, cores) -> tuple:
     an integer >= 1 (ValueError naming the argument and the accepted values otherwise).
 
     Args:
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
-      gamma: seconds per element of local work.
-      cores: the cores the ranks share; None: each has its own.
+      ab: must be an :class:`AlphaBeta`.
+      gamma: must be a real number >= 0.
+      cores: must be None or an integer >= 1.
 
     Returns:
-      ``(ab, gamma, cores)``.
+      ``(ab, gamma, cores)``, ``gamma`` a float and ``cores`` an int or None.
 
     Raises:
       ValueError: naming the argument and the accepted values.
@@ -573,12 +573,12 @@ def price(steps, ab: AlphaBeta, gamma: float = 0.0, cores: int | None = None) ->
 
     Args:
       steps: ``((schedule, weight), ...)``.
-      ab: the link (:class:`~tfsparse.collectives.AlphaBeta`).
+      ab: the link every step is priced over.
       gamma: seconds per element of local work.
       cores: the cores the ranks share; None: each has its own.
 
     Returns:
-      A :class:`SimResult`.
+      A :class:`SimResult` of the weighted sums.
     """
     rounds, sent, case = [], None, None
     for s, weight in steps:

@@ -136,12 +136,12 @@ class DGCSampledThreshold(Compressor):
         """Steps 1-6 of the class docstring: sampled threshold, adaptation, truncation (``k >= n``: the non-zeros).
 
         Args:
-          acc: the offered vector (float32).
-          k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          acc: the offered vector.
+          k: the budget: the threshold is adapted toward ``[lower·k, upper·k]``, the result cut to ``k``.
+          candidates: ignored (it answers no prefilter).
 
         Returns:
-          ``(indices, values)``: int64 indices, ascending (the truncation keeps their order), and their float32 values.
+          ``(indices, values)``: indices ascending (the truncation keeps their order).
         """
         k = small_tensor_k(acc.size, int(k), self.small_density)
         if k <= 0:
@@ -178,11 +178,11 @@ class DGCSampledThreshold(Compressor):
         cut to ``k`` by the truncation -- ``k`` with the defaults.
 
         Args:
-          n: the vector's elements.
+          n: the tensor's elements.
           k: the budget.
 
         Returns:
-          The expected entries, a number.
+          The expected count, a float (``k`` with the defaults).
         """
         k = small_tensor_k(n, int(k), self.small_density)
         if n <= self.exact_below or k >= n:

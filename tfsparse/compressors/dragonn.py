@@ -103,11 +103,12 @@ class HashedThreshold(Compressor):
 
         Args:
           n: the vector's elements.
-          k: the budget.
-          peek: ``peek(positions)``: the vector's values at int64 positions.
+          k: the budget (the hash table has ``capacity_factor·k`` slots).
+          peek: reads the step's sample positions ahead of the pass.
 
         Returns:
-          A :class:`~tfsparse.compressors.Prefilter`, or None.
+          A :class:`~tfsparse.compressors.Prefilter` at the sampled threshold (which it carries to
+          :meth:`compress`), or None for a tensor that takes another path.
         """
         from ..ops import _common as C, cpu
 
@@ -126,12 +127,12 @@ class HashedThreshold(Compressor):
         """Alg. 1 with this step's seed (the step counter then advances): threshold, hash table, survivors.
 
         Args:
-          acc: the offered vector (float32).
+          acc: the offered vector (host or CUDA device).
           k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          candidates: the fused pass's collection at :meth:`prefilter`'s threshold, or None.
 
         Returns:
-          ``(indices, values)``: int64 indices, in slot order, and their float32 values.
+          ``(indices, values)``: the survivors, indices ascending.
         """
         from .. import ops
 
@@ -170,11 +171,11 @@ class HashedThreshold(Compressor):
         keep one (balls into bins; dragonn-wang2022 App. A.2) -- about ``0.89 k`` for ``m = 4k``.
 
         Args:
-          n: the vector's elements.
+          n: the tensor's elements.
           k: the budget.
 
         Returns:
-          The expected entries, a number.
+          The expected occupied slots, a float.
         """
         k = small_tensor_k(n, int(k), self.small_density)
         if k >= n:

@@ -82,12 +82,12 @@ class GaussianKThreshold(Compressor):
         """``|acc| > t``, the Gaussian ``t`` scaled while at most ``3k/4`` pass (§5.4; fewer non-zeros: all).
 
         Args:
-          acc: the offered vector (float32).
-          k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          acc: the offered vector.
+          k: the budget the threshold aims at.
+          candidates: ignored (it answers no prefilter).
 
         Returns:
-          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+          ``(indices, values)``: the entries above the threshold, indices ascending.
         """
         k = int(k)
         n = acc.size

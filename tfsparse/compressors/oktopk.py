@@ -143,8 +143,8 @@ class ReusedThreshold(Compressor):
         Args:
           n: the vector's elements.
           k: the budget.
-          peek: ``peek(positions)``: the vector's values at int64 positions.
-          fresh: whether this step re-evaluates; None: where no threshold is kept.
+          peek: reads the exact top-k's sample ahead of the pass (on a re-evaluation step).
+          fresh: whether the next call re-evaluates; None: where no threshold is kept.
 
         Returns:
           A :class:`~tfsparse.compressors.Prefilter`, or None.
@@ -161,12 +161,12 @@ class ReusedThreshold(Compressor):
         """``|acc| >= threshold`` (the exact k-th largest where none is kept), raised and adjusted as the class says.
 
         Args:
-          acc: the offered vector (float32).
-          k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          acc: the offered vector.
+          k: the budget (the re-evaluated threshold is the k-th largest ``|acc|``).
+          candidates: the fused pass's collection for :meth:`prefilter`'s answer, or None.
 
         Returns:
-          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+          ``(indices, values)``: indices ascending.
         """
         fresh = self.threshold is None
         if fresh:

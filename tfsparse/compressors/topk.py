@@ -77,11 +77,11 @@ def topk_prefilter(n: int, k: int, peek) -> Prefilter | None:
 
     Args:
       n: the vector's elements.
-      k: the budget.
-      peek: ``peek(positions)``: the vector's values at int64 positions.
+      k: how many the top-k keeps.
+      peek: ``peek(positions)``: the vector's values at the sample's int64 positions.
 
     Returns:
-      A :class:`~tfsparse.compressors.Prefilter`, or None.
+      A :class:`~tfsparse.compressors.Prefilter` with the sample's key, or None.
     """
     from ..ops import cpu
 
@@ -96,12 +96,13 @@ def topk_of(acc, k: int, candidates: Candidates | None):
     """:func:`topk_with_values`, from ``candidates`` when they hold at least ``k`` elements.
 
     Args:
-      acc: the offered vector (float32).
-      k: the budget.
-      candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+      acc: the vector (float32, host or CUDA device).
+      k: how many entries to keep.
+      candidates: what a fused pass collected for :func:`topk_prefilter`; None, or fewer than
+        ``k`` of them: ``acc`` is read itself.
 
     Returns:
-      ``(indices, values)``: int64 indices, ascending, and their float32 values.
+      ``(indices, values)``: the exact top-k, indices ascending, on the host.
     """
     if candidates is not None:
         from ..ops import cpu
@@ -127,12 +128,12 @@ class TopK(Compressor):
         """The exact top-k (:func:`topk_with_values`), taken among ``candidates`` when they hold at least ``k``.
 
         Args:
-          acc: the offered vector (float32).
-          k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          acc: the offered vector (float32, host or CUDA device).
+          k: how many entries to send.
+          candidates: the fused pass's collection for :meth:`prefilter`'s key, or None.
 
         Returns:
-          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+          ``(indices, values)``: the exact top-k, indices ascending.
         """
         return topk_of(acc, k, candidates)
 
@@ -142,11 +143,11 @@ class TopK(Compressor):
 
         Args:
           n: the vector's elements.
-          k: the budget.
-          peek: ``peek(positions)``: the vector's values at int64 positions.
+          k: how many entries the next :meth:`compress` keeps.
+          peek: reads the sample's values ahead of the pass.
 
         Returns:
-          A :class:`~tfsparse.compressors.Prefilter`, or None.
+          A :class:`~tfsparse.compressors.Prefilter`, or None (no fusion this round).
         """
         return topk_prefilter(n, k, peek)
 
@@ -162,12 +163,12 @@ class Identity(Compressor):
         """Every index ``0 .. n-1`` and a copy of ``acc``.
 
         Args:
-          acc: the offered vector (float32).
-          k: the budget.
-          candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
+          acc: the offered vector.
+          k: ignored: every element is sent.
+          candidates: ignored (it answers no prefilter).
 
         Returns:
-          ``(indices, values)``: int64 indices, ascending, and their float32 values.
+          ``(arange(n), acc.copy())``.
         """
         return np.arange(acc.size, dtype=np.int64), acc.copy()
 
@@ -176,9 +177,9 @@ class Identity(Compressor):
 
         Args:
           n: the vector's elements.
-          k: the budget.
+          k: ignored.
 
         Returns:
-          The expected entries, a number.
+          ``n``.
         """
         return n

@@ -418,12 +418,12 @@ class BFloat16(Wire):
 
         Args:
           pieces: ``(g, r, at)`` triples (:meth:`Wire.compensate_encode`).
-          acc: the float32 vector that receives the sums, then the loss.
-          buffers: a :class:`tfsparse.buffers.Reusable` for the codes; None: a new array.
+          acc: receives the sums, then what the truncation lost.
+          buffers: where the 16-bit codes are taken from; None: a new array.
           stream: use non-temporal stores for ``acc``.
 
         Returns:
-          ``(message, finite)`` as :meth:`Wire.compensate_encode`.
+          ``(message, finite)``: ``2m`` bytes, and whether every sum is finite.
         """
         return _compensate_encode16(self, pieces, acc, buffers, stream, half=False)
 
@@ -499,14 +499,13 @@ class Int8(Wire):
         as summing first and :meth:`encode` with ``loss=acc`` after.
 
         Args:
-          pieces: ``(g, r, at)`` triples (:meth:`Wire.compensate_encode`).
-          acc: the float32 vector that receives the sums, then the loss.
-          buffers: a :class:`tfsparse.buffers.Reusable` to take the message from; None: a new array.
-          stream: use non-temporal stores for ``acc``.
+          pieces: ``(g, r, at)`` triples (:meth:`Wire.compensate_encode`); their boundaries may cut chunks.
+          acc: receives the sums, then what the quantization lost.
+          buffers: where the message (codes, then scales) is taken from; None: a new array.
+          stream: use non-temporal stores for ``acc`` in the fused chunks.
 
         Returns:
-          ``(message, finite)`` as :meth:`Wire.compensate_encode` (a chunk's scale is NaN or Inf where
-          a sum is).
+          ``(message, finite)``: :meth:`nbytes` bytes, and whether every chunk's scale is finite.
         """
         k = _kernels()
         count, C = acc.size, INT8_CHUNK
