@@ -57,7 +57,7 @@ class Checkpointer:
           ``{name: array}``, each with one row per rank.
 
         Raises:
-          RuntimeError: the ranks hold states of different sizes.
+          RuntimeError: the ranks hold states of different sizes, or a round is in flight.
         """
         ex = self.exchange
         state = ex.get_state()

@@ -329,10 +329,11 @@ class Building:
             self._side = comm.duplicate()
 
     def run_collective(self, fn):
-        """Runs ``fn(comm)`` on the communication thread, after the buckets already started.
+        """Runs ``fn(comm)`` in order with the rounds: after the buckets already started.
 
-        Over the exchange's communicator (e.g. the per-step metric averaging, so that it never
-        interleaves with the gradient collectives).  With a side channel (:attr:`side_channel`, asked
+        On the communication thread, over the exchange's communicator (e.g. the per-step metric
+        averaging, so that it never interleaves with the gradient collectives); before the build
+        or without a communication thread, at once on the caller's thread.  With a side channel (:attr:`side_channel`, asked
         for by a pipelined wrapper) over a transport that allows concurrent collectives, ``fn`` runs
         at once on the caller's thread over a communicator of its own, so that it does not wait for
         the round in flight.

@@ -86,6 +86,7 @@ class ExchangeState:
 
         Raises:
           ValueError: the state was saved for another layout or plan.
+          RuntimeError: a round is in flight (once built).
         """
         state = {k: np.asarray(v) for k, v in state.items()}
         if not self.bucket_states:

@@ -138,7 +138,8 @@ class Pipelined:
         """Runs ``fn(comm)`` beside the engine's rounds, in their order (:meth:`GradientExchange.run_collective`).
 
         Args:
-          fn: a callable of the communicator, run on the communication thread.
+          fn: a callable of the communicator, run in order with the rounds (where and over which
+            communicator: :meth:`GradientExchange.run_collective`).
 
         Returns:
           What ``fn`` returned.

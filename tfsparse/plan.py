@@ -82,7 +82,7 @@ class Layout:
 
     @classmethod
     def of(cls, arrays, names=None) -> "Layout":
-        """The layout of a list of arrays (or of one flat array).
+        """The layout of a list of arrays.
 
         Args:
           arrays: the gradients (numpy, TensorFlow or device arrays: only shapes and dtypes are read).
@@ -347,8 +347,9 @@ class PerTensorPlan(Plan):
           A list of :class:`BucketSpec`, one per tensor.
 
         Raises:
-          ValueError: a dict ``assign`` names a tensor that ``layout`` lacks, or gives overrides
-            other than ``algorithm``, ``density``, ``wire_dtype`` and ``options``.
+          ValueError: a dict ``assign`` names a tensor that ``layout`` lacks, or a callable
+            ``assign`` returns overrides other than ``algorithm``, ``density``, ``wire_dtype`` and
+            ``options``.
         """
         if isinstance(self.assign, dict):
             names = {s.name for s in layout.specs}

@@ -426,7 +426,7 @@ class CostModelPlan(Plan):
           limit: how many tensors (the largest) get a line each.
 
         Returns:
-          Lines of text.
+          One string, a line per decision shown.
         """
         ds = self.decisions or []
         comp = [d for d in ds if d.compress]
@@ -463,7 +463,8 @@ def make_selection(selection, algorithm: str):
       A :class:`CostModelPlan`, or None.
 
     Raises:
-      ValueError: any other value, naming the argument and the accepted values.
+      ValueError: any other value, naming the argument and the accepted values; a cost model
+        for an algorithm that is not an allgather algorithm.
     """
     if selection is None:
         return None

@@ -365,7 +365,8 @@ class Settings:
            algorithm_options: Mapping | None = None, **kwargs) -> "Settings":
         """Settings from keyword arguments, or ``settings`` itself when given alone.
 
-        A ``density`` or ``wire_dtype`` without an algorithm pins :data:`PINNED_DEFAULT`.
+        A ``density`` or ``wire_dtype`` without an algorithm (and without ``settings``) pins
+        :data:`PINNED_DEFAULT`.
 
         Args:
           settings: a :class:`Settings` to start from (the keywords change a copy); None: the defaults.

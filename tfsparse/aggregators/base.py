@@ -112,7 +112,8 @@ class AllreduceResult:
           out: a host float32 vector of ``n`` elements to write into (every element is written); None: a new one.
 
         Returns:
-          ``out``, or a new float32 vector.
+          ``out`` when given; else, for a dense result, the result's own values (not copied), and for
+          a sparse one a new float32 vector.
         """
         if self.indices is None and (self.pieces is None or out is None):
             values = self.values.reshape(-1)

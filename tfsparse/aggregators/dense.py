@@ -110,7 +110,8 @@ class DenseAllreduce(Aggregator):
         Args:
           comm: asked only for its rank and size (the reduce-scatter's blocks).
           acc: this rank's whole vector, every element of which is sent.
-          k: ignored: the dense sum has every element (None: ``acc.size``).
+          k: not used, but checked to be an integer in ``[0, acc.size]``: the dense sum has every
+            element (None: ``acc.size``).
           wire: the encoding of the blocks (float32: one ``comm.allreduce`` of ``acc`` as it is).
           offer: ``in_place`` and ``encoded`` as above; its ``candidates`` are never asked for.
 

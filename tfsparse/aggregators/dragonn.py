@@ -64,8 +64,8 @@ class DragonnAllgather(AllgatherAggregator):
       capacity_factor: slots per selected element, ``m = capacity_factor · k`` (default 4, the
         authors' choice; an integer >= 1).
       sample_ratio: fraction of the gradient sampled for the threshold (default 0.01, DGC's 1%).
-      min_samples: below this many samples the threshold is the exact k-th largest magnitude
-        (default 1024).
+      min_samples: the fewest positions sampled (default 1024); a tensor of at most this many
+        elements takes the exact k-th largest magnitude.
       seed: base seed of the hash functions and the sampling positions (default 0); step ``s``
         uses ``seed · 2**32 + s`` on every rank.
       small_density: None (default), or the authors' behaviour: every tensor of at most 131072

@@ -119,7 +119,8 @@ class GTopKAllreduce(Aggregator):
     the ranks whose contributions survived the tree), identical on every rank;
     ``contributed`` is ``Mask ∩ gMask`` (Alg. 4 line 10, see the module docstring for the
     known loss).  After each call ``last_info`` holds ``rounds`` (the tree depth),
-    ``received_bytes`` (bytes this rank received in the reduction) and ``local_count``.
+    ``received_bytes`` (bytes this rank received in the reduction), ``local_count`` and
+    ``global_count``.
 
     Args:
       **unknown: any other keyword is refused (ValueError naming the accepted options).

@@ -226,7 +226,7 @@ class OkTopkAllreduce(Aggregator):
         thresholds (NaN: none yet) and the region boundaries (empty: none yet).
 
         Returns:
-          ``{name: numpy array}`` (empty where there is nothing to keep).
+          ``{name: numpy array}`` (all five keys; NaN thresholds and empty ``boundaries`` where none is kept yet).
         """
         none, local = float("nan"), self.compressor.threshold
         return {"t": np.array([self._t], np.int64),

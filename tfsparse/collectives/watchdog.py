@@ -260,7 +260,7 @@ class DepartureWatch:
         """A rank that announced its failure, after listening a little longer.
 
         Args:
-          wait: seconds to listen for announcements.
+          wait: the most seconds to listen (it returns as soon as one is known).
 
         Returns:
           ``(rank, exception name)`` of the lowest such rank; None when none did.
@@ -352,7 +352,7 @@ class DepartureWatch:
         """The ranks known to have ended, after listening a little longer for notices.
 
         Args:
-          wait: seconds to listen.
+          wait: the most seconds to listen (it returns as soon as a departure is known).
 
         Returns:
           Their ranks, sorted.

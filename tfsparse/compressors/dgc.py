@@ -100,6 +100,9 @@ class DGCSampledThreshold(Compressor):
 
         Args:
           state: what :meth:`get_state` returned.
+
+        Raises:
+          ValueError: a non-empty state that does not hold six words.
         """
         super().set_state(state)
         if not state:  # nothing saved: start afresh, from the seed
@@ -137,7 +140,8 @@ class DGCSampledThreshold(Compressor):
 
         Args:
           acc: the offered vector.
-          k: the budget: the threshold is adapted toward ``[lower·k, upper·k]``, the result cut to ``k``.
+          k: the budget: the threshold is adapted toward ``[lower·k, upper·k]`` (where ``adapt_iters > 0``)
+            and the result cut to ``k`` (where ``truncate`` is set).
           candidates: ignored (it answers no prefilter).
 
         Returns:

@@ -19,7 +19,8 @@ class HashedThreshold(Compressor):
 
     1. the threshold ``t``: DGC's sampled estimate of the k-th largest ``|acc|`` (a
        ``sample_ratio`` sample, :func:`tfsparse.ops.sample_threshold`), the exact k-th largest
-       (:func:`tfsparse.ops.kth_largest_abs`) when fewer than ``min_samples`` would be drawn;
+       (:func:`tfsparse.ops.kth_largest_abs`) when the sample, raised to at least
+       ``min_samples`` positions, would hold the whole tensor;
     2. every ``i`` with ``|acc[i]| >= t`` is written to slot ``h(i)`` of a table of
        ``capacity_factor · k`` slots (:func:`tfsparse.ops.hash_select`; a later index
        overwrites an earlier one, so one survives per slot);
@@ -40,7 +41,8 @@ class HashedThreshold(Compressor):
     Args:
       capacity_factor: slots per selected element, ``m = capacity_factor · k`` (an integer >= 1).
       sample_ratio: fraction of the gradient sampled for the threshold.
-      min_samples: below this many samples the threshold is the exact k-th largest magnitude.
+      min_samples: the fewest positions sampled; a tensor of at most this many elements takes the
+        exact k-th largest magnitude.
       seed: base seed of the hash functions and the sampling positions.
       small_density: None, or the density every tensor of at most 131072 elements runs at.
     """

@@ -21,7 +21,7 @@ def kth_largest_magnitude(values: np.ndarray, k: int, candidates: Candidates | N
       candidates: the :class:`~tfsparse.compressors.Candidates` of a fused pass, or None.
 
     Returns:
-      The magnitude, a float.
+      The magnitude, a float (``inf`` for ``k <= 0``: nothing passes).
     """
     from .. import ops
 
@@ -91,7 +91,7 @@ def adjusted_threshold(threshold, count, k, high, factor):
       factor: the adjustment factor.
 
     Returns:
-      The threshold, a float.
+      The threshold, a float (a None ``threshold`` is returned as it is).
     """
     if factor == 1.0 or k <= 0 or threshold is None or not 0.0 < threshold < np.inf:
         return threshold

@@ -191,6 +191,9 @@ def pack_sparse(idx, val, codec, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.n
     Returns:
       ``(buffer, loss)``: the message, and what the encoding lost on each value (None on a
       lossless wire).
+
+    Raises:
+      ValueError: a :class:`BlockedIndices` codec given indices that do not ascend strictly.
     """
     loss = np.empty(np.size(val), np.float32) if wire.lossy else None
     enc = wire.encode(val, loss)
@@ -207,6 +210,9 @@ def unpack_sparse(buf, codec, wire: Wire = FLOAT32) -> tuple[np.ndarray, np.ndar
 
     Returns:
       ``(indices, values)``: int64 and float32.
+
+    Raises:
+      RuntimeError: a corrupt message (its length fits no entries, or not the counts).
     """
     buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
     idx, offset = codec.split(buf, wire)

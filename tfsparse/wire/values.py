@@ -118,6 +118,9 @@ class Wire:
 
         Returns:
           A new float32 vector of ``count`` values.
+
+        Raises:
+          RuntimeError: ``buf`` is too short for ``count`` values.
         """
         return self.decode_into(buf, count, np.empty(int(count), np.float32))
 

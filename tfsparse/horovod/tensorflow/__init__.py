@@ -409,9 +409,9 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
       A tensor whose first dimension is the sum of the ranks' first dimensions.
 
     Raises:
-      ValueError: a scalar; before :func:`init`; ranks whose other dimensions differ (on every
-        rank, naming every rank's shape; inside a ``tf.function`` TensorFlow raises it as a
-        ``tf.errors.InvalidArgumentError``).
+      ValueError: a scalar; before :func:`init`; ranks whose tensors differ in rank or in the
+        dimensions after the first (on every rank, naming every rank's shape; inside a
+        ``tf.function`` TensorFlow raises it as a ``tf.errors.InvalidArgumentError``).
     """
     _check_process_set(process_set)
     _comm()
