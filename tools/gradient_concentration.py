@@ -68,7 +68,8 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.SGD(tta.RATES[name], momentum=tta.MOMENTUM)
     variables = model.trainable_variables
-    n = sum(int(np.prod(v.shape)) for v in variables)
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    n = sum(sizes)
     k = k_from_density(n, density)  # what the exchange sends of a bucket of n
 
     @tf.function
@@ -82,7 +83,6 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
 
     residual = np.zeros(n, np.float32)
     rows = {"global": [], "local": [], "feedback": [], "residual_ratio": []}
-    sizes = [int(np.prod(v.shape)) for v in variables]
     starts = np.cumsum([0] + sizes[:-1])
     per_tensor = {"share": [], "sent": [], "captured": [], "residual_ratio": []}  # steps x tensors each
     per_epoch = len(x) // tta.BATCH
@@ -104,21 +104,19 @@ def measure(name: str, seed: int, steps: int, density: float) -> dict:
         residual[chosen] = 0.0
         opt.apply_gradients(zip(g_list, variables))  # dense training: the shares are what it would send
 
-    def spans(values):
-        return {"first_10": round(float(np.mean(values[:10])), 4),
-                "steps_10_40": round(float(np.mean(values[10:40])), 4),
-                "last_40": round(float(np.mean(values[-40:])), 4)}
     tensors = [{"name": v.path, "size": size,
-                **{key: {span: round(float(x), 4) for span, x in spans_of(np.array(per_tensor[key])[:, i]).items()}
-                   for key in per_tensor}}
+                **{key: spans(np.array(per_tensor[key])[:, i], first=False) for key in per_tensor}}
                for i, (v, size) in enumerate(zip(variables, sizes))]
     return {"model": name, "seed": seed, "parameters": n, "k": k, **{key: spans(v) for key, v in rows.items()},
             "tensors": tensors}
 
 
-def spans_of(values) -> dict:
-    """Means of ``values`` (one per step) over steps 10-40 and the last 40."""
-    return {"steps_10_40": np.mean(values[10:40]), "last_40": np.mean(values[-40:])}
+def spans(values, first: bool = True) -> dict:
+    """Means of ``values`` (one per step), rounded to 4 places: over the first 10 steps (``first``),
+    steps 10-40 and the last 40."""
+    cuts = {"first_10": slice(None, 10)} if first else {}
+    cuts.update({"steps_10_40": slice(10, 40), "last_40": slice(-40, None)})
+    return {span: round(float(np.mean(values[cut])), 4) for span, cut in cuts.items()}
 
 
 def per_tensor_step(per_tensor: dict, g, residual, squares, chosen, starts, n: int) -> None:
@@ -141,8 +139,7 @@ def per_tensor_step(per_tensor: dict, g, residual, squares, chosen, starts, n: i
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp17m", "conv", "transformer"],
-                        help="among tools/bench_time_to_accuracy.py's MODELS")
+    parser.add_argument("--models", nargs="+", help="among tools/bench_time_to_accuracy.py's MODELS (default: all)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--density", type=float, default=0.01)
@@ -155,6 +152,7 @@ def main(argv=None):
         raise ValueError(f"--density {args.density} is not valid; accepted: a number in (0, 1)")
     import bench_time_to_accuracy as tta  # loads Keras: after the checks that need nothing
 
+    args.models = args.models or list(tta.MODELS)
     unknown = [name for name in args.models if name not in tta.MODELS]
     if unknown:
         raise ValueError(f"--models {unknown[0]!r} is not valid; accepted: {', '.join(tta.MODELS)}")
