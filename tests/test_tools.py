@@ -117,6 +117,28 @@ def test_bench_kernels_cuda_path_runs_in_the_simulator(tmp_path):
     assert ("exchange_step", "topk: copy to host + host exchange") in cuda_ops
 
 
+def test_bench_choices_times_every_choice_and_refuses_bad_arguments(tmp_path):
+    """tools/bench_choices.py at a thousandth of its sizes: a row for each implementation of every
+    choice, the record and its figure written; an unknown choice or a scale of 0 refused by name."""
+    done = subprocess.run([sys.executable, "tools/bench_choices.py", "--scale", "0.001", "--repeats", "1",
+                           "--out", str(tmp_path / "choices")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "choices.json").read_text())["rows"]
+    counts = {}
+    for row in rows:
+        assert row["ms"] >= 0 and row["n"] >= 64
+        counts[row["choice"]] = counts.get(row["choice"], 0) + 1
+    assert counts == {"stream": 16, "dense_select": 4, "half_encode": 4, "half_decode": 2, "message_buffer": 3,
+                      "digest": 2, "all_finite": 2}
+    assert (tmp_path / "choices.png").stat().st_size > 0
+    for bad, said in ((["--choices", "stream,nope"], "--choices: 'nope' is not valid; accepted: stream, dense_select"),
+                      (["--scale", "0"], "--scale=0.0 is not valid; accepted: a number above 0")):
+        refused = subprocess.run([sys.executable, "tools/bench_choices.py", *bad, "--out", str(tmp_path / "x")],
+                                 cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr[-2000:]
+        assert not (tmp_path / "x.json").exists()
+
+
 def test_bench_time_to_accuracy_sends_the_tensors_below_dense_below_dense():
     """tools/bench_time_to_accuracy.py's ``"dense_below": N``: a bucket per tensor, those of fewer
     than N elements dense, the others with the row's own algorithm and density; refused with a
@@ -213,7 +235,8 @@ def test_measure_docs_lists_its_steps_and_refuses_an_unknown_one():
     steps = [line[:-1] for line in listed.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert {"fit17m_1gbit", "gf_1gbit", "pipe_1gbit", "dragonn_1gbit", "tta_1gbit", "tta_conv", "demo"} <= set(steps)
     for tool in ("bench_fit_step", "bench_time_to_accuracy", "bench_exchange", "bench_convergence", "bench_encode",
-                 "bench_kernels", "bench_collectives", "validate_network_model", "simulate_network"):
+                 "bench_kernels", "bench_choices", "bench_collectives", "validate_network_model",
+                 "simulate_network"):
         assert f"tools/{tool}.py" in listed.stdout and (REPO / "tools" / f"{tool}.py").exists()
     refused = subprocess.run(["bash", "tools/measure_docs.sh", "fit17m_1gbit", "nope"], cwd=REPO,
                              capture_output=True, text=True, timeout=60)

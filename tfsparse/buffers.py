@@ -17,8 +17,8 @@ import threading
 
 import numpy as np
 
-# Measured on the development VM: a 4.3M-element float16 encoding took 32 ms with a fresh
-# message buffer and 18 ms into one reused.
+# A reused buffer's pages are mapped already: an encoding into new pages pays for mapping them
+# (the ``message_buffer`` rows of docs/engine_choices.json, ``tools/bench_choices.py``).
 
 #: alignment of the buffers: Eigen's, what TensorFlow needs to use a numpy array's memory as is
 ALIGN = 64

@@ -27,9 +27,8 @@ from .wire import get_wire
 
 #: seconds between the tests of a quiet wait on a communication thread that runs ahead
 #: (:attr:`GradientExchange.comm_ahead`): at 1 Gbit/s about 6 KB arrive meanwhile, far less than
-#: a socket's buffer.  Measured with Pipe-SGD (``pipeline=2``, int8, the 17.1M MLP, P = 4 on the
-#: 2-core VM, ``--net 1gbit``): a step 501.5 -> 471.7 ms with quiet waits and precedence, 499.6 with
-#: quiet waits alone, 483.3 with precedence alone (busy polling then takes the cores)
+#: a socket's buffer, while busy polling would take a core from the computation (where ranks
+#: share cores, as Pipe-SGD's communication thread does when it runs ahead)
 QUIET_PAUSE = 50e-6
 
 _AGREE_HINT = "Every rank must build the same model and the same SparseStrategy / DistributedOptimizer settings."

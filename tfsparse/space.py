@@ -119,7 +119,7 @@ class HostSpace:
     def all_finite(self, x) -> bool:
         """One BLAS dot product (``x·x`` is NaN or Inf when any element is), confirmed element by
         element only when the dot overflowed."""
-        # the dot: about 3 ms for 25M elements on the development VM
+        # the dot against np.isfinite: the ``all_finite`` rows of docs/engine_choices.json
         with np.errstate(over="ignore", invalid="ignore"):
             return bool(np.isfinite(np.dot(x, x))) or bool(np.isfinite(x).all())
 

@@ -170,6 +170,7 @@ STEP[traffic]="$PYTHON tools/bench_exchange.py --algorithms dense,topk,gtopk,okt
 # masking's target: dense float32's best in tta_transformer_auto's seed 1 (0.9512) less 0.5 point
 STEP[masking]="$RUN -np 4 $NET1G $PYTHON tools/bench_time_to_accuracy.py '$MASKING' --model transformer --epochs 10 --seed 1 --target 0.9462 --network '1 Gbit/s (tfsparse-run --net 1gbit)' --out $OUT/masking_transformer_1gbit"
 STEP[kernels]="$PYTHON tools/bench_kernels.py --sizes 1M,4M,16M,64M,128M --out $OUT"
+STEP[choices]="$PYTHON tools/bench_choices.py --out $OUT/engine_choices"
 STEP[concentration]="flock $LOCK $PYTHON tools/gradient_concentration.py --out $OUT/gradient_concentration"
 STEP[collectives]="$PYTHON tools/bench_collectives.py --out $OUT/bench_collectives.json"
 STEP[convergence]="flock $LOCK $PYTHON tools/bench_convergence.py --out $OUT/bench_convergence"
@@ -181,7 +182,7 @@ STEP[validate_100mbit]="$PYTHON tools/validate_network_model.py --rates 100mbit 
 STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out $OUT/validate_network_model.json"
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
- kernels collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
+ kernels choices collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
  tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_int8_conv tta_int8_mlp tta_small_dense_mlp_shm tta_small_dense_transformer_shm
  tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit tta_conv_noise concentration demo"
 

@@ -24,7 +24,7 @@ _RS_TAG, _AG_TAG = 71, 72  # the 16/8-bit exchange's point-to-point messages (on
 
 def _progress(comm):
     """What a decode that overlaps messages in flight calls between its pieces, so that they move
-    meanwhile (:meth:`Wire.decode_into`; measured: :data:`tfsparse.wire.DECODE_PIECE`)."""
+    meanwhile (:meth:`Wire.decode_into`, in pieces of :data:`tfsparse.wire.DECODE_PIECE`)."""
     return comm.progress if comm.manual_progress else None
 
 
@@ -191,8 +191,8 @@ class DenseAllreduce(Aggregator):
 
     def _direct_reduce_scatter(self, comm, payload, offs) -> np.ndarray:
         """Every block goes straight to its owner; all sends and all receives are posted first
-        (measured at P = 4, 1 Gbit/s, int8: a step 17-21 % shorter than receiving one source after
-        the other, whose rendezvous held the later senders back), and the owner decodes each block
+        (receiving one source after the other held the later senders back at their rendezvous),
+        and the owner decodes each block
         while the others are still on the wire; summed in rank order (the same float32 rounding
         whatever the arrival order)."""
         rank, size, acc, wire = comm.rank, comm.size, payload.acc, payload.wire

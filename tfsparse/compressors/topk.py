@@ -51,10 +51,11 @@ def topk_with_values(acc, k: int) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(n, dtype=np.int64), np.asarray(acc).reshape(-1)
     if k > n // 16:
         # dense selections (e.g. density warm-up at 0.25, gTop-k's merges): the magnitudes' keys
-        # once, their k-th largest by a two-pass 16-bit histogram select (``ops._cpu_select._kth_key``;
-        # measured, one core: 342K keys 0.30 ms, 17M 18 ms, against 2.9 and 190 ms for numpy's
-        # introselect); the kernel's ordered pass then takes every larger one and the
-        # lowest-index ties, with no sort (the same indices as numpy's masks and sort)
+        # once, their k-th largest by a two-pass 16-bit histogram select (``ops._cpu_select._kth_key``,
+        # no copy of the keys; timed against numpy's introselect by tools/bench_choices.py, the
+        # ``dense_select`` rows of docs/engine_choices.json); the kernel's ordered pass then takes
+        # every larger one and the lowest-index ties, with no sort (the same indices as numpy's
+        # masks and sort)
         from ..ops import cpu
 
         if isinstance(acc, np.ndarray) and acc.dtype == np.float32:

@@ -1,8 +1,8 @@
 """The replica check's kernel (:func:`tfsparse.ops.cpu.word_sums`, behind
 :func:`tfsparse.keras.replicas.digest`): the two sums of a variable's 32-bit words in one pass,
-with no temporaries -- the numpy expression of the same sums made five arrays of 64-bit words the
-size of the variable (page-faulted in afresh each time), 0.7 s for one 17M-element variable on the
-development VM, where this pass takes about 15 ms."""
+with no temporaries -- the numpy expression of the same sums makes arrays of 64-bit words the
+size of the variable, page-faulted in afresh each time (both timed by tools/bench_choices.py:
+``digest`` in docs/engine_choices.json)."""
 from __future__ import annotations
 
 import numpy as np

@@ -41,8 +41,9 @@ def _half_rne(xu, x, table, out, loss):
     finite value overflowed to Inf, so that a caller writing the loss over ``x`` keeps it);
     returns how many finite values overflowed to Inf.  ``loss`` may be ``x`` itself.
 
-    The conversion is the CPU's (:func:`_to_half`, branch-free and vectorised: measured 3.0 vs
-    8.5 ms for 4.3M elements on one core); NaN keeps the top payload bits and is made quiet
+    The conversion is the CPU's (:func:`_to_half`, branch-free and vectorised; timed against
+    numpy's ``astype`` by tools/bench_choices.py, ``half_encode`` in docs/engine_choices.json);
+    NaN keeps the top payload bits and is made quiet
     explicitly, so the codes do not depend on how a CPU converts NaN.  ``table`` is unused (the
     decoding table's place in the signature)."""
     over = 0
@@ -84,8 +85,8 @@ def _bf16_truncate(xu, x, table, out, loss):
 def _half_into(codes, table, out, accumulate):
     """``out[i] (+)= decode(codes[i])`` for binary16 codes: the CPU's conversion (:func:`_from_half`),
     the 65536-entry table only for NaN (numpy's NaN bits, whatever the CPU does).  Codes without a
-    NaN (a vectorised test first) take a loop without the table, which vectorises (one core, 17.1M
-    codes: 5.0 against 8.0 ms, the test 0.7 ms of it)."""
+    NaN (a vectorised test first) take a loop without the table, which vectorises (both paths
+    timed by tools/bench_choices.py: ``half_decode`` in docs/engine_choices.json)."""
     if not _has_half_nan(codes):
         if accumulate:
             for i in prange(codes.size):
@@ -181,8 +182,8 @@ def _quantize_chunks(x, chunk, q, scales, loss, in_place):
     ``loss = x - q * scale`` (0 in a non-finite chunk: it decodes to NaN everywhere);
     ``in_place``: ``loss`` is ``x``.
 
-    Every loop runs over a chunk's slices from 0 (``range(lo, hi)`` over the whole arrays
-    defeats LLVM's vectoriser: 33 against 5.3 ms for 17.1M values on one core here), and the
+    Every loop runs over a chunk's slices from 0 (LLVM's vectoriser does not vectorise
+    ``range(lo, hi)`` over the whole arrays), and the
     in-place loop reads and writes one array, which the vectoriser's overlap check passes."""
     n = x.size
     xu = x.view(np.uint32)

@@ -38,8 +38,8 @@ def _stage_hits(xu, x, b0, b1, t2, klo, st_idx, st_val, bs, w, shift=0):
     """Stages the elements of ``xu[b0:b1]`` with ``key >= klo`` at ``st_idx/st_val[bs + w:]`` (up to
     ``_STG`` per chunk, counting the rest; index ``i`` staged as ``i + shift``) and returns the new
     count: a full block 16 elements at a time by compressing stores where the CPU has them
-    (:data:`_COMPRESS`; error feedback's pass over 17.1M elements on one core, 196K hits:
-    19.2 -> 15.3 ms, 513K hits: 27.0 -> 15.4 ms), else narrowed by its ``_SUB``-element
+    (:data:`_COMPRESS`: a store per 16 elements instead of a test per element, which pays
+    most where hits are many), else narrowed by its ``_SUB``-element
     sub-blocks' maxima; a short one element by element."""
     if b1 - b0 == _BLK and _COMPRESS:
         kmin = np.int64(klo) if 0 <= klo <= _NANK else np.int64(0 if klo < 0 else 0xFFFFFFFF)
@@ -315,8 +315,8 @@ def _add_select_ge(g, r, acc, klo, base, st_idx, st_val, addr, stream):
     :func:`_select_ge` stages them, from the block's sums made again in a small buffer), then the
     sums written to ``acc`` -- with ``stream``, by non-temporal stores (:func:`_add_stream16`;
     ``addr``: ``acc``'s address; each chunk's blocks start at its first 64-byte aligned element),
-    so that ``acc``'s old lines are never read: three streams over memory, not four (17.1M
-    elements on one core, 12.8 -> 9.3 ms collecting nothing); without, by plain stores, which
+    so that ``acc``'s old lines are never read: three streams over memory, not four (timed by
+    tools/bench_choices.py: the ``stream`` rows of docs/engine_choices.json); without, by plain stores, which
     leave ``acc`` in the cache for the next stage (the caller streams from ``STREAM_MIN`` on).
     Returns ``(idx, val, top)``, ``top`` the largest ``bits << 1`` of the sums
     (``>= INF_KEY << 1``: some sum is not finite)."""

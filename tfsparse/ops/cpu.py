@@ -62,13 +62,10 @@ _PAR_SCATTER = 1 << 14   # payload entries from which scatter_add splits the out
 #: launch costs -- and far less than waiting for a second core on a busy machine.
 PARALLEL_MIN = 1 << 22
 
-# Measured on one core of the development VM (Intel Xeon), add_select's pass alone and the pass
-# followed by a read of acc, streamed against plain stores (ms): 4.2M elements 1.81 / 2.85
-# against 1.79 / 2.41; 8.4M 3.96 / 6.86 against 5.26 / 6.87; 17.1M 9.05 / 13.31 against
-# 11.86 / 15.40; 25.2M 13.28 / 19.53 against 18.29 / 23.77.
 #: Error feedback's pass (:func:`add_select`) writes its sums with non-temporal stores from this
 #: many elements on (32 MiB of float32), where ``acc`` would not stay in the cache for the stage
-#: that reads it next anyway; below, plain stores leave it there (the crossover measured).
+#: that reads it next anyway; below, plain stores leave it there (the crossover: the ``stream``
+#: rows of docs/engine_choices.json, ``python tools/bench_choices.py --choices stream``).
 STREAM_MIN = 1 << 23
 
 
@@ -312,8 +309,8 @@ def add_select(g, r, acc, klo: int, base: int = 0, stream: bool | None = None):
 
     ``stream``: write the sums with non-temporal stores (default: from :data:`STREAM_MIN`
     elements on; the memory decides by its whole vector, of which ``acc`` may be one tensor's
-    slice): from that size on, streamed stores measured faster for the pass followed by a read of
-    ``acc`` (the figures are beside :data:`STREAM_MIN` in the source)."""
+    slice): from that size on, streamed stores are the faster for the pass followed by a read of
+    ``acc`` (timed by tools/bench_choices.py)."""
     traffic.count("compensate", read=g.nbytes + r.nbytes, written=acc.nbytes)
     stream = g.size >= STREAM_MIN if stream is None else bool(stream)
     with _threads_for(g.size):

@@ -9,9 +9,8 @@ from .._registry import Registry
 
 INT8_CHUNK = 4096
 #: values decoded between two calls of :meth:`Wire.decode_into`'s ``progress`` (64 int8 chunks,
-#: 1 MiB of float32 output).  Measured, the dense int8 exchange of 25.2M values at P = 4 over
-#: ``tfsparse-run --net 1gbit``: 545 ms in one piece, 460 ms in pieces of 256Ki values, 485 ms
-#: in pieces of 64Ki (each call has its overhead)
+#: 1 MiB of float32 output): between pieces the messages still in flight move on, and each call
+#: has its overhead, so both one piece and many small ones make the dense int8 exchange slower
 DECODE_PIECE = 64 * INT8_CHUNK
 _F16_MAX = np.float32(65504.0)
 #: the wires by name, one instance each, in the order registered
