@@ -135,9 +135,25 @@ def check_cost_model_runs(results, P):
     assert sorted(results[0]["runs"]["dgc/optimizer+cm+clip"]["buckets"]) == [[0, 1, "dgc"], [1, 4, "dense"]]
 
 
+def check_sharded_evaluation(results) -> None:
+    """Every rank evaluating its shard of the test rows (``tfsparse.data.shard(...,
+    drop_remainder=False)``) logs the accuracy of the whole set, as when each evaluates all of
+    them: the metric states are summed over the ranks (to float32 rounding where P is not a
+    power of two), the same on every rank."""
+    for key in results[0]["runs"]:
+        seen = [r["runs"][key]["sharded_accuracy"] for r in results]
+        assert len(set(seen)) == 1, (key, seen)
+        assert abs(seen[0] - results[0]["runs"][key]["accuracy"]) <= 1e-6, (key, seen[0])
+
+
 @pytest.mark.mpi
 def test_cost_model_selection_in_fit(fits):
     check_cost_model_runs(fits[0], 4)
+
+
+@pytest.mark.mpi
+def test_sharded_evaluation_is_the_whole_sets(fits):
+    check_sharded_evaluation(fits[0])
 
 
 @pytest.mark.mpi
@@ -145,6 +161,7 @@ def test_cost_model_selection_in_fit(fits):
 def test_cost_model_selection_in_fit_small_worlds(P):
     results, _ = mpirun(P, "fit_worker.py", json.dumps(COST_MODEL), timeout=300)
     check_cost_model_runs(results, P)
+    check_sharded_evaluation(results)
 
 
 @pytest.mark.mpi

@@ -61,3 +61,23 @@ def test_join_repeats_the_first_batch_with_zero_weights_until_every_rank_is_done
     np.testing.assert_array_equal(got[4][0], got[0][0])
     with pytest.raises(ValueError, match=r"uneven_data='join' needs \(x, y\)"):
         agree_on_data(tf.data.Dataset.from_tensor_slices(x).batch(2), DataAgreement(Ranks([3]), "join"))
+
+
+def test_shard_drops_or_spreads_the_remainder():
+    """tfsparse.data.shard: equal shards of consecutive (or seeded random) rows, the remainder
+    dropped; with ``drop_remainder=False`` every row in exactly one shard, the first ``n % P``
+    shards one row longer; bad arguments refused by name."""
+    from tfsparse.data import shard
+
+    x, y = np.arange(11) * 10, np.arange(11)
+    assert [shard(x, rank=r, size=3).tolist() for r in range(3)] == [[0, 10, 20], [30, 40, 50], [60, 70, 80]]
+    spread = [shard(x, y, rank=r, size=3, drop_remainder=False) for r in range(3)]
+    assert [s[1].tolist() for s in spread] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert all((xs == ys * 10).all() for xs, ys in spread)  # the same rows of each array
+    shuffled = [shard(y, rank=r, size=4, shuffle_seed=5, drop_remainder=False).tolist() for r in range(4)]
+    assert sorted(sum(shuffled, [])) == list(range(11)) and [len(s) for s in shuffled] == [3, 3, 3, 2]
+    assert shuffled[0] == shard(y, rank=0, size=4, shuffle_seed=5, drop_remainder=False).tolist()
+    with pytest.raises(ValueError, match="drop_remainder=1 is not supported; accepted: True, False"):
+        shard(x, rank=0, size=3, drop_remainder=1)
+    with pytest.raises(ValueError, match="11 rows cannot be split over 12 ranks"):
+        shard(x, rank=0, size=12, drop_remainder=False)

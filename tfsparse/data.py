@@ -8,12 +8,17 @@ import numpy as np
 from . import _checks, runtime
 
 
-def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_seed: int | None = None):
+def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_seed: int | None = None,
+          drop_remainder: bool = True):
     """This rank's shard of each array (the same rows of each), every rank getting exactly ``len // size`` rows.
 
-    The remainder is dropped, so that every rank runs the same number of steps.
+    The remainder is dropped, so that every rank runs the same number of steps -- unless
+    ``drop_remainder=False``, which keeps every row (for validation and evaluation data, whose
+    metrics ``SparseStrategy`` sums over the ranks: the whole set's accuracy, each rank computing
+    a ``size``-th of it).
 
     >>> x_local, y_local = tfsparse.data.shard(x, y)
+    >>> x_val_local, y_val_local = tfsparse.data.shard(x_val, y_val, drop_remainder=False)
 
     Args:
       *arrays: arrays (anything with a length that numpy can index) of the same length.
@@ -21,12 +26,16 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
       size: the number of shards (default: the number of ranks).
       shuffle_seed: None: shards of consecutive rows; a seed: of rows in a random order, the same
         order on every rank that passes the same seed.
+      drop_remainder: True: ``len % size`` rows are in no shard; False: the first ``len % size``
+        ranks take one row more (their number of batches may then be one more than the others':
+        ``fit`` and ``evaluate`` raise :class:`tfsparse.StepCountMismatch` before any step).
 
     Returns:
       The shard of the one array, or a tuple of the shards of several.
 
     Raises:
-      ValueError: no arrays, arrays of different lengths, or fewer rows than ranks.
+      ValueError: no arrays, arrays of different lengths, fewer rows than ranks, or a
+        ``drop_remainder`` that is not a bool.
     """
     if not arrays:
         raise ValueError("shard() needs at least one array")
@@ -39,8 +48,11 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
     per = n // size
     if per == 0:
         raise ValueError(f"{n} rows cannot be split over {size} ranks")
+    drop_remainder = _checks.choice("drop_remainder", drop_remainder, (True, False))
     order = np.arange(n) if shuffle_seed is None else np.random.default_rng(shuffle_seed).permutation(n)
-    rows = order[rank * per:(rank + 1) * per]
+    extra = 0 if drop_remainder else n % size  # the first ``extra`` ranks take one more row
+    start = rank * per + min(rank, extra)
+    rows = order[start:start + per + (rank < extra)]
     out = tuple(np.asarray(a)[rows] for a in arrays)
     return out if len(out) > 1 else out[0]
 

@@ -38,6 +38,12 @@ rank, SGD with momentum 0.9, the same initial weights):
   (:func:`topics`, nothing downloaded; 512 test rows of 64 tokens), learning rate 0.02 (at 0.05
   and above attention sat at chance for several epochs).
 
+Validation: each rank evaluates its shard of the test rows (``tfsparse.data.shard(...,
+drop_remainder=False)``: every row in one shard), and the strategy sums the metric states over the
+ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a strategy,
+logs rank 0's shard's).  Records made before 2026-12-01 have no ``"validation"`` key: there every
+rank evaluated every test row, the same accuracy at P times the work.
+
 Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
 ``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
 each epoch's wall time less its steps and its validation -- the gap between steps and around epoch
@@ -179,6 +185,8 @@ def build(name, seed=0):
 
 
 MODELS = tuple(RATES)
+#: how the records' validation ran (the ``"validation"`` key)
+VALIDATION = "each rank its shard of the test rows (tfsparse.data.shard, drop_remainder=False), metrics summed"
 
 
 def small_dense(below: int) -> PerTensorPlan:
@@ -348,7 +356,9 @@ def main(argv=None):
                              f"0.95") from None
     comm = tfsparse.init()
     x_train, y_train, x_test, y_test = data(args.seed, args.model)
-    arrays = (*tfsparse.data.shard(x_train, y_train), x_test, y_test)
+    # every rank validates its shard of the test rows, all rows kept: the strategy sums the metric
+    # states over the ranks, so the logged accuracy is the whole test set's, each rank doing a P-th
+    arrays = (*tfsparse.data.shard(x_train, y_train), *tfsparse.data.shard(x_test, y_test, drop_remainder=False))
     runs = [train(comm, None, args, arrays)]
     for config in configs:
         config.setdefault("label", config["algorithm"])
@@ -363,6 +373,7 @@ def main(argv=None):
     if comm.rank == 0:
         results = {"model": args.model, "processes": comm.size, "epochs": args.epochs, "target": target,
                    "target_rule": "dense f32 best - 0.005" if args.target == "dense" else "fixed", "seed": args.seed,
+                   "validation": VALIDATION,
                    "network": args.network,
                    "machine": bench_host.describe(), "batch_per_rank": BATCH, "learning_rate": RATES[args.model],
                    "date": time.strftime("%Y-%m-%d"), "runs": runs}
