@@ -41,8 +41,8 @@ rank, SGD with momentum 0.9, the same initial weights):
 Validation: each rank evaluates its shard of the test rows (``tfsparse.data.shard(...,
 drop_remainder=False)``: every row in one shard), and the strategy sums the metric states over the
 ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a strategy,
-logs rank 0's shard's).  Records made before 2026-12-01 have no ``"validation"`` key: there every
-rank evaluated every test row, the same accuracy at P times the work.
+logs rank 0's shard's).  In a record without a ``"validation"`` key (made before 2026-11-30 23:50
+UTC) every rank evaluated every test row: the same accuracy at P times the work.
 
 Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
 ``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
