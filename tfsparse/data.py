@@ -10,12 +10,13 @@ from . import _checks, runtime
 
 def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_seed: int | None = None,
           drop_remainder: bool = True):
-    """This rank's shard of each array (the same rows of each), every rank getting exactly ``len // size`` rows.
+    """This rank's shard of each array (the same rows of each): ``len // size`` rows on every rank.
 
     The remainder is dropped, so that every rank runs the same number of steps -- unless
-    ``drop_remainder=False``, which keeps every row (for validation and evaluation data, whose
-    metrics ``SparseStrategy`` sums over the ranks: the whole set's accuracy, each rank computing
-    a ``size``-th of it).
+    ``drop_remainder=False``, which keeps every row (for validation and evaluation data: the ranks
+    average their metric states, ``SparseStrategy`` after every step and ``MetricAverage`` on the
+    optimizer route, so the logged accuracy is the whole set's, each rank computing a
+    ``size``-th of it).
 
     >>> x_local, y_local = tfsparse.data.shard(x, y)
     >>> x_val_local, y_val_local = tfsparse.data.shard(x_val, y_val, drop_remainder=False)

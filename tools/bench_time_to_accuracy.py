@@ -40,8 +40,8 @@ rank, SGD with momentum 0.9, the same initial weights):
 
 Validation: each rank evaluates its shard of the test rows (``tfsparse.data.shard(...,
 drop_remainder=False)``: every row in one shard), and the strategy sums the metric states over the
-ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a strategy,
-logs rank 0's shard's).  In a record without a ``"validation"`` key (made before 2026-11-30 23:50
+ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a strategy to
+average anything, validates every test row).  In a record without a ``"validation"`` key (made before 2026-11-30 23:50
 UTC) every rank evaluated every test row: the same accuracy at P times the work.
 
 Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
@@ -186,7 +186,8 @@ def build(name, seed=0):
 
 MODELS = tuple(RATES)
 #: how the records' validation ran (the ``"validation"`` key)
-VALIDATION = "each rank its shard of the test rows (tfsparse.data.shard, drop_remainder=False), metrics summed"
+VALIDATION = ("each rank its shard of the test rows (tfsparse.data.shard, drop_remainder=False), metric states "
+              "averaged over the ranks; the compute-only run every test row")
 
 
 def small_dense(below: int) -> PerTensorPlan:
@@ -196,8 +197,12 @@ def small_dense(below: int) -> PerTensorPlan:
 
 
 def train(comm, config, args, arrays):
-    """One run: ``config`` None is the compute-only run (no strategy)."""
-    x_local, y_local, x_test, y_test = arrays
+    """One run: ``config`` None is the compute-only run (no strategy), which validates on every
+    test row (``arrays``: this rank's training rows, its shard of the test rows, all test rows)."""
+    x_local, y_local, x_shard, y_shard, x_all, y_all = arrays
+    # the runs under the strategy validate shards, their metric states averaged over the ranks;
+    # plain Keras averages nothing, so the compute-only run (a rank alone) validates every row
+    x_test, y_test = (x_all, y_all) if config is None else (x_shard, y_shard)
     strategy = None
     if config is not None:
         tool_keys = ("label", "algorithm", "density", "warmup_epochs", "densities", "dense_below",
@@ -358,7 +363,8 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = data(args.seed, args.model)
     # every rank validates its shard of the test rows, all rows kept: the strategy sums the metric
     # states over the ranks, so the logged accuracy is the whole test set's, each rank doing a P-th
-    arrays = (*tfsparse.data.shard(x_train, y_train), *tfsparse.data.shard(x_test, y_test, drop_remainder=False))
+    arrays = (*tfsparse.data.shard(x_train, y_train), *tfsparse.data.shard(x_test, y_test, drop_remainder=False),
+              x_test, y_test)
     runs = [train(comm, None, args, arrays)]
     for config in configs:
         config.setdefault("label", config["algorithm"])

@@ -192,8 +192,7 @@ class DenseAllreduce(Aggregator):
     def _direct_reduce_scatter(self, comm, payload, offs) -> np.ndarray:
         """Every block goes straight to its owner; all sends and all receives are posted first
         (receiving one source after the other held the later senders back at their rendezvous),
-        and the owner decodes each block
-        while the others are still on the wire; summed in rank order (the same float32 rounding
+        and the owner decodes each block while the others are still on the wire; summed in rank order (the same float32 rounding
         whatever the arrival order)."""
         rank, size, acc, wire = comm.rank, comm.size, payload.acc, payload.wire
         n_own = int(offs[rank + 1] - offs[rank])
