@@ -138,8 +138,8 @@ def check_cost_model_runs(results, P):
 def check_sharded_evaluation(results) -> None:
     """Every rank evaluating its shard of the test rows (``tfsparse.data.shard(...,
     drop_remainder=False)``) logs the accuracy of the whole set, as when each evaluates all of
-    them: the metric states are summed over the ranks (to float32 rounding where P is not a
-    power of two), the same on every rank."""
+    them: the ranks average the metric states, whose ratio is then the whole set's (to float32
+    rounding where P is not a power of two), the same on every rank."""
     for key in results[0]["runs"]:
         seen = [r["runs"][key]["sharded_accuracy"] for r in results]
         assert len(set(seen)) == 1, (key, seen)

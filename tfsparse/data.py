@@ -15,8 +15,9 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
     The remainder is dropped, so that every rank runs the same number of steps -- unless
     ``drop_remainder=False``, which keeps every row (for validation and evaluation data: the ranks
     average their metric states, ``SparseStrategy`` after every step and ``MetricAverage`` on the
-    optimizer route, so the logged accuracy is the whole set's, each rank computing a
-    ``size``-th of it).
+    optimizer route, so the logged accuracy -- any metric that is a ratio of its states -- is the
+    whole set's, each rank computing a ``size``-th of it; a metric that counts or sums logs its
+    mean over the ranks).
 
     >>> x_local, y_local = tfsparse.data.shard(x, y)
     >>> x_val_local, y_val_local = tfsparse.data.shard(x_val, y_val, drop_remainder=False)
@@ -29,7 +30,9 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
         order on every rank that passes the same seed.
       drop_remainder: True: ``len % size`` rows are in no shard; False: the first ``len % size``
         ranks take one row more (their number of batches may then be one more than the others':
-        ``fit`` and ``evaluate`` raise :class:`tfsparse.StepCountMismatch` before any step).
+        under ``SparseStrategy`` the validation or evaluation raises
+        :class:`tfsparse.StepCountMismatch` when it begins; on the optimizer route nothing
+        compares them, so choose a batch size that gives every shard as many batches).
 
     Returns:
       The shard of the one array, or a tuple of the shards of several.

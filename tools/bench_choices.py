@@ -4,7 +4,8 @@
 The kernels and the host space make a few choices for speed that their source explains; the
 figures that justify them live here, re-measured on the machine at hand, not in the source.
 Each choice is timed against the alternative it replaced, where that alternative is still a
-call away, on one thread (the choices were made per core), the minimum of several runs:
+call away, on one thread (the choices were made per core; BLAS limited to one thread too), the
+minimum of several runs:
 
 * ``stream``         -- error feedback's pass (:func:`tfsparse.ops.cpu.add_select`, collecting
                         nothing) with non-temporal stores against plain ones, alone and followed
@@ -15,7 +16,8 @@ call away, on one thread (the choices were made per core), the minimum of severa
 * ``half_encode``    -- float32 -> float16 codes and the rounding loss
                         (:func:`tfsparse.ops.cpu.half_encode`) against numpy's ``astype``
 * ``half_decode``    -- float16 codes -> float32 (:func:`tfsparse.ops.cpu.decode16_into`) without
-                        a NaN among them (the vectorised loop) and with one (the table)
+                        a NaN among them (a loop without a test) and with one (a test per code,
+                        the table for the Inf and NaN codes)
 * ``message_buffer`` -- an encoding into a reused message buffer (:mod:`tfsparse.buffers`)
                         against one from ``np.empty`` each time (which the C allocator may hand
                         back from the last call's) and against new pages each time
@@ -26,7 +28,7 @@ call away, on one thread (the choices were made per core), the minimum of severa
 
 Writes ``<out>.json`` (rows of choice, size, implementation, ms) and ``<out>.png``.
 
-    python tools/bench_choices.py --out results/engine_choices     # about a minute
+    python tools/bench_choices.py --out results/engine_choices     # about 20 seconds
 """
 from __future__ import annotations
 
@@ -109,8 +111,9 @@ def half_decode(n, repeats):
     with_nan = codes.copy()
     with_nan[n // 2] = 0x7E00
     out = np.empty(n, np.float32)
-    yield "no NaN: vectorised loop", best_of(lambda: cpu.decode16_into(codes, cpu.HALF_TABLE, out), repeats)
-    yield "one NaN: the table", best_of(lambda: cpu.decode16_into(with_nan, cpu.HALF_TABLE, out), repeats)
+    yield "no NaN: the loop without a test", best_of(lambda: cpu.decode16_into(codes, cpu.HALF_TABLE, out), repeats)
+    yield "one NaN: a test per code (table for Inf/NaN)", best_of(
+        lambda: cpu.decode16_into(with_nan, cpu.HALF_TABLE, out), repeats)
 
 
 def message_buffer(n, repeats):
@@ -212,8 +215,11 @@ def main(argv=None):
 
     from tfsparse.ops import cpu
 
+    from threadpoolctl import threadpool_limits
+
     numba.set_num_threads(1)
     cpu.set_thread_limit(1)
+    threadpool_limits(1)  # the BLAS dot of the finite check, too
     start = time.perf_counter()
     rows = []
     for name in chosen:

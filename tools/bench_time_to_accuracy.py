@@ -39,10 +39,12 @@ rank, SGD with momentum 0.9, the same initial weights):
   and above attention sat at chance for several epochs).
 
 Validation: each rank evaluates its shard of the test rows (``tfsparse.data.shard(...,
-drop_remainder=False)``: every row in one shard), and the strategy sums the metric states over the
-ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a strategy to
-average anything, validates every test row).  In a record without a ``"validation"`` key (made before 2026-11-30 23:50
-UTC) every rank evaluated every test row: the same accuracy at P times the work.
+drop_remainder=False)``: every row in one shard), and the strategy averages the metric states
+over the ranks, so ``val_accuracy`` is the whole test set's (the compute-only run, without a
+strategy to average anything, validates every test row -- but in the records made 2026-11-30
+23:51 to 12-01 00:09, whose ``"validation"`` ends in "metrics summed", it validated rank 0's
+shard).  In a record without a ``"validation"`` key (made before 2026-11-30 23:50 UTC) every rank
+evaluated every test row: the same accuracy at P times the work.
 
 Per setting, rank 0 records each epoch's end (after validation) in wall seconds from the start of
 ``fit``, the test accuracy, every step's time (the slowest rank's) and the **time outside steps**:
@@ -361,7 +363,7 @@ def main(argv=None):
                              f"0.95") from None
     comm = tfsparse.init()
     x_train, y_train, x_test, y_test = data(args.seed, args.model)
-    # every rank validates its shard of the test rows, all rows kept: the strategy sums the metric
+    # every rank validates its shard of the test rows, all rows kept: the strategy averages the metric
     # states over the ranks, so the logged accuracy is the whole test set's, each rank doing a P-th
     arrays = (*tfsparse.data.shard(x_train, y_train), *tfsparse.data.shard(x_test, y_test, drop_remainder=False),
               x_test, y_test)

@@ -79,7 +79,7 @@ for run in runs:
         cbs = [BroadcastInitialState()] + cbs + [MetricAverage()]
     hist = model.fit(xs, ys, epochs=epochs, batch_size=32, callbacks=cbs, verbose=0)
     ev = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)
-    # each rank a shard of the test rows, every row kept: the metrics summed over the ranks
+    # each rank a shard of the test rows, every row kept: the metric states averaged over the ranks
     # (the strategy after every step; MetricAverage on the optimizer route)
     ev_shard = model.evaluate(*tfsparse.data.shard(x[1500:], y[1500:], drop_remainder=False), verbose=0,
                               return_dict=True, callbacks=[MetricAverage()] if route == "optimizer" else [])
