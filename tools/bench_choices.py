@@ -104,7 +104,8 @@ def half_encode(n, repeats):
 
 
 def half_decode(n, repeats):
-    """float16 codes decoded, without a NaN (no table) and with one (the table)."""
+    """float16 codes decoded, without a NaN (a loop without a test) and with one (a test per
+    code, the table for Inf and NaN)."""
     from tfsparse.ops import cpu
 
     codes = cpu.half_encode(_gradient(n, 5))[0]
@@ -181,18 +182,10 @@ def plot(rows, path: Path) -> None:
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.5)
-    ax.set_xlabel("time relative to the engine's choice (the first row of each group)")
+    ax.set_xlabel("time relative to the first row of its choice and size")
     fig.tight_layout()
-    files.write_bytes(path, _png(fig))
+    files.save_figure(fig, path, dpi=110)
     plt.close(fig)
-
-
-def _png(fig) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return buf.getvalue()
 
 
 def main(argv=None):
