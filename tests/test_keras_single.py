@@ -1,4 +1,6 @@
 """Keras integration in one process (in-process communicator of size 1): API, validation, graph mode."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -578,7 +580,7 @@ def test_a_model_and_its_exchange_are_freed_after_fit(route):
     optimizer reduces under a strategy, in one (the strategy's context wraps none where no tape
     records).  So a model, its strategy and its exchange -- every residual -- that nothing else
     holds are freed."""
-    import gc
+
     import weakref
 
     if route == "strategy":
@@ -617,7 +619,7 @@ def test_all_reduce_under_a_tape_keeps_its_gradient():
 
 
 def test_held_weakly_calls_through_a_weak_reference():
-    import gc
+
 
     from tfsparse.runtime import held_weakly
 
@@ -637,7 +639,7 @@ def test_held_weakly_calls_through_a_weak_reference():
 def test_a_changed_trainable_set_gets_an_exchange_of_its_own_that_takes_the_shared_memory():
     """Freeze a layer and compile again: the next fit's gradients are another set, with an
     exchange of its own (the strategy's settings) that starts from the residual the first set
-    left for the tensors both hold; unfreezing gives a third; the first fit's exchange stays."""
+    left for the tensors both hold; unfreezing (with another optimizer) gives a third."""
     strategy = tfsparse.SparseStrategy("topk", 0.05, communicator=solo())
     x, y = data()
     with strategy.scope():
@@ -666,4 +668,33 @@ def test_a_changed_trainable_set_gets_an_exchange_of_its_own_that_takes_the_shar
     with strategy.scope():
         model.compile(keras.optimizers.SGD(0.01), LOSS)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert strategy.exchange not in (first, second) and len(strategy.extended._sets) == 3
+    assert strategy.exchange not in (first, second)
+
+
+def test_an_optimizer_born_in_a_dead_ones_memory_gets_an_exchange_of_its_own(monkeypatch):
+    """Compiled again with a new optimizer, the same trainable set is another set of gradients,
+    with a new exchange that takes over the memory -- also when the new optimizer has the id()
+    of one that died, as CPython often gives it (Adam after SGD): that once handed the dead
+    optimizer's exchange to one rank while another made a new one, and the two hung.  Here
+    every object has one id (the module's ``id`` replaced), so no set may be found by it."""
+    from tfsparse.strategies import sparse_strategy
+
+    monkeypatch.setattr(sparse_strategy, "id", lambda obj: 1, raising=False)
+    strategy = tfsparse.SparseStrategy("topk", 0.05, communicator=solo())
+    x, y = data()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+    used, carried = [], []
+    real = sparse_strategy.GradientExchange.carry_memory
+    monkeypatch.setattr(sparse_strategy.GradientExchange, "carry_memory",
+                        lambda self, other: carried.append(real(self, other)) or carried[-1])
+    for make in [lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.Adam(1e-3)] * 2:
+        gc.collect()
+        with strategy.scope():
+            model.compile(make(), LOSS)
+        model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
+        assert all(strategy.exchange is not e for e in used), "a new optimizer ran an exchange of an earlier one"
+        used.append(strategy.exchange)
+    assert carried == [[v.path for v in model.trainable_variables]] * 3
+    gc.collect()
+    assert len(strategy.extended._sets) < len(used)  # the sets of the dead optimizers are dropped

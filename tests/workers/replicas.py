@@ -142,14 +142,19 @@ def refit_case(route, pipeline="1"):
                                   keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
         model.compile(opt(keras.optimizers.SGD(0.05)), LOSS)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ran = [model.optimizer.exchange if strategy is None else strategy.exchange]
     model.layers[0].trainable = False
     with strategy.scope() if strategy else _nothing():
         model.compile(opt(keras.optimizers.SGD(0.05, momentum=0.9)), LOSS)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ran.append(model.optimizer.exchange if strategy is None else strategy.exchange)
     model.layers[0].trainable = True
     with strategy.scope() if strategy else _nothing():
-        model.compile(opt(keras.optimizers.Adam(1e-3)), LOSS)
+        model.compile(opt(keras.optimizers.Adam(1e-3)), LOSS)  # often born in the first SGD's memory
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ran.append(model.optimizer.exchange if strategy is None else strategy.exchange)
+    if len({id(e) for e in ran}) != 3:  # (ran holds them: their ids are their own)
+        raise AssertionError(f"the three fits ran {len({id(e) for e in ran})} exchanges, not one each")
     return bits(model, model.optimizer)
 
 

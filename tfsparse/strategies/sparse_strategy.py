@@ -30,6 +30,8 @@ the exchange, which then saves it itself.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -77,8 +79,9 @@ class SparseExtended(OneDeviceExtended):
         # names of the variables the traced step compares
         self._epoch = None
         self._check_names: list = []
-        # every set of gradients reduced so far -> its exchange (see _exchange_for)
-        self._sets: dict = {}
+        # every set of gradients reduced so far whose optimizer lives: (the optimizer, held weakly;
+        # the gradients' names and shapes; their exchange), see _exchange_for
+        self._sets: list = []
 
     # -- world ------------------------------------------------------------
     @property
@@ -179,7 +182,7 @@ class SparseExtended(OneDeviceExtended):
         carry_from)`` -- the set's exchange, the gradients' names (None: unknown) and, for a set
         new to a built exchange, the exchange whose memory it takes over once built (:func:`_carry`).
 
-        Each set of gradients has an exchange of its own, kept for the strategy's life: a set is
+        Each set of gradients has an exchange of its own, kept while its optimizer lives: a set is
         the optimizer that applies them (the innermost on the call stack: a GAN's two optimizers
         are two sets) with their names and shapes (a model whose trainable set changed -- layers
         frozen or unfrozen, compiled again -- is another set).  The first set takes the
@@ -190,13 +193,12 @@ class SparseExtended(OneDeviceExtended):
         averaging use) whenever its set is traced."""
         optimizer = keras_optimizer_applying()
         names = self._names_for(values, optimizer)
-        key = (id(optimizer) if optimizer is not None else None, tuple(names or ()),
-               tuple(tuple(v.shape.as_list()) for v in values))
         current = self.exchange
-        exchange = self._sets.get(key)
+        key = (tuple(names or ()), tuple(tuple(v.shape.as_list()) for v in values))
+        self._sets, exchange = _find_set(self._sets, optimizer, key, current)
         carry_from = None
         if exchange is None:
-            if current.layout is None and all(e is not current for e in self._sets.values()):
+            if current.layout is None and all(e is not current for _, _, e in self._sets):
                 exchange = current
             else:
                 exchange = Pipelined(GradientExchange(settings=current.requested, communicator=current.comm))
@@ -205,7 +207,7 @@ class SparseExtended(OneDeviceExtended):
                 if current.engine.side_channel and exchange.depth == 1:
                     exchange.engine.request_side_channel()
                 carry_from = current if names is not None and current.layout is not None else None
-            self._sets[key] = exchange
+            self._sets.append((_weakly(optimizer), key, exchange))
         fit_optimizer(exchange, optimizer)
         if exchange is not current:
             steps = (current.sync_points or (None, None))[1]
@@ -350,6 +352,32 @@ class SparseExtended(OneDeviceExtended):
         if gathered is not None:
             compare(names, gathered, "at the end of an epoch")
         return averaged
+
+
+def _find_set(sets, optimizer, key, current):
+    """``(sets, exchange)``: ``sets`` (:meth:`SparseExtended._exchange_for`'s ``(optimizer held
+    weakly, key, exchange)``) without those of optimizers that died, but the one of ``current``
+    (whether the strategy's exchange was taken must not depend on when each rank collects), and
+    the exchange of ``optimizer`` -- the object itself, not its id(), which CPython gives a new
+    object in a dead one's memory (Adam compiled after SGD often gets the SGD's: a rank once took
+    the dead optimizer's exchange where another made a new one) -- and ``key``; None if none."""
+    sets = [s for s in sets if s[0] is None or s[0]() is not None or s[2] is current]
+    for held, k, exchange in sets:
+        if k == key and (held is None if optimizer is None else held is not None and held() is optimizer):
+            return sets, exchange
+    return sets, None
+
+
+def _weakly(obj):
+    """A reference to ``obj`` that does not keep it alive: ``weakref.ref(obj)``; None for None;
+    where ``obj`` takes no weak reference, a callable returning it (which keeps it alive, so
+    that its id is never another object's)."""
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _carry(exchange, previous) -> None:

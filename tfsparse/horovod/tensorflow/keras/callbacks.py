@@ -53,7 +53,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             local_variables = []
         elif isinstance(local_variables, keras.Variable) or hasattr(local_variables, "assign"):
             local_variables = [local_variables]
-        self._local = {id(v) for v in local_variables}
+        # id -> variable: held, so that no other variable can take a dead one's id (Keras 3
+        # variables have no .ref())
+        self._local = {id(v): v for v in local_variables}
 
     def register_local_var(self, var) -> None:
         """``var`` stays this rank's own: not broadcast.
@@ -61,7 +63,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         Args:
           var: a variable of the model or of its optimizer.
         """
-        self._local.add(id(var))
+        self._local[id(var)] = var
 
     def on_batch_end(self, batch, logs=None):
         """After the first batch only: every rank takes ``root_rank``'s model and optimizer variables, except
