@@ -139,11 +139,19 @@ def check_sharded_evaluation(results) -> None:
     """Every rank evaluating its shard of the test rows (``tfsparse.data.shard(...,
     drop_remainder=False)``) logs the accuracy of the whole set, as when each evaluates all of
     them: the ranks average the metric states, whose ratio is then the whole set's (to float32
-    rounding where P is not a power of two), the same on every rank."""
+    rounding where P is not a power of two), the same on every rank.  On the optimizer route also
+    where the shards have one batch and two: accuracy and loss both the whole set's."""
     for key in results[0]["runs"]:
         seen = [r["runs"][key]["sharded_accuracy"] for r in results]
         assert len(set(seen)) == 1, (key, seen)
         assert abs(seen[0] - results[0]["runs"][key]["accuracy"]) <= 1e-6, (key, seen[0])
+        # on the optimizer route, shards of one batch and two (MetricAverage evens the averagings out)
+        uneven = [r["runs"][key]["uneven"] for r in results]
+        assert (uneven[0] is not None) == ("/optimizer" in key), key
+        if uneven[0] is not None:
+            assert all(u == uneven[0] for u in uneven), (key, uneven)
+            for whole, sharded in uneven[0]:
+                assert abs(sharded - whole) <= 1e-6 * max(1.0, abs(whole)), (key, uneven[0])
 
 
 @pytest.mark.mpi

@@ -205,6 +205,15 @@ def keras_distributing(max_depth: int = 16):
     return name
 
 
+def keras_test_batches(max_depth: int = 16):
+    """The number of batches of the ``evaluate`` running now (``fit``'s validation included), or
+    None (unknown length, or no ``evaluate`` on the call stack): its local ``epoch_iterator``'s
+    ``num_batches`` (read-only stack inspection; Keras tells a callback only ``fit``'s steps)."""
+    name, _, frame = _keras_frame(max_depth)
+    steps = getattr(frame.f_locals.get("epoch_iterator"), "num_batches", None) if name == "evaluate" else None
+    return int(steps) if steps is not None and steps >= 0 else None
+
+
 def _keras_frame(max_depth: int):
     import keras
 

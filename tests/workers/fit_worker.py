@@ -8,7 +8,8 @@ Usage: fit_worker.py SPEC_JSON
   correction (the optimizer then has no momentum of its own), ``wire``/``bucket_bytes``/
   ``options`` the exchange's options.
 Saves, per run ``<algo>/<route>[+schedule]``: test accuracy (each rank evaluating every test row,
-and each its shard of them), whether all ranks' weights are
+and each its shard of them; on the optimizer route also shards of unequal batch counts, with
+the loss), whether all ranks' weights are
 identical, mean bytes per step, the achieved density and the density set at each epoch.
 """
 import json
@@ -83,6 +84,14 @@ for run in runs:
     # (the strategy after every step; MetricAverage on the optimizer route)
     ev_shard = model.evaluate(*tfsparse.data.shard(x[1500:], y[1500:], drop_remainder=False), verbose=0,
                               return_dict=True, callbacks=[MetricAverage()] if route == "optimizer" else [])
+    uneven = None
+    if route == "optimizer":  # shards a batch apart (one batch of n // P rows, or two): MetricAverage
+        # lets the ranks whose batches ended take part in the others' remaining averagings
+        n = len(x) - 1500 - ((len(x) - 1500) % comm.size == 0)
+        ev_n = ev if n == len(x) - 1500 else model.evaluate(x[1500:1500 + n], y[1500:1500 + n], verbose=0, return_dict=True)
+        ev_uneven = model.evaluate(*tfsparse.data.shard(x[1500:1500 + n], y[1500:1500 + n], drop_remainder=False),
+                                   batch_size=n // comm.size, verbose=0, return_dict=True, callbacks=[MetricAverage()])
+        uneven = [[float(ev_n[m]), float(ev_uneven[m])] for m in ("accuracy", "loss")]
     w = np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
     allw = comm.allgather(w.astype(np.float64))
     key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "") + \
@@ -90,7 +99,8 @@ for run in runs:
         ("+mc" if run.get("memory") == "momentum" else "") + ("+warmup" if run.get("warmup_epochs") else "") + \
         ("+cm" if run.get("options", {}).get("selection") else "") + \
         ("+clip" if run.get("options", {}).get("clip_norm") else "")
-    out[key] = {"accuracy": float(ev["accuracy"]), "sharded_accuracy": float(ev_shard["accuracy"]), "identical": all(np.array_equal(allw[0], a) for a in allw),
+    out[key] = {"accuracy": float(ev["accuracy"]), "sharded_accuracy": float(ev_shard["accuracy"]), "uneven": uneven,
+                "identical": all(np.array_equal(allw[0], a) for a in allw),
                 "comm_bytes": float(np.mean(hist.history["comm_bytes"])),
                 "density": float(np.mean(hist.history["density"])), "densities_set": record.seen,
                 "densities": [float(d) for d in hist.history["density"]],

@@ -26,6 +26,7 @@ import numpy as np
 import keras
 
 from .. import _checks, files, runtime
+from .._tf_private import keras_test_batches
 from ..wire import get_wire
 from .backup import _BatchCount
 from .ownership import checkpointer_of, exchange_of, require_exchange
@@ -169,10 +170,13 @@ class MetricAverage(keras.callbacks.Callback):
     waiting.  So list it last; the batch logs that later callbacks see are then the averaged ones.
 
     What CommunicationStats adds (bytes, density, phase times) stays per rank, as under
-    SparseStrategy.  It takes no arguments.
+    SparseStrategy.  Ranks with different numbers of test batches (validation shards one row
+    apart) log the whole set's results too (:meth:`on_test_begin`).  It takes no arguments.
     """
 
     PER_RANK = CommunicationStats.KEYS
+    _test_calls = 0  # this evaluation's test-batch callbacks still to come on this rank (-1: unknown)
+    _extra_calls = 0  # the averagings it owes the ranks with more test batches, after its last
 
     def _allreduce(self, values: np.ndarray, stop: bool | None = None) -> np.ndarray:
         """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training
@@ -198,9 +202,43 @@ class MetricAverage(keras.callbacks.Callback):
         and agrees on ``stop_training``: any rank's stop stops every rank."""
         self._average_metric_states(logs, bool(getattr(self.model, "stop_training", False)))
 
+    def on_test_begin(self, logs=None):
+        """Compares the ranks' numbers of test batches (one small allgather): where they differ
+        -- validation data sharded with ``tfsparse.data.shard(..., drop_remainder=False)`` -- a
+        rank whose batches end first averages its metric states with each of the others'
+        remaining batches after its last (:meth:`on_test_batch_end`), so that every rank logs the
+        whole set's results (a mean of states that each rank's batches add to: every batch's
+        contribution over P).  Needs every rank's count known (a dataset of known length);
+        where one is not, nothing is compared, and the ranks must have as many batches.
+
+        Raises:
+          StepCountMismatch: on every rank, where some rank has no test batch and another has.
+        """
+        self._test_calls = self._extra_calls = 0
+        if runtime.communicator().size == 1:
+            return
+        steps = keras_test_batches()
+        per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
+        self._test_calls = -1 if steps is None else -(-steps // per_call)  # callbacks Keras makes
+        calls = [int(c[0]) for c in run_on_model(self.model, lambda c: c.allgather(np.array([self._test_calls])))]
+        if min(calls) == 0 < max(calls):  # Keras resets the states after this: an empty shard cannot take part
+            runtime.raise_on_uneven_counts(calls)
+        if min(calls) >= 0:
+            self._extra_calls = max(calls) - self._test_calls
+
     def on_test_batch_end(self, batch, logs=None):
-        """Replaces the metric states by their mean over the ranks; the batch's logs take the averaged results."""
+        """Replaces the metric states by their mean over the ranks; the batch's logs take the
+        averaged results (after this rank's last batch, also those of the others' remaining ones)."""
         self._average_metric_states(logs, None)
+        self._test_calls -= 1
+        if self._test_calls == 0:
+            self._average_extra(logs)
+
+    def _average_extra(self, logs) -> None:
+        """The averagings this rank owes the ranks that have more test batches (:meth:`on_test_begin`)."""
+        for _ in range(self._extra_calls):
+            self._average_metric_states(logs, None)
+        self._extra_calls = 0
 
     def _average_metric_states(self, logs, stop):
         """The metrics' state variables (totals, counts, ...) replaced by their mean over ranks:
