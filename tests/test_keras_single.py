@@ -698,3 +698,36 @@ def test_an_optimizer_born_in_a_dead_ones_memory_gets_an_exchange_of_its_own(mon
     assert carried == [[v.path for v in model.trainable_variables]] * 3
     gc.collect()
     assert len(strategy.extended._sets) < len(used)  # the sets of the dead optimizers are dropped
+
+
+def test_the_test_batches_of_evaluate_and_of_fits_validation_are_known_to_a_callback():
+    """What MetricAverage compares across ranks (tfsparse._tf_private.keras_test_batches): the
+    batches of the evaluation running -- evaluate's own, fit's validation's (not fit's training
+    steps), the data's count where ``steps=`` asks for more -- and one test-batch callback per
+    ``steps_per_execution`` group, the last group short."""
+    from tfsparse._tf_private import keras_test_batches
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches, self.calls = [], []
+
+        def on_test_begin(self, logs=None):
+            self.batches.append(keras_test_batches())
+            self.calls.append(0)
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.calls[-1] += 1
+
+    x, y = data(80)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1), LOSS, steps_per_execution=2)
+    seen = Seen()
+    model.fit(x, y, batch_size=16, epochs=1, validation_data=(x[:72], y[:72]), validation_batch_size=8,
+              callbacks=[seen], verbose=0)  # 5 training steps, 9 validation batches
+    model.evaluate(x[:56], y[:56], batch_size=8, callbacks=[seen], verbose=0)  # 7
+    model.evaluate(tf.data.Dataset.from_tensor_slices((x[:24], y[:24])).batch(8), steps=10, callbacks=[seen],
+                   verbose=0)  # 3 batches of data, 10 asked for
+    assert seen.batches == [9, 7, 3]
+    assert seen.calls == [5, 4, 2]  # ceil(batches / 2)
+    assert keras_test_batches() is None  # no evaluate running

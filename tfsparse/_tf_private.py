@@ -208,9 +208,13 @@ def keras_distributing(max_depth: int = 16):
 def keras_test_batches(max_depth: int = 16):
     """The number of batches of the ``evaluate`` running now (``fit``'s validation included), or
     None (unknown length, or no ``evaluate`` on the call stack): its local ``epoch_iterator``'s
-    ``num_batches`` (read-only stack inspection; Keras tells a callback only ``fit``'s steps)."""
+    ``num_batches`` (read-only stack inspection; Keras tells a callback only ``fit``'s steps) --
+    or the data's own count where ``steps=`` asks for more, as Keras' loop then stops there."""
     name, _, frame = _keras_frame(max_depth)
-    steps = getattr(frame.f_locals.get("epoch_iterator"), "num_batches", None) if name == "evaluate" else None
+    iterator = frame.f_locals.get("epoch_iterator") if name == "evaluate" else None
+    steps, data = getattr(iterator, "num_batches", None), getattr(iterator, "_num_batches", None)
+    if steps is not None and data is not None and data >= 0:
+        steps = min(steps, data)
     return int(steps) if steps is not None and steps >= 0 else None
 
 

@@ -30,10 +30,10 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
         order on every rank that passes the same seed.
       drop_remainder: True: ``len % size`` rows are in no shard; False: the first ``len % size``
         ranks take one row more (their number of batches may then be one more than the others':
-        on the optimizer route :class:`~tfsparse.keras.callbacks.MetricAverage` evens that out;
-        under ``SparseStrategy`` the validation or evaluation raises
-        :class:`tfsparse.StepCountMismatch` when it begins, so choose a batch size there that
-        gives every shard as many batches).
+        :class:`~tfsparse.keras.callbacks.MetricAverage` evens that out for validation and
+        evaluation data on the optimizer route; under ``SparseStrategy`` the validation or
+        evaluation raises :class:`tfsparse.StepCountMismatch` when it begins, so choose a batch
+        size there that gives every shard as many batches).
 
     Returns:
       The shard of the one array, or a tuple of the shards of several.

@@ -6,7 +6,8 @@ Usage: fit_worker.py SPEC_JSON
   "options": {...}}`` (``options`` may hold ``selection``, ``clip_norm``); ``schedule`` adds DensitySchedule() (gTop-k's warm-up), ``warmup_epochs``
   DensitySchedule(WarmUp(epochs=E)) (the dense warm-up), ``memory="momentum"`` momentum
   correction (the optimizer then has no momentum of its own), ``wire``/``bucket_bytes``/
-  ``options`` the exchange's options.
+  ``options`` the exchange's options; ``validate`` (the optimizer route): fit validates the test
+  rows in shards a batch apart.
 Saves, per run ``<algo>/<route>[+schedule]``: test accuracy (each rank evaluating every test row,
 and each its shard of them; on the optimizer route also shards of unequal batch counts, with
 the loss), whether all ranks' weights are
@@ -78,7 +79,10 @@ for run in runs:
                                                   density=density, **options)
         model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
         cbs = [BroadcastInitialState()] + cbs + [MetricAverage()]
-    hist = model.fit(xs, ys, epochs=epochs, batch_size=32, callbacks=cbs, verbose=0)
+    n = len(x) - 1500 - ((len(x) - 1500) % comm.size == 0)  # test rows in shards a batch apart (below)
+    val = tfsparse.data.shard(x[1500:1500 + n], y[1500:1500 + n], drop_remainder=False) if run.get("validate") else None
+    hist = model.fit(xs, ys, epochs=epochs, batch_size=32, callbacks=cbs, verbose=0, validation_data=val,
+                     validation_batch_size=n // comm.size)
     ev = model.evaluate(x[1500:], y[1500:], verbose=0, return_dict=True)
     # each rank a shard of the test rows, every row kept: the metric states averaged over the ranks
     # (the strategy after every step; MetricAverage on the optimizer route)
@@ -87,11 +91,13 @@ for run in runs:
     uneven = None
     if route == "optimizer":  # shards a batch apart (one batch of n // P rows, or two): MetricAverage
         # lets the ranks whose batches ended take part in the others' remaining averagings
-        n = len(x) - 1500 - ((len(x) - 1500) % comm.size == 0)
-        ev_n = ev if n == len(x) - 1500 else model.evaluate(x[1500:1500 + n], y[1500:1500 + n], verbose=0, return_dict=True)
+        ev_n = ev if n == len(x) - 1500 else model.evaluate(x[1500:1500 + n], y[1500:1500 + n], verbose=0,
+                                                            return_dict=True)
         ev_uneven = model.evaluate(*tfsparse.data.shard(x[1500:1500 + n], y[1500:1500 + n], drop_remainder=False),
                                    batch_size=n // comm.size, verbose=0, return_dict=True, callbacks=[MetricAverage()])
         uneven = [[float(ev_n[m]), float(ev_uneven[m])] for m in ("accuracy", "loss")]
+        if val is not None:  # fit's validation of the same shards after its last epoch: the same
+            uneven += [[float(ev_n[m]), float(hist.history["val_" + m][-1])] for m in ("accuracy", "loss")]
     w = np.concatenate([np.asarray(v.numpy()).ravel() for v in model.weights])
     allw = comm.allgather(w.astype(np.float64))
     key = f"{algo}/{route}" + ("+schedule" if run.get("schedule") else "") + \

@@ -212,7 +212,8 @@ class MetricAverage(keras.callbacks.Callback):
         where one is not, nothing is compared, and the ranks must have as many batches.
 
         Raises:
-          StepCountMismatch: on every rank, where some rank has no test batch and another has.
+          StepCountMismatch: on every rank, where some rank has no test batch and another has (or
+            may have: its count unknown).
         """
         self._test_calls = self._extra_calls = 0
         if runtime.communicator().size == 1:
@@ -221,7 +222,7 @@ class MetricAverage(keras.callbacks.Callback):
         per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
         self._test_calls = -1 if steps is None else -(-steps // per_call)  # callbacks Keras makes
         calls = [int(c[0]) for c in run_on_model(self.model, lambda c: c.allgather(np.array([self._test_calls])))]
-        if min(calls) == 0 < max(calls):  # Keras resets the states after this: an empty shard cannot take part
+        if 0 in calls and any(calls):  # Keras resets the states after this: an empty shard cannot take part
             runtime.raise_on_uneven_counts(calls)
         if min(calls) >= 0:
             self._extra_calls = max(calls) - self._test_calls
