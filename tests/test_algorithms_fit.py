@@ -142,7 +142,7 @@ def check_sharded_evaluation(results) -> None:
     them: the ranks average the metric states, whose ratio is then the whole set's (to float32
     rounding where P is not a power of two), the same on every rank.  On the optimizer route
     also where the shards have one batch and two: accuracy and loss both the whole set's, in
-    evaluate and (runs with ``validate``) in fit's validation of every epoch."""
+    evaluate and (runs with ``validate``, which validate every epoch) in fit's validation of the last epoch."""
     for key in results[0]["runs"]:
         seen = [r["runs"][key]["sharded_accuracy"] for r in results]
         assert len(set(seen)) == 1, (key, seen)

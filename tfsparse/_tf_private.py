@@ -209,7 +209,8 @@ def keras_test_batches(max_depth: int = 16):
     """The number of batches of the ``evaluate`` running now (``fit``'s validation included), or
     None (unknown length, or no ``evaluate`` on the call stack): its local ``epoch_iterator``'s
     ``num_batches`` (read-only stack inspection; Keras tells a callback only ``fit``'s steps) --
-    or the data's own count where ``steps=`` asks for more, as Keras' loop then stops there."""
+    or the data's own count where ``steps=`` asks for more, as Keras' loop then stops there.  A
+    ``steps=`` is trusted where the data's length is unknown, as Keras trusts it."""
     name, _, frame = _keras_frame(max_depth)
     iterator = frame.f_locals.get("epoch_iterator") if name == "evaluate" else None
     steps, data = getattr(iterator, "num_batches", None), getattr(iterator, "_num_batches", None)

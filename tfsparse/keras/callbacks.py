@@ -208,8 +208,9 @@ class MetricAverage(keras.callbacks.Callback):
         rank whose batches end first averages its metric states with each of the others'
         remaining batches after its last (:meth:`on_test_batch_end`), so that every rank logs the
         whole set's results (a mean of states that each rank's batches add to: every batch's
-        contribution over P).  Needs every rank's count known (a dataset of known length);
-        where one is not, nothing is compared, and the ranks must have as many batches.
+        contribution over P).  Needs every rank's count known (a dataset of known length, or
+        ``steps=``, which is trusted); where one is not, nothing is compared, and the ranks must
+        have as many batches.
 
         Raises:
           StepCountMismatch: on every rank, where some rank has no test batch and another has (or
