@@ -153,8 +153,9 @@ def refit_case(route, pipeline="1"):
         model.compile(opt(keras.optimizers.Adam(1e-3)), LOSS)  # often born in the first SGD's memory
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     ran.append(model.optimizer.exchange if strategy is None else strategy.exchange)
-    if len({id(e) for e in ran}) != 3:  # (ran holds them: their ids are their own)
-        raise AssertionError(f"the three fits ran {len({id(e) for e in ran})} exchanges, not one each")
+    distinct = len({id(e) for e in ran})  # (ran holds them: their ids are their own)
+    if distinct != 3:
+        raise AssertionError(f"the three fits ran {distinct} exchanges, not one each")
     return bits(model, model.optimizer)
 
 
