@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 from tfsparse import StepCountMismatch
-from tfsparse.data import DataAgreement, agree_on_data
+from tfsparse.data import DataAgreement, agree_on_data, mark_last_batch, unmark
+from tfsparse.strategies.sparse_strategy import _then_more
 
 
 class Ranks:
@@ -81,3 +82,32 @@ def test_shard_drops_or_spreads_the_remainder():
         shard(x, rank=0, size=3, drop_remainder=1)
     with pytest.raises(ValueError, match="11 rows cannot be split over 12 ranks"):
         shard(x, rank=0, size=12, drop_remainder=False)
+
+
+def test_a_shorter_ranks_last_batch_carries_the_others_remaining_steps_in_every_pass():
+    """Validation data with fewer batches than another rank's: each batch is paired with the number
+    of test steps the others run after it -- 0, but 2 after the last -- in every pass over it, and
+    unmark gives the element back as it was (anything else unchanged, with None)."""
+    x, y = np.arange(10, dtype=np.float32).reshape(5, 2), np.arange(5)
+    marked = mark_last_batch(tf.data.Dataset.from_tensor_slices((x, y)).batch(2), 3, 2)
+    for _ in range(2):  # fit's validation iterates the same dataset each epoch
+        got = [unmark(e) for e in marked]
+        assert [int(n) for _, n in got] == [0, 0, 2]
+        np.testing.assert_array_equal(np.concatenate([e[0].numpy() for e, _ in got]), x)
+        assert all(type(e) is tuple and len(e) == 2 for e, _ in got)
+    assert unmark((x, y))[1] is None and unmark((x, {"y": y}))[1] is None
+
+
+def test_the_last_test_step_of_a_shorter_rank_averages_its_average_again_for_each_remaining_step():
+    """_then_more: the step's own averaging, then one per step the others have left, each of the
+    average it got before (its states unchanged); ``more`` = 0 is one averaging."""
+    sent = []
+
+    def sync(packed):
+        sent.append(packed.copy())
+        return packed / 2 + 1  # a stand-in for the mean with another rank's states
+
+    out = _then_more(sync, np.array([4.0, 8.0]), np.int64(2))
+    np.testing.assert_array_equal(out, [2.25, 2.75])
+    assert [list(s) for s in sent] == [[4.0, 8.0], [3.0, 5.0], [2.5, 3.5]]
+    np.testing.assert_array_equal(_then_more(sync, np.array([4.0]), np.int64(0)), [3.0])

@@ -65,6 +65,11 @@ def test_data_of_unknown_length_that_runs_out_early_ends_the_epoch_on_every_rank
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         assert r["eval"] == res[0]["eval"]
         assert r["freed"] == [True, True, True]  # model, strategy, exchange
+        # validation each epoch, and an evaluate inside fit, on data of known length whose last rank
+        # has a batch fewer: the ranks with fewer take part in the others' remaining averagings
+        assert r["uneven"] == res[0]["uneven"]
+        for sharded, whole in r["uneven"]:
+            assert abs(sharded - whole) <= 1e-6 * max(1.0, abs(whole)), r["uneven"]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

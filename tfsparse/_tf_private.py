@@ -137,15 +137,28 @@ def keras_epoch_steps(max_depth: int = 8):
     rank must agree on.  tf.data often reports unknown cardinality for Keras' array
     datasets, so the iterator is found on the call stack (read-only).
     """
+    iterator = _epoch_iterator_distributing(max_depth)
+    steps = getattr(iterator, "num_batches", None)
+    return int(steps) if steps is not None and steps >= 0 else None
+
+
+def keras_steps_given(max_depth: int = 8) -> bool:
+    """Whether the dataset being distributed right now is iterated for a given number of steps
+    (``steps_per_epoch``, ``validation_steps``, ``steps``) -- Keras then goes on where the last
+    pass stopped -- rather than whole, from its start, in each pass."""
+    return getattr(_epoch_iterator_distributing(max_depth), "steps_per_epoch", None) is not None
+
+
+def _epoch_iterator_distributing(max_depth: int):
+    """The Keras ``EpochIterator`` distributing a dataset now (on the call stack), or None."""
     try:
         from keras.src.trainers.epoch_iterator import EpochIterator
     except ImportError:
         return None
-    for frame in _caller_frames(max_depth):
+    for frame in _caller_frames(max_depth + 1):
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, EpochIterator):
-            steps = candidate.num_batches
-            return int(steps) if steps is not None and steps >= 0 else None
+            return candidate
     return None
 
 

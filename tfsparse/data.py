@@ -31,9 +31,8 @@ def shard(*arrays, rank: int | None = None, size: int | None = None, shuffle_see
       drop_remainder: True: ``len % size`` rows are in no shard; False: the first ``len % size``
         ranks take one row more (their number of batches may then be one more than the others':
         :class:`~tfsparse.keras.callbacks.MetricAverage` evens that out for validation and
-        evaluation data on the optimizer route; under ``SparseStrategy`` the validation or
-        evaluation raises :class:`tfsparse.StepCountMismatch` when it begins, so choose a batch
-        size there that gives every shard as many batches).
+        evaluation data on the optimizer route, ``SparseStrategy`` by itself -- for training data
+        it raises :class:`tfsparse.StepCountMismatch`).
 
     Returns:
       The shard of the one array, or a tuple of the shards of several.
@@ -180,6 +179,52 @@ def _weighted(element, weight: float):
     return x, y, w * tf.cast(weight, w.dtype)
 
 
+MORE_TEST_STEPS = "tfsparse_more_test_steps"
+
+
+def mark_last_batch(dataset, steps: int, more: int):
+    """``dataset``'s ``steps`` batches, each paired with the number of test steps the other ranks
+    still run after it: 0, but ``more`` after the last.
+
+    For validation and evaluation data of known length where this rank has ``more`` batches
+    fewer than the rank with the most: its last test step then takes part in ``more`` further
+    averagings of the metric states, with its own unchanged (:class:`~tfsparse.SparseStrategy`
+    reads the pairing with :func:`unmark`), so the ranks stay in step and the averaged metrics
+    are the whole set's.  The pairing is part of the dataset, so it holds for every pass over it
+    (``fit``'s validation each epoch) and for each dataset apart (an ``evaluate`` called inside
+    ``fit``).
+
+    Args:
+      dataset: a ``tf.data.Dataset`` that Keras iterates whole, ``steps`` batches, in each pass.
+      steps: its number of batches (at least 1).
+      more: the number of test steps the ranks with the most batches run after its last.
+
+    Returns:
+      A ``tf.data.Dataset`` of ``(element, {MORE_TEST_STEPS: n})`` pairs.
+    """
+    import tensorflow as tf
+
+    def count(n, times):
+        return tf.data.Dataset.from_tensors({MORE_TEST_STEPS: tf.constant(n, tf.int64)}).repeat(times)
+
+    return tf.data.Dataset.zip((dataset, count(0, steps - 1).concatenate(count(more, 1))))
+
+
+def unmark(data):
+    """An element of :func:`mark_last_batch`'s dataset taken apart.
+
+    Args:
+      data: what a test step is given: such an element, or any other.
+
+    Returns:
+      ``(element, n)``: the element as it was and the test steps the other ranks run after it; for
+      any other ``data``, ``(data, None)``.
+    """
+    if type(data) is tuple and len(data) == 2 and isinstance(data[1], dict) and set(data[1]) == {MORE_TEST_STEPS}:
+        return data[0], data[1][MORE_TEST_STEPS]
+    return data, None
+
+
 def agree_on_data(dataset, agreement: DataAgreement):
     """``dataset`` whose batches the ranks take together.
 
@@ -193,7 +238,9 @@ def agree_on_data(dataset, agreement: DataAgreement):
       used in that epoch.
     * ``"join"`` (Horovod's ``hvd.join``): the iterator goes on while any rank has data; a rank
       that ran out takes its epoch's first batch again with every sample weight 0 -- its gradient,
-      and its part of the weighted metrics, are zero -- so the ranks with data train on all of it.
+      and its part of the ``weighted_metrics``, are zero -- so the ranks with data train on all of
+      it (the logged loss and ``metrics=`` count that batch: Keras weights its loss tracker by
+      batch size, and ``metrics=`` ignore sample weights).
       Elements must be Keras' ``(x, y)`` or ``(x, y, sample_weight)`` tuples; every batch gets a
       sample weight (ones where there was none, which changes no result).  Training steps on the
       repeated batch still update BatchNormalization's moving statistics of that rank.

@@ -6,11 +6,11 @@ Usage: fit_worker.py SPEC_JSON
   "options": {...}}`` (``options`` may hold ``selection``, ``clip_norm``); ``schedule`` adds DensitySchedule() (gTop-k's warm-up), ``warmup_epochs``
   DensitySchedule(WarmUp(epochs=E)) (the dense warm-up), ``memory="momentum"`` momentum
   correction (the optimizer then has no momentum of its own), ``wire``/``bucket_bytes``/
-  ``options`` the exchange's options; ``validate`` (the optimizer route): fit validates the test
-  rows in shards a batch apart.
+  ``options`` the exchange's options; ``validate``: fit validates the test rows in shards a batch
+  apart.
 Saves, per run ``<algo>/<route>[+schedule]``: test accuracy (each rank evaluating every test row,
-and each its shard of them; on the optimizer route also shards of unequal batch counts, with
-the loss), whether all ranks' weights are
+and each its shard of them; on the optimizer route, and in runs with ``validate``, also shards of
+unequal batch counts, with the loss), whether all ranks' weights are
 identical, mean bytes per step, the achieved density and the density set at each epoch.
 """
 import json
@@ -89,12 +89,14 @@ for run in runs:
     ev_shard = model.evaluate(*tfsparse.data.shard(x[1500:], y[1500:], drop_remainder=False), verbose=0,
                               return_dict=True, callbacks=[MetricAverage()] if route == "optimizer" else [])
     uneven = None
-    if route == "optimizer":  # shards a batch apart (one batch of n // P rows, or two): MetricAverage
-        # lets the ranks whose batches ended take part in the others' remaining averagings
+    if route == "optimizer" or val is not None:  # shards a batch apart (one batch of n // P rows, or
+        # two): the ranks whose batches ended take part in the others' remaining averagings (MetricAverage
+        # on the optimizer route, the strategy's test step)
         ev_n = ev if n == len(x) - 1500 else model.evaluate(x[1500:1500 + n], y[1500:1500 + n], verbose=0,
                                                             return_dict=True)
         ev_uneven = model.evaluate(*tfsparse.data.shard(x[1500:1500 + n], y[1500:1500 + n], drop_remainder=False),
-                                   batch_size=n // comm.size, verbose=0, return_dict=True, callbacks=[MetricAverage()])
+                                   batch_size=n // comm.size, verbose=0, return_dict=True,
+                                   callbacks=[MetricAverage()] if route == "optimizer" else [])
         uneven = [[float(ev_n[m]), float(ev_uneven[m])] for m in ("accuracy", "loss")]
         if val is not None:  # fit's validation of the same shards after its last epoch: the same
             uneven += [[float(ev_n[m]), float(hist.history["val_" + m][-1])] for m in ("accuracy", "loss")]

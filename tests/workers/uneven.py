@@ -3,7 +3,9 @@
 * ``end``: a tf.data pipeline of unknown length (``filter``): rank 0 has 10 batches per epoch,
   the last rank 9 (the others 10); under the default uneven_data="end" every rank runs 9 steps in
   each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data; then the
-  model, its strategy and exchange are freed once deleted.
+  model, its strategy and exchange are freed once deleted.  Its ``fit`` validates every epoch on
+  arrays of known, uneven length (10 batches, 9 on the last rank), and a callback evaluates other
+  such arrays (4 batches, 3) at every epoch's end: both are compared with the whole set's metrics.
 * ``error``: the same data with uneven_data="error": fit raises StepCountMismatch.
 * ``join``: the same data with uneven_data="join": 10 steps per epoch on every rank, the last
   rank's 10th batch zero-weighted; and a reference fit on known-length arrays with that batch
@@ -26,7 +28,7 @@ import tfsparse
 from mpi_harness import save_result
 
 case = sys.argv[1]
-tfsparse.init()
+comm = tfsparse.init()
 rank, size = tfsparse.rank(), tfsparse.size()
 last = rank == size - 1
 rng = np.random.default_rng(rank)
@@ -99,16 +101,38 @@ if case == "join":  # the last rank's 10th batch: its first batch again, weighte
     save_result(rank, steps=count.steps, weights=np.concatenate([w.ravel() for w in model.get_weights()]),
                 reference=np.concatenate([w.ravel() for w in reference.get_weights()]))
     sys.exit(0)
+
+
+class Nested(keras.callbacks.Callback):
+    """An ``evaluate`` inside ``fit``, at every epoch's end, of its own uneven data."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.logs = self.model.evaluate(x[:40 if last else 56], y[:40 if last else 56], batch_size=16, verbose=0,
+                                        return_dict=True)
+
+
+def whole(rows):
+    """The metrics of every rank's first ``rows`` rows together (each rank evaluating all of them)."""
+    both = [comm.allgather(a[:rows].astype(np.float64).ravel()) for a in (x, y)]  # flat, as a communicator gathers
+    return model.evaluate(np.concatenate(both[0]).reshape(-1, 8).astype(np.float32),
+                          np.concatenate(both[1]).astype(np.int64), batch_size=16, verbose=0, return_dict=True)
+
+
 keep = {"end": 144 if last else 160, "error": 144 if last else 160, "empty": 0 if last else 160}[case]
-model.fit(dataset(keep), epochs=3, verbose=0, callbacks=[count])
+nested = Nested()
+hist = model.fit(dataset(keep), epochs=3, verbose=0, callbacks=[count, nested],
+                 validation_data=(x[:keep], y[:keep]) if case == "end" else None, validation_batch_size=16)
 ev = model.evaluate(dataset(keep), verbose=0, return_dict=True)
+whole_val, whole_nested = whole(keep), whole(40 if last else 56)
+uneven = [[hist.history["val_" + m][-1], whole_val[m]] for m in ("loss", "accuracy")] + \
+    [[nested.logs[m], whole_nested[m]] for m in ("loss", "accuracy")]
 weights, steps = np.concatenate([w.ravel() for w in model.get_weights()]), count.steps
 # the model, its strategy and exchange, once nothing holds them, are freed: TensorFlow keeps the
 # Python functions of the traced steps' and the datasets' tf.numpy_function ops (the metric
 # averaging, the per-batch data vote), which hold them weakly
 strategy = model.distribute_strategy
 held = [weakref.ref(o) for o in (model, strategy, strategy.extended.exchange)]
-del model, strategy, count  # a callback holds its model
+del model, strategy, count, nested, hist  # a callback (and History) holds its model
 gc.collect()
-save_result(rank, steps=steps, weights=weights, eval=ev, freed=[r() is None for r in held])
+save_result(rank, steps=steps, weights=weights, eval=ev, uneven=uneven, freed=[r() is None for r in held])
 print(f"rank {rank}: done", flush=True)

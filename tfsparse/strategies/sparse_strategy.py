@@ -30,6 +30,7 @@ the exchange, which then saves it itself.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -37,11 +38,11 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
-                           check_extended_hooks, keras_epoch_steps, keras_optimizer_applying, keras_replica_call,
-                           keras_distributing, mixes_strategies, optimizer_variables, reject_xla)
+                           check_extended_hooks, keras_distributing, keras_epoch_steps, keras_optimizer_applying,
+                           keras_replica_call, keras_steps_given, mixes_strategies, optimizer_variables, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
-from ..data import DataAgreement, agree_on_data, check_uneven_policy, without_autotune
+from ..data import DataAgreement, agree_on_data, check_uneven_policy, mark_last_batch, unmark, without_autotune
 from ..exchange import GradientExchange
 from ..pipelined import Pipelined
 from ..settings import Settings
@@ -134,15 +135,13 @@ class SparseExtended(OneDeviceExtended):
         """Before ``fit``/``evaluate`` iterates: the ranks compare the exchange's settings and
         their numbers of batches (two small allgathers, here on the caller's thread, so that a
         ``ConfigurationMismatch`` or :class:`StepCountMismatch` reaches the caller as itself).
-        Known and equal: nothing more; known and different: the mismatch; unknown on some rank:
-        every rank's dataset votes before each batch (:func:`tfsparse.data.agree_on_data`, under
-        the ``uneven_data`` policy)."""
+        Known on every rank: :func:`_evened_out`; unknown on some rank: every rank's dataset votes
+        before each batch (:func:`tfsparse.data.agree_on_data`, under the ``uneven_data`` policy)."""
         self.exchange.agree_on_settings()  # a ConfigurationMismatch reaches the caller as itself
-        mine = np.array([-1 if steps is None else steps], np.int64)
-        counts = [int(c[0]) for c in self.exchange.run_collective(lambda c: c.allgather(mine))]
-        if min(counts) >= 0:
-            raise_on_uneven_counts(counts)
-            return dataset
+        mine = np.array([-1 if steps is None else steps, keras_steps_given()], np.int64)
+        gathered = [(int(c[0]), bool(c[1])) for c in self.exchange.run_collective(lambda c: c.allgather(mine))]
+        if min(count for count, _ in gathered) >= 0:
+            return _evened_out(dataset, steps, gathered, running)
         return agree_on_data(dataset, DataAgreement(runtime.held_weakly(self._run_collective), self.uneven_data, running))
 
     def _run_collective(self, fn):
@@ -273,17 +272,19 @@ class SparseExtended(OneDeviceExtended):
             return self._agreed_finite(owner, *args, **(kwargs or {}))
         if name == "train_step" and owner is not None:
             self._trace_train_step(owner)
-        outputs = call_for_each_replica(self, fn, args, kwargs)
+        data, more = unmark(args[0]) if name == "test_step" and args else (None, None)
+        outputs = call_for_each_replica(self, fn, args if more is None else (data, *args[1:]), kwargs)
         if name in ("train_step", "test_step") and self.exchange.comm.size > 1:
             model = owner if name == "train_step" else None
-            outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [], model)
+            outputs = self._sync_step(outputs, moving_statistics(model) if model is not None else [], model, more)
         return outputs
 
-    def _sync_step(self, outputs, moving=(), model=None):
+    def _sync_step(self, outputs, moving=(), model=None, more=None):
         """Averages, after the step, the metric states, the step's scalar outputs and
         ``moving`` -- the model's non-trainable float weights that training updates (BatchNorm's
         moving mean and variance) -- across ranks, in one allreduce; after an epoch's last step
-        of ``model``'s training, also compares its replicas (:meth:`_epoch_end_digests`)."""
+        of ``model``'s training, also compares its replicas (:meth:`_epoch_end_digests`).  A test
+        step with ``more`` (a tensor) takes part in that many more averagings (:func:`_then_more`)."""
         reject_xla("the per-step metric averaging")
         flat = tf.nest.flatten(outputs)
         out_pos = [i for i, o in enumerate(flat)
@@ -292,14 +293,16 @@ class SparseExtended(OneDeviceExtended):
         pieces = [tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in mvars]
         pieces += [tf.reshape(tf.cast(flat[i], tf.float64), [-1]) for i in out_pos]
         end, digest = self._epoch_end_digests(model, mvars)
-        if not pieces and end is None:
+        if not pieces and end is None and more is None:
             return outputs
         sizes = [int(p.shape.num_elements()) for p in pieces]
         with tf.control_dependencies([flat[i] for i in out_pos]):
             packed = tf.concat(pieces, axis=0) if pieces else tf.zeros([0], tf.float64)
+        sync = runtime.held_weakly(self._sync_np)
         extra = [] if end is None else [end, digest]
-        synced = tf.numpy_function(runtime.held_weakly(self._sync_np), [packed, *extra], tf.float64, stateful=True,
-                                   name="tfsparse_metric_sync")
+        if more is not None:
+            sync, extra = functools.partial(_then_more, sync), [more]
+        synced = tf.numpy_function(sync, [packed, *extra], tf.float64, stateful=True, name="tfsparse_metric_sync")
         synced.set_shape(packed.shape)
         if not pieces:
             return outputs
@@ -352,6 +355,36 @@ class SparseExtended(OneDeviceExtended):
         if gathered is not None:
             compare(names, gathered, "at the end of an epoch")
         return averaged
+
+
+def _evened_out(dataset, steps: int, gathered, running: str):
+    """``dataset``, of ``steps`` batches, after every rank's count and whether Keras runs a given
+    number of steps of it (``gathered``) are known: as it is where the counts are equal; for
+    validation or evaluation data that Keras iterates whole on every rank, and no rank empty, as
+    it is on the ranks with the most batches, else marked so that its last test step takes part
+    in the others' remaining averagings (:func:`~tfsparse.data.mark_last_batch`,
+    :func:`_then_more`); otherwise the ranks' :class:`StepCountMismatch`.
+
+    Raises:
+      StepCountMismatch: training data, data with ``steps`` given, or an empty shard, of counts
+        that differ (on every rank: all decide from ``gathered``).
+    """
+    counts = [count for count, _ in gathered]
+    if running == "fit" or min(counts) == 0 or any(given for _, given in gathered):
+        raise_on_uneven_counts(counts)
+        return dataset
+    return dataset if steps == max(counts) else mark_last_batch(dataset, steps, max(counts) - steps)
+
+
+def _then_more(sync, packed, more):
+    """A rank's last test step where the others have ``more`` batches left: its averaging of the
+    metric states (``sync(packed)``), then ``more`` averagings of the average it got -- its states
+    unchanged by batches it has not got, while the others add theirs -- so that every rank ends
+    with the same states, those of the whole set."""
+    averaged = sync(packed)
+    for _ in range(int(more)):
+        averaged = sync(averaged)
+    return averaged
 
 
 def _find_set(sets, optimizer, key, current):
@@ -448,8 +481,11 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         a rank that ran out taking zero-weighted batches (its gradient is zero); ``"error"``
         raises :class:`StepCountMismatch` there.  A rank with no data at all raises a
         :class:`StepCountMismatch` naming it.  Datasets of known length are compared before the
-        first step: different numbers of batches raise :class:`StepCountMismatch` on every rank
-        (pass the same ``steps_per_epoch`` everywhere, or shard evenly).
+        first step: training data of different numbers of batches raises
+        :class:`StepCountMismatch` on every rank (pass the same ``steps_per_epoch`` everywhere, or
+        shard evenly); validation and evaluation data that Keras iterates whole are evened out
+        (a rank with fewer batches averages its unchanged metric states with the others'
+        remaining batches), with ``validation_steps``/``steps`` given their counts must agree.
 
     Every argument is validated before any communication.  Use as ``with strategy.scope():``
     or directly ``with strategy:``.
