@@ -96,6 +96,9 @@ def test_the_process_wide_changes_come_from_tfsparse_setup(monkeypatch, text, on
     ({"stall_timeout": True}, {}, "stall_timeout=True is not valid"),
     ({}, {"TFSPARSE_STALL_TIMEOUT": "ten"}, "TFSPARSE_STALL_TIMEOUT='ten' is not valid; accepted: a number of seconds"),
     ({}, {"TFSPARSE_STALL_WARNING": "-5"}, "TFSPARSE_STALL_WARNING='-5' is not valid"),
+    ({"stall_stacks": "yes"}, {}, "stall_stacks='yes' is not supported; accepted: True, False or 'auto' (the "
+     "environment variable TFSPARSE_STALL_STACKS)"),
+    ({}, {"TFSPARSE_STALL_STACKS": "maybe"}, "TFSPARSE_STALL_STACKS='maybe' is not valid; accepted: 1, on, true"),
     ({"quiet_workers": "yes"}, {}, "quiet_workers='yes' is not supported; accepted: True, False or 'auto'"),
     ({"plain_output": 1}, {}, "plain_output=1 is not supported"),
     ({"thread_priority": None}, {}, "thread_priority=None is not supported"),
@@ -124,6 +127,36 @@ def test_stall_settings_come_from_the_environment_when_auto(monkeypatch):
     assert _stall_seconds("stall_timeout", "auto", "TFSPARSE_STALL_TIMEOUT", None) is None
     assert _stall_seconds("stall_timeout", 0, "TFSPARSE_STALL_TIMEOUT", None) is None
     assert _stall_seconds("stall_timeout", 30, "TFSPARSE_STALL_TIMEOUT", None) == 30.0
+
+
+def test_stall_stacks_come_from_the_environment_when_auto_and_name_every_thread(monkeypatch):
+    import threading
+
+    from tfsparse.collectives.watchdog import thread_stacks
+    from tfsparse.runtime import _stall_stacks
+
+    monkeypatch.delenv("TFSPARSE_STALL_STACKS", raising=False)
+    assert _stall_stacks("auto") is False and _stall_stacks(True) is True
+    monkeypatch.setenv("TFSPARSE_STALL_STACKS", "On")
+    assert _stall_stacks("auto") is True and _stall_stacks(False) is False
+    monkeypatch.setenv("TFSPARSE_STALL_STACKS", "0")
+    assert _stall_stacks("auto") is False
+
+    waiting = threading.Event()
+
+    def parked_here():
+        waiting.wait(30)
+
+    other = threading.Thread(target=parked_here, name="parked")
+    other.start()
+    try:
+        text = thread_stacks(3)
+    finally:
+        waiting.set()
+        other.join()
+    assert text.startswith("tfsparse: rank 3's threads at a stall inquiry (stall_stacks):\n")
+    assert "  thread parked:\n" in text and "in parked_here\n" in text and "  thread MainThread:\n" in text
+    assert "in test_stall_stacks_come_from_the_environment_when_auto_and_name_every_thread" in text
 
 
 def test_one_registry_for_every_family_of_named_stages():

@@ -35,13 +35,30 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, np
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_stalled_rank_is_reported_while_the_others_wait(nproc):
-    _, text = mpirun(nproc, "stall.py", 7, 2, timeout=180)
+    """At P = 3 also with TFSPARSE_STALL_STACKS: every rank writes its threads' stacks, rank 1's
+    showing the callback it sleeps in; at P = 2 (the default, off) none."""
+    stacks = nproc == 3
+    _, text = mpirun(nproc, "stall.py", 7, 2, timeout=180, env={"TFSPARSE_STALL_STACKS": "1"} if stacks else None)
     assert text.count("fit returned") == nproc, text[-3000:]  # the stall ends, training goes on
     assert "a collective has waited more than 2 s" in text, text[-3000:]
     assert "rank 1 has not arrived" in text, text[-3000:]
     assert re.search(r"rank 1: round \d+, not in a collective: left its last collective \(\w+\) \d+ s ago", text), \
         text[-3000:]
     assert re.search(r"rank 0: round \d+, waiting in \w+ for \d+ s", text), text[-3000:]
+    heads = {r: f"tfsparse: rank {r}'s threads at a stall inquiry (stall_stacks):" in text for r in range(nproc)}
+    assert heads == {r: stacks for r in range(nproc)}, text[-3000:]
+    assert ("in on_train_batch_end\n        time.sleep(seconds)" in text) == stacks, text[-3000:]
+
+
+def test_a_rank_that_holds_the_gil_is_shown_by_faulthandler():
+    """Rank 1 holds Python's GIL for 10 s (libc's sleep through ctypes.PyDLL): its watch thread
+    cannot answer the inquiry (made after 2 s, answers awaited 5 s), so the report says "no
+    answer", and with TFSPARSE_STALL_STACKS faulthandler's own thread writes rank 1's stacks
+    once its watch thread has not run for the 2 s of the warning: where it stopped."""
+    _, text = mpirun(2, "stall.py", 10, 2, "gil", timeout=180, env={"TFSPARSE_STALL_STACKS": "1"})
+    assert text.count("fit returned") == 2, text[-3000:]
+    assert "rank 1: no answer (stuck without releasing Python's GIL, or gone)" in text, text[-3000:]
+    assert "Timeout (0:00:02.250000)!" in text and "in on_train_batch_end" in text, text[-3000:]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -65,9 +82,11 @@ def test_data_of_unknown_length_that_runs_out_early_ends_the_epoch_on_every_rank
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         assert r["eval"] == res[0]["eval"]
         assert r["freed"] == [True, True, True]  # model, strategy, exchange
-        # validation each epoch, and an evaluate inside fit, on data of known length whose last rank
-        # has a batch fewer: the ranks with fewer take part in the others' remaining averagings
-        assert r["uneven"] == res[0]["uneven"]
+        # validation each epoch, an evaluate inside fit and one before it, on data of known length whose
+        # last rank has a batch fewer: the ranks with fewer take part in the others' remaining averagings
+        assert r["uneven"] == res[0]["uneven"] and len(r["uneven"]) == 6
+        counts = ", ".join(f"rank {q}: {9 if q == nproc - 1 else 10}" for q in range(nproc))
+        assert r["beyond"] is not None and f"({counts})" in r["beyond"], r["beyond"]  # steps=10: caught everywhere
         for sharded, whole in r["uneven"]:
             assert abs(sharded - whole) <= 1e-6 * max(1.0, abs(whole)), r["uneven"]
 

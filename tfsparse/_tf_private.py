@@ -4,8 +4,9 @@ SparseStrategy subclasses ``OneDeviceStrategy``/``OneDeviceExtended`` (one devic
 per process) and overrides a handful of hooks, its replica context's ``all_reduce`` among them (no
 custom gradient registered for ever where none can be asked for); it is a Keras ``KerasSaveable`` so that
 Keras model files hold the exchange's state; the exchange refuses XLA; and when Keras
-distributes a dataset, the strategy reads how many steps its epoch iterator will run and for
-which model method; ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
+distributes a dataset, the strategy reads how many steps its epoch iterator will run (and whether
+they were given), and for which model method, and may build what an ``evaluate``'s model has not
+built yet from the data's first batch, as Keras would (:func:`keras_build_before_evaluate`); ``tfsparse.keras.callbacks.BackupAndRestore`` tells Keras' ``fit`` the epoch
 to resume from, as Keras' own callback does; the strategy knows Keras' steps and its loss-scale
 optimizer's finiteness check by their method names (:func:`keras_replica_call`) and TensorFlow's
 error for mixed strategies by its text (:func:`mixes_strategies`); ``DistributedOptimizer``, a
@@ -134,18 +135,21 @@ def keras_epoch_steps(max_depth: int = 8):
 
     Keras' ``TFEpochIterator.__init__`` calls ``experimental_distribute_dataset``; its
     ``num_batches`` (``steps_per_epoch`` or the data adapter's count) is what every
-    rank must agree on.  tf.data often reports unknown cardinality for Keras' array
+    rank must agree on -- or the data adapter's count where ``steps_per_epoch`` asks for more,
+    as Keras' loop then stops there.  tf.data often reports unknown cardinality for Keras' array
     datasets, so the iterator is found on the call stack (read-only).
     """
     iterator = _epoch_iterator_distributing(max_depth)
-    steps = getattr(iterator, "num_batches", None)
+    steps, data = getattr(iterator, "num_batches", None), getattr(iterator, "_num_batches", None)
+    if steps is not None and data is not None and data >= 0:
+        steps = min(steps, data)
     return int(steps) if steps is not None and steps >= 0 else None
 
 
 def keras_steps_given(max_depth: int = 8) -> bool:
     """Whether the dataset being distributed right now is iterated for a given number of steps
-    (``steps_per_epoch``, ``validation_steps``, ``steps``) -- Keras then goes on where the last
-    pass stopped -- rather than whole, from its start, in each pass."""
+    (``steps_per_epoch``, ``validation_steps``, ``steps``, or Keras' ``max_steps_per_epoch``)
+    rather than whole in each pass (``fit``'s iterators then go on where the last pass stopped)."""
     return getattr(_epoch_iterator_distributing(max_depth), "steps_per_epoch", None) is not None
 
 
@@ -160,6 +164,26 @@ def _epoch_iterator_distributing(max_depth: int):
         if isinstance(candidate, EpochIterator):
             return candidate
     return None
+
+
+def keras_build_before_evaluate(dataset, max_depth: int = 24) -> None:
+    """Where an ``evaluate`` is on the call stack: builds what its model has not built yet (its
+    layers, compiled loss and metrics, optimizer) from ``dataset``'s first batch, as Keras'
+    ``evaluate`` does next from the first batch of the distributed dataset (``Trainer._symbolic_build``)
+    -- for a strategy about to hand Keras batches it could not read there (marked ones).  It
+    creates the variables it builds, a collective in a SparseStrategy's scope: every rank calls it
+    at the same point.
+
+    Args:
+      dataset: the ``tf.data.Dataset`` being distributed, of Keras' ``(x, y[, sample_weight])``
+        batches (one is read).
+      max_depth: how many callers up to look for ``evaluate``.
+    """
+    name, model, _ = _keras_frame(max_depth)
+    if name != "evaluate":
+        return
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=next(iter(dataset)))
 
 
 def keras_model_running(max_depth: int = 16):

@@ -239,8 +239,9 @@ def agree_on_data(dataset, agreement: DataAgreement):
     * ``"join"`` (Horovod's ``hvd.join``): the iterator goes on while any rank has data; a rank
       that ran out takes its epoch's first batch again with every sample weight 0 -- its gradient,
       and its part of the ``weighted_metrics``, are zero -- so the ranks with data train on all of
-      it (the logged loss and ``metrics=`` count that batch: Keras weights its loss tracker by
-      batch size, and ``metrics=`` ignore sample weights).
+      it (the logged loss counts the batch's rows with a loss of 0, as Keras weights its loss
+      tracker by batch size, and ``metrics=``, which ignore sample weights, count it at full
+      weight).
       Elements must be Keras' ``(x, y)`` or ``(x, y, sample_weight)`` tuples; every batch gets a
       sample weight (ones where there was none, which changes no result).  Training steps on the
       repeated batch still update BatchNormalization's moving statistics of that rank.

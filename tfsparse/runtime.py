@@ -22,7 +22,8 @@ SETUP = ("quiet_workers", "plain_output", "cores_per_rank", "cpu_allocator", "th
 def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_workers: bool | str = "auto",
          plain_output: bool | str = "auto", cores_per_rank: int | str | None = "auto",
          cpu_allocator: str | None = "auto", thread_priority: bool | str = "auto",
-         stall_warning: float | str | None = "auto", stall_timeout: float | str | None = "auto") -> Communicator:
+         stall_warning: float | str | None = "auto", stall_timeout: float | str | None = "auto",
+         stall_stacks: bool | str = "auto") -> Communicator:
     """Joins the job's process world; idempotent (later calls return the same communicator).
 
     By default it joins the world and changes nothing else in the process but what keeps a
@@ -95,6 +96,14 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
         else off (``None``), as Horovod's stall shutdown: a long validation or checkpoint on one rank
         legitimately keeps the others waiting; set it above the longest such pause.  Both stall
         settings need ``MPI_THREAD_MULTIPLE`` (the watch thread that also catches departed ranks).
+      stall_stacks: ``True``: at every stall inquiry each rank that answers also writes the
+        Python stack of each of its threads to its standard error; and a rank whose watch thread
+        cannot run for ``stall_warning`` seconds (``stall_timeout`` where there is no warning) --
+        some thread holds Python's GIL, so the rank gives no answer -- has Python's
+        ``faulthandler`` write them from a thread of its own, which needs no GIL (``faulthandler``'s
+        one timer is then the watch thread's).  For finding what a stalled rank is doing.
+        ``"auto"`` (default): ``TFSPARSE_STALL_STACKS`` if set (``1``/``on``/``true`` or
+        ``0``/``off``/``false``), else off.
 
     Returns:
       The world's :class:`~tfsparse.collectives.communicator.Communicator` (``rank``, ``size``,
@@ -116,6 +125,7 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
         cpu_allocator = "bfc" if "cpu_allocator" in setup else None
     stall_warning = _stall_seconds("stall_warning", stall_warning, "TFSPARSE_STALL_WARNING", 60.0)
     stall_timeout = _stall_seconds("stall_timeout", stall_timeout, "TFSPARSE_STALL_TIMEOUT", None)
+    stall_stacks = _stall_stacks(stall_stacks)
     if _state["comm"] is not None:
         if backend not in (None, "auto", _state["backend"]):
             raise ValueError(f"tfsparse is already initialised with backend={_state['backend']!r}; "
@@ -147,7 +157,7 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
     if abort_on_error and quiet_workers and comm.size > 1:
         _abort_on_uncaught_exception(comm.rank, comm.size)
     if comm.size > 1 and (abort_on_error or stall_warning is not None or stall_timeout is not None):
-        _watch(abort_on_error, stall_warning, stall_timeout)
+        _watch(abort_on_error, stall_warning, stall_timeout, stall_stacks)
     if abort_on_error and comm.size > 1:  # after the watch's own atexit call: runs before it
         _abort_at_exit(comm.rank, comm.size)
     _share_cores(cores_per_rank, backend, pools)
@@ -449,7 +459,21 @@ def _stall_seconds(name: str, value, variable: str, default):
         f", None or 0 (off), or 'auto' (the environment variable {variable})"))
 
 
-def _watch(departures: bool, stall_warning, stall_timeout) -> None:
+def _stall_stacks(value) -> bool:
+    """``stall_stacks`` as a bool: ``"auto"`` reads ``TFSPARSE_STALL_STACKS`` (off where unset)."""
+    _checks.choice("stall_stacks", value, (True, False, "auto"),
+                   accepted="True, False or 'auto' (the environment variable TFSPARSE_STALL_STACKS)")
+    if value != "auto":
+        return value
+    text = os.environ.get("TFSPARSE_STALL_STACKS", "").strip().lower()
+    if text in ("", "0", "off", "false", "no"):
+        return False
+    if text in ("1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"TFSPARSE_STALL_STACKS={text!r} is not valid; accepted: 1, on, true, yes or 0, off, false, no")
+
+
+def _watch(departures: bool, stall_warning, stall_timeout, stall_stacks: bool = False) -> None:
     """Starts the watch thread (collective: every rank is in init()) -- the departure watch and
     the stall report -- and tells the other ranks at a normal exit that this one is gone.
     Its ``atexit`` call runs before mpi4py's finalisation (a ``Py_AtExit`` call, after every
@@ -462,7 +486,8 @@ def _watch(departures: bool, stall_warning, stall_timeout) -> None:
         return
     from .collectives.watchdog import DepartureWatch
 
-    watch = DepartureWatch(departures=departures, stall_warning=stall_warning, stall_timeout=stall_timeout)
+    watch = DepartureWatch(departures=departures, stall_warning=stall_warning, stall_timeout=stall_timeout,
+                           stacks=stall_stacks)
     _state["watch"] = watch
     atexit.register(watch.depart)
 

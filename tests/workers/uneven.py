@@ -5,7 +5,10 @@
   each of 3 epochs and the weights stay identical; then ``evaluate`` on the same data; then the
   model, its strategy and exchange are freed once deleted.  Its ``fit`` validates every epoch on
   arrays of known, uneven length (10 batches, 9 on the last rank), and a callback evaluates other
-  such arrays (4 batches, 3) at every epoch's end: both are compared with the whole set's metrics.
+  such arrays (4 batches, 3; with MetricAverage, which does nothing there) at every epoch's end;
+  before the fit, an evaluate of such arrays builds the model: each is compared with the whole
+  set's metrics.  After it, ``evaluate(steps=10)`` where the last rank has 9 batches raises
+  StepCountMismatch on every rank.
 * ``error``: the same data with uneven_data="error": fit raises StepCountMismatch.
 * ``join``: the same data with uneven_data="join": 10 steps per epoch on every rank, the last
   rank's 10th batch zero-weighted; and a reference fit on known-length arrays with that batch
@@ -108,7 +111,7 @@ class Nested(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.logs = self.model.evaluate(x[:40 if last else 56], y[:40 if last else 56], batch_size=16, verbose=0,
-                                        return_dict=True)
+                                        return_dict=True, callbacks=[tfsparse.keras.callbacks.MetricAverage()])
 
 
 def whole(rows):
@@ -119,13 +122,23 @@ def whole(rows):
 
 
 keep = {"end": 144 if last else 160, "error": 144 if last else 160, "empty": 0 if last else 160}[case]
+before = None
+if case == "end":  # an unbuilt model (Keras builds it from the first batch it is given) on uneven arrays
+    before = model.evaluate(x[:40 if last else 56], y[:40 if last else 56], batch_size=16, verbose=0,
+                            return_dict=True)
+    before = [[before[m], whole(40 if last else 56)[m]] for m in ("loss", "accuracy")]
 nested = Nested()
 hist = model.fit(dataset(keep), epochs=3, verbose=0, callbacks=[count, nested],
                  validation_data=(x[:keep], y[:keep]) if case == "end" else None, validation_batch_size=16)
 ev = model.evaluate(dataset(keep), verbose=0, return_dict=True)
 whole_val, whole_nested = whole(keep), whole(40 if last else 56)
 uneven = [[hist.history["val_" + m][-1], whole_val[m]] for m in ("loss", "accuracy")] + \
-    [[nested.logs[m], whole_nested[m]] for m in ("loss", "accuracy")]
+    [[nested.logs[m], whole_nested[m]] for m in ("loss", "accuracy")] + before
+try:  # steps beyond the last rank's 9 batches: Keras would run 9 there and 10 elsewhere
+    model.evaluate(x[:keep], y[:keep], batch_size=16, steps=10, verbose=0)
+    beyond = None
+except tfsparse.StepCountMismatch as e:
+    beyond = str(e)
 weights, steps = np.concatenate([w.ravel() for w in model.get_weights()]), count.steps
 # the model, its strategy and exchange, once nothing holds them, are freed: TensorFlow keeps the
 # Python functions of the traced steps' and the datasets' tf.numpy_function ops (the metric
@@ -134,5 +147,6 @@ strategy = model.distribute_strategy
 held = [weakref.ref(o) for o in (model, strategy, strategy.extended.exchange)]
 del model, strategy, count, nested, hist  # a callback (and History) holds its model
 gc.collect()
-save_result(rank, steps=steps, weights=weights, eval=ev, uneven=uneven, freed=[r() is None for r in held])
+save_result(rank, steps=steps, weights=weights, eval=ev, uneven=uneven, beyond=beyond,
+            freed=[r() is None for r in held])
 print(f"rank {rank}: done", flush=True)

@@ -25,9 +25,13 @@ The same thread reports stalls (:class:`DepartureWatch`'s ``stall_warning`` and
 every rank for its :func:`report` -- its round (:func:`note_round`, set by the engine) and the
 collective it waits in or left last (:func:`tracked` records them) -- and log which ranks have
 not arrived (:func:`describe`); past the timeout the waiting rank aborts the job with that report.
+With ``stacks`` (``tfsparse.init(stall_stacks=True)``) each rank also writes its threads' Python
+stacks at an inquiry (:func:`thread_stacks`), and ``faulthandler`` writes them where the watch
+thread itself cannot run.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import math
 import os
@@ -35,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -146,6 +151,23 @@ def report(rank: int) -> dict:
             "idle_s": None if since is not None or left is None else now - left}
 
 
+def thread_stacks(rank: int) -> str:
+    """Every Python thread's stack in this process, for a stall report (``stall_stacks``).
+
+    Args:
+      rank: this rank, named in the head line.
+
+    Returns:
+      The text: a head line, then per thread its name and its calls, outermost first.
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [f"tfsparse: rank {rank}'s threads at a stall inquiry (stall_stacks):"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"  thread {names.get(ident, ident)}:")
+        lines += ["    " + entry.rstrip("\n").replace("\n", "\n    ") for entry in traceback.format_stack(frame)]
+    return "\n".join(lines) + "\n"
+
+
 def describe(reports: dict, size: int) -> str:
     """The lines of a stall report: first the ranks that have not arrived, then those that wait.
 
@@ -187,7 +209,13 @@ class DepartureWatch:
     stall check).  When it has waited longer than ``stall_timeout`` seconds, the waiting rank
     makes the same inquiry and ends every rank (``MPI_Abort``) with that message.  Each rank's
     watch thread answers the inquiries, so a rank stuck in user code (sleeping, deadlocked, a
-    hung file system) is reported as long as it does not hold Python's GIL.
+    hung file system) is reported as long as it does not hold Python's GIL.  With ``stacks``,
+    every rank that answers an inquiry (and the one that makes it) writes its threads' stacks
+    to its standard error (:func:`thread_stacks`), and the watch thread keeps ``faulthandler``'s
+    timer armed, ``stall_warning`` (else ``stall_timeout``) seconds plus one poll ahead, re-arming
+    it at every poll: where some thread holds the GIL so long that the watch thread cannot run
+    for those seconds, ``faulthandler`` writes every thread's stack from a thread of its own
+    (under the head line ``Timeout (h:mm:ss.us)!``).
 
     Args:
       grace: seconds this rank may stay blocked in a collective after another rank left
@@ -197,11 +225,12 @@ class DepartureWatch:
       stall_warning: seconds of waiting before the warning (None: no warning).
       stall_timeout: seconds of waiting before every rank is ended (None: never).
       answer_within: seconds an inquiry waits for the ranks' answers.
+      stacks: write the threads' stacks as above (``tfsparse.init(stall_stacks=...)``).
     """
 
     def __init__(self, grace: float = 10.0, poll: float = 0.25, *, departures: bool = True,
                  stall_warning: float | None = 60.0, stall_timeout: float | None = None,
-                 answer_within: float = 5.0):
+                 answer_within: float = 5.0, stacks: bool = False):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -210,6 +239,7 @@ class DepartureWatch:
         self.grace, self.poll = float(grace), float(poll)
         self.departures = departures
         self.stall_warning, self.stall_timeout, self.answer_within = stall_warning, stall_timeout, answer_within
+        self.stacks = stacks
         self.departed: dict[int, float] = {}
         self.failed: dict[int, str] = {}  # rank -> the exception that stopped it (announce_failure)
         self.failing = False  # this rank stops with an exception of its own: say nothing of others'
@@ -293,6 +323,7 @@ class DepartureWatch:
         while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_QUERY, status=status):
             asker = self._comm.recv(source=status.Get_source(), tag=TAG_QUERY)
             self._send(report(self.rank), asker, TAG_REPORT)
+            self._write_stacks()
         while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STALL, status=status):
             self._comm.recv(source=status.Get_source(), tag=TAG_STALL)
             self._noticed = time.monotonic()
@@ -307,6 +338,7 @@ class DepartureWatch:
             if r != self.rank:
                 self._send(self.rank, r, TAG_QUERY)
         reports = {self.rank: report(self.rank)}
+        self._write_stacks()
         status = self._MPI.Status()
         deadline = time.monotonic() + self.answer_within
         while len(reports) < self.size and time.monotonic() < deadline:
@@ -317,6 +349,21 @@ class DepartureWatch:
             else:
                 time.sleep(0.01)
         return reports
+
+    def _write_stacks(self) -> None:
+        """With ``stacks``: this rank's threads' stacks to its standard error (not to a
+        ``sys.stderr`` that ``quiet_workers`` may have silenced)."""
+        if self.stacks and sys.__stderr__ is not None:
+            sys.__stderr__.write(thread_stacks(self.rank))
+            sys.__stderr__.flush()
+
+    def _keep_armed(self) -> None:
+        """With ``stacks``: ``faulthandler``'s timer re-armed (at every poll, one poll longer than
+        the stall's seconds), so that it fires only where this thread has not run for those
+        seconds at least."""
+        seconds = self.stall_warning or self.stall_timeout
+        if self.stacks and seconds is not None and sys.__stderr__ is not None:
+            faulthandler.dump_traceback_later(seconds + self.poll, repeat=False, file=sys.__stderr__)
 
     def _check_stall(self) -> None:
         since = blocked_since()
@@ -367,6 +414,7 @@ class DepartureWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
+            self._keep_armed()
             self._receive()
             self._receive_failures()
             self._answer()
@@ -391,6 +439,8 @@ class DepartureWatch:
             return
         self._stop.set()
         self._thread.join(timeout=2 * self.poll + 1.0)
+        if self.stacks:
+            faulthandler.cancel_dump_traceback_later()
         me = np.array([self.rank], np.int64)
         requests = [self._comm.Isend(me, dest=r, tag=TAG) for r in range(self.size) if r != self.rank]
         deadline = time.monotonic() + 2.0

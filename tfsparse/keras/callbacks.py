@@ -177,6 +177,7 @@ class MetricAverage(keras.callbacks.Callback):
     PER_RANK = CommunicationStats.KEYS
     _test_calls = 0  # this evaluation's test-batch callbacks still to come on this rank (-1: unknown)
     _extra_calls = 0  # the averagings it owes the ranks with more test batches, after its last
+    _strategy_averages = False  # this evaluation's model is SparseStrategy's, whose test steps average
 
     def _allreduce(self, values: np.ndarray, stop: bool | None = None) -> np.ndarray:
         """Mean over ranks of ``values``; any rank's ``stop`` stops every rank's training
@@ -210,14 +211,16 @@ class MetricAverage(keras.callbacks.Callback):
         whole set's results (a mean of states that each rank's batches add to: every batch's
         contribution over P).  Needs every rank's count known (a dataset of known length, or
         ``steps=``, which is trusted); where one is not, nothing is compared, and the ranks must
-        have as many batches.
+        have as many batches.  Under SparseStrategy, whose test steps average the states (and even
+        out such counts) themselves, the evaluation's callbacks do nothing.
 
         Raises:
           StepCountMismatch: on every rank, where some rank has no test batch and another has (or
             may have: its count unknown).
         """
         self._test_calls = self._extra_calls = 0
-        if runtime.communicator().size == 1:
+        self._strategy_averages = getattr(self.model.distribute_strategy, "exchange", None) is not None
+        if runtime.communicator().size == 1 or self._strategy_averages:
             return
         steps = keras_test_batches()
         per_call = max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
@@ -231,6 +234,8 @@ class MetricAverage(keras.callbacks.Callback):
     def on_test_batch_end(self, batch, logs=None):
         """Replaces the metric states by their mean over the ranks; the batch's logs take the
         averaged results (after this rank's last batch, also those of the others' remaining ones)."""
+        if self._strategy_averages:
+            return
         self._average_metric_states(logs, None)
         self._test_calls -= 1
         if self._test_calls == 0:
@@ -273,7 +278,8 @@ class MetricAverage(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         """Averages ``evaluate``'s numeric logs (except :attr:`PER_RANK`) over the ranks."""
-        self._average(logs)
+        if not self._strategy_averages:
+            self._average(logs)
 
 
 class StepCountCheck(keras.callbacks.Callback):

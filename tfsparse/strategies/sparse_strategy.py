@@ -38,8 +38,9 @@ import tensorflow as tf
 
 from .. import runtime
 from .._tf_private import (KerasSaveable, OneDeviceExtended, OneDeviceStrategy, call_for_each_replica,
-                           check_extended_hooks, keras_distributing, keras_epoch_steps, keras_optimizer_applying,
-                           keras_replica_call, keras_steps_given, mixes_strategies, optimizer_variables, reject_xla)
+                           check_extended_hooks, keras_build_before_evaluate, keras_distributing, keras_epoch_steps,
+                           keras_optimizer_applying, keras_replica_call, keras_steps_given, mixes_strategies,
+                           optimizer_variables, reject_xla)
 from ..checkpoint import Checkpointer
 from ..collectives.agreement import check_agreement
 from ..data import DataAgreement, agree_on_data, check_uneven_policy, mark_last_batch, unmark, without_autotune
@@ -363,7 +364,10 @@ def _evened_out(dataset, steps: int, gathered, running: str):
     validation or evaluation data that Keras iterates whole on every rank, and no rank empty, as
     it is on the ranks with the most batches, else marked so that its last test step takes part
     in the others' remaining averagings (:func:`~tfsparse.data.mark_last_batch`,
-    :func:`_then_more`); otherwise the ranks' :class:`StepCountMismatch`.
+    :func:`_then_more`) -- an ``evaluate``'s model first built, on every rank, from the unmarked
+    batches (:func:`~tfsparse._tf_private.keras_build_before_evaluate`: Keras builds an unbuilt
+    one from the first batch it is given, which it would misread); otherwise the ranks'
+    :class:`StepCountMismatch`.
 
     Raises:
       StepCountMismatch: training data, data with ``steps`` given, or an empty shard, of counts
@@ -373,6 +377,8 @@ def _evened_out(dataset, steps: int, gathered, running: str):
     if running == "fit" or min(counts) == 0 or any(given for _, given in gathered):
         raise_on_uneven_counts(counts)
         return dataset
+    if len(set(counts)) > 1:
+        keras_build_before_evaluate(dataset)
     return dataset if steps == max(counts) else mark_last_batch(dataset, steps, max(counts) - steps)
 
 
@@ -380,7 +386,9 @@ def _then_more(sync, packed, more):
     """A rank's last test step where the others have ``more`` batches left: its averaging of the
     metric states (``sync(packed)``), then ``more`` averagings of the average it got -- its states
     unchanged by batches it has not got, while the others add theirs -- so that every rank ends
-    with the same states, those of the whole set."""
+    with the same states: the whole set's sums over P, whose ratios are the whole set's metrics.
+    The averaging must be the test steps' only collective (no other in a custom ``test_step`` or
+    a test-batch callback): the ranks with more batches spread theirs over their later steps."""
     averaged = sync(packed)
     for _ in range(int(more)):
         averaged = sync(averaged)
@@ -485,7 +493,8 @@ class SparseStrategy(OneDeviceStrategy, KerasSaveable):
         :class:`StepCountMismatch` on every rank (pass the same ``steps_per_epoch`` everywhere, or
         shard evenly); validation and evaluation data that Keras iterates whole are evened out
         (a rank with fewer batches averages its unchanged metric states with the others'
-        remaining batches), with ``validation_steps``/``steps`` given their counts must agree.
+        remaining batches; the averaging must be the test steps' only collective); with
+        ``validation_steps``/``steps`` given, different counts raise too.
 
     Every argument is validated before any communication.  Use as ``with strategy.scope():``
     or directly ``with strategy:``.
