@@ -142,13 +142,15 @@ def test_stall_stacks_come_from_the_environment_when_auto_and_name_every_thread(
     monkeypatch.setenv("TFSPARSE_STALL_STACKS", "0")
     assert _stall_stacks("auto") is False
 
-    waiting = threading.Event()
+    waiting, parked = threading.Event(), threading.Event()
 
     def parked_here():
+        parked.set()
         waiting.wait(30)
 
     other = threading.Thread(target=parked_here, name="parked")
     other.start()
+    parked.wait(30)
     try:
         text = thread_stacks(3)
     finally:

@@ -47,7 +47,7 @@ def test_a_stalled_rank_is_reported_while_the_others_wait(nproc):
     assert re.search(r"rank 0: round \d+, waiting in \w+ for \d+ s", text), text[-3000:]
     heads = {r: f"tfsparse: rank {r}'s threads at a stall inquiry (stall_stacks):" in text for r in range(nproc)}
     assert heads == {r: stacks for r in range(nproc)}, text[-3000:]
-    assert ("in on_train_batch_end\n        time.sleep(seconds)" in text) == stacks, text[-3000:]
+    assert ("in on_train_batch_end" in text) == stacks, text[-3000:]  # only rank 1 is in the callback
 
 
 def test_a_rank_that_holds_the_gil_is_shown_by_faulthandler():
@@ -58,7 +58,9 @@ def test_a_rank_that_holds_the_gil_is_shown_by_faulthandler():
     _, text = mpirun(2, "stall.py", 10, 2, "gil", timeout=180, env={"TFSPARSE_STALL_STACKS": "1"})
     assert text.count("fit returned") == 2, text[-3000:]
     assert "rank 1: no answer (stuck without releasing Python's GIL, or gone)" in text, text[-3000:]
-    assert "Timeout (0:00:02.250000)!" in text and "in on_train_batch_end" in text, text[-3000:]
+    # faulthandler's head line and its form of a frame (no comma before "in"), rank 1's stacks written
+    # seconds before the asking rank's (after the answers)
+    assert "Timeout (0:00:02.500000)!" in text and re.search(r"line \d+ in on_train_batch_end", text), text[-3000:]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])

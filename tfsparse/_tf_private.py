@@ -149,7 +149,8 @@ def keras_epoch_steps(max_depth: int = 8):
 def keras_steps_given(max_depth: int = 8) -> bool:
     """Whether the dataset being distributed right now is iterated for a given number of steps
     (``steps_per_epoch``, ``validation_steps``, ``steps``, or Keras' ``max_steps_per_epoch``)
-    rather than whole in each pass (``fit``'s iterators then go on where the last pass stopped)."""
+    rather than whole in each pass (``fit``'s training iterator then goes on where the last epoch
+    stopped)."""
     return getattr(_epoch_iterator_distributing(max_depth), "steps_per_epoch", None) is not None
 
 
@@ -180,8 +181,8 @@ def keras_build_before_evaluate(dataset, max_depth: int = 24) -> None:
       max_depth: how many callers up to look for ``evaluate``.
     """
     name, model, _ = _keras_frame(max_depth)
-    if name != "evaluate":
-        return
+    if name != "evaluate" or getattr(model, "_distribute_strategy", None) is None:
+        return  # (Keras builds a model made outside any strategy's scope at its step's trace)
     with model.distribute_strategy.scope():
         model._symbolic_build(data_batch=next(iter(dataset)))
 

@@ -96,9 +96,10 @@ def init(backend: str | None = None, *, abort_on_error: bool = True, quiet_worke
         else off (``None``), as Horovod's stall shutdown: a long validation or checkpoint on one rank
         legitimately keeps the others waiting; set it above the longest such pause.  Both stall
         settings need ``MPI_THREAD_MULTIPLE`` (the watch thread that also catches departed ranks).
-      stall_stacks: ``True``: at every stall inquiry each rank that answers also writes the
-        Python stack of each of its threads to its standard error; and a rank whose watch thread
-        cannot run for ``stall_warning`` seconds (``stall_timeout`` where there is no warning) --
+      stall_stacks: ``True``: at every stall inquiry each rank that answers (and the one that
+        asked) also writes the Python stack of each of its threads to its standard error; and a
+        rank whose watch thread cannot run for ``stall_warning`` seconds (``stall_timeout`` where
+        there is no warning; plus at most half a second) --
         some thread holds Python's GIL, so the rank gives no answer -- has Python's
         ``faulthandler`` write them from a thread of its own, which needs no GIL (``faulthandler``'s
         one timer is then the watch thread's).  For finding what a stalled rank is doing.

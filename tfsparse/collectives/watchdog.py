@@ -210,12 +210,13 @@ class DepartureWatch:
     makes the same inquiry and ends every rank (``MPI_Abort``) with that message.  Each rank's
     watch thread answers the inquiries, so a rank stuck in user code (sleeping, deadlocked, a
     hung file system) is reported as long as it does not hold Python's GIL.  With ``stacks``,
-    every rank that answers an inquiry (and the one that makes it) writes its threads' stacks
-    to its standard error (:func:`thread_stacks`), and the watch thread keeps ``faulthandler``'s
-    timer armed, ``stall_warning`` (else ``stall_timeout``) seconds plus one poll ahead, re-arming
-    it at every poll: where some thread holds the GIL so long that the watch thread cannot run
-    for those seconds, ``faulthandler`` writes every thread's stack from a thread of its own
-    (under the head line ``Timeout (h:mm:ss.us)!``).
+    every rank that answers an inquiry (and, once the answers are in, the one that makes it)
+    writes its threads' stacks to its standard error (:func:`thread_stacks`), and the watch thread keeps ``faulthandler``'s
+    timer armed, ``stall_warning`` (else ``stall_timeout``) seconds plus two polls ahead,
+    re-arming it about once a poll (also while its own inquiry waits for answers): where some
+    thread holds the GIL so long that the watch thread cannot run for those seconds,
+    ``faulthandler`` writes every thread's stack from a thread of its own (under the head line
+    ``Timeout (h:mm:ss.us)!``).
 
     Args:
       grace: seconds this rank may stay blocked in a collective after another rank left
@@ -240,6 +241,7 @@ class DepartureWatch:
         self.departures = departures
         self.stall_warning, self.stall_timeout, self.answer_within = stall_warning, stall_timeout, answer_within
         self.stacks = stacks
+        self._armed = -math.inf  # when faulthandler's timer was last armed (stacks: _keep_armed)
         self.departed: dict[int, float] = {}
         self.failed: dict[int, str] = {}  # rank -> the exception that stopped it (announce_failure)
         self.failing = False  # this rank stops with an exception of its own: say nothing of others'
@@ -338,32 +340,46 @@ class DepartureWatch:
             if r != self.rank:
                 self._send(self.rank, r, TAG_QUERY)
         reports = {self.rank: report(self.rank)}
-        self._write_stacks()
         status = self._MPI.Status()
         deadline = time.monotonic() + self.answer_within
         while len(reports) < self.size and time.monotonic() < deadline:
+            self._keep_armed()  # this thread runs: no stacks from faulthandler while it waits for answers
             self._answer()
             if self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_REPORT, status=status):
                 rep = self._comm.recv(source=status.Get_source(), tag=TAG_REPORT)
                 reports[rep["rank"]] = rep
             else:
                 time.sleep(0.01)
+        self._write_stacks()  # after the answers: apart in time from the others' stacks
         return reports
 
     def _write_stacks(self) -> None:
-        """With ``stacks``: this rank's threads' stacks to its standard error (not to a
-        ``sys.stderr`` that ``quiet_workers`` may have silenced)."""
-        if self.stacks and sys.__stderr__ is not None:
+        """With ``stacks``: this rank's threads' stacks to the process's standard error
+        (``sys.__stderr__``, not a ``sys.stderr`` the program may have redirected); where that
+        fails, the stacks are switched off (the watch thread goes on)."""
+        if not self.stacks:
+            return
+        try:
             sys.__stderr__.write(thread_stacks(self.rank))
             sys.__stderr__.flush()
+        except (AttributeError, OSError, ValueError):  # no usable stream (None, closed, no descriptor)
+            self.stacks = False
 
     def _keep_armed(self) -> None:
-        """With ``stacks``: ``faulthandler``'s timer re-armed (at every poll, one poll longer than
-        the stall's seconds), so that it fires only where this thread has not run for those
-        seconds at least."""
+        """With ``stacks``: ``faulthandler``'s timer re-armed, two polls longer than the stall's
+        seconds, at most once a poll (this thread calls it at every poll, and while an inquiry
+        waits) and not once the watch stops, so that it fires only where this thread has not run
+        for those seconds at least.  Where ``faulthandler`` cannot write to the process's standard
+        error, the stacks are switched off."""
         seconds = self.stall_warning or self.stall_timeout
-        if self.stacks and seconds is not None and sys.__stderr__ is not None:
-            faulthandler.dump_traceback_later(seconds + self.poll, repeat=False, file=sys.__stderr__)
+        now = time.monotonic()
+        if not self.stacks or seconds is None or now - self._armed < self.poll or self._stop.is_set():
+            return
+        self._armed = now
+        try:
+            faulthandler.dump_traceback_later(seconds + 2 * self.poll, repeat=False, file=sys.__stderr__)
+        except (AttributeError, OSError, ValueError, RuntimeError):  # None, closed, no descriptor
+            self.stacks = False
 
     def _check_stall(self) -> None:
         since = blocked_since()
