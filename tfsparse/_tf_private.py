@@ -139,7 +139,13 @@ def keras_epoch_steps(max_depth: int = 8):
     as Keras' loop then stops there.  tf.data often reports unknown cardinality for Keras' array
     datasets, so the iterator is found on the call stack (read-only).
     """
-    iterator = _epoch_iterator_distributing(max_depth)
+    return _batches_run(_epoch_iterator_distributing(max_depth))
+
+
+def _batches_run(iterator):
+    """The batches a Keras ``EpochIterator`` (or None) runs in a pass: its ``num_batches``, or
+    the data's own count where ``steps_per_epoch`` asks for more (Keras' loop stops there); None
+    where unknown."""
     steps, data = getattr(iterator, "num_batches", None), getattr(iterator, "_num_batches", None)
     if steps is not None and data is not None and data >= 0:
         steps = min(steps, data)
@@ -250,11 +256,7 @@ def keras_test_batches(max_depth: int = 16):
     or the data's own count where ``steps=`` asks for more, as Keras' loop then stops there.  A
     ``steps=`` is trusted where the data's length is unknown, as Keras trusts it."""
     name, _, frame = _keras_frame(max_depth)
-    iterator = frame.f_locals.get("epoch_iterator") if name == "evaluate" else None
-    steps, data = getattr(iterator, "num_batches", None), getattr(iterator, "_num_batches", None)
-    if steps is not None and data is not None and data >= 0:
-        steps = min(steps, data)
-    return int(steps) if steps is not None and steps >= 0 else None
+    return _batches_run(frame.f_locals.get("epoch_iterator") if name == "evaluate" else None)
 
 
 def _keras_frame(max_depth: int):

@@ -29,7 +29,7 @@ from .. import _checks, files, runtime
 from .._tf_private import keras_test_batches
 from ..wire import get_wire
 from .backup import _BatchCount
-from .ownership import checkpointer_of, exchange_of, require_exchange
+from .ownership import checkpointer_of, exchange_of, require_exchange, sparse_strategy_of
 from .replicas import check_replicas
 from .sync import _assign, _float64, average_moving_statistics, broadcast_variables, run_on_model  # noqa: F401
 
@@ -219,7 +219,7 @@ class MetricAverage(keras.callbacks.Callback):
             may have: its count unknown).
         """
         self._test_calls = self._extra_calls = 0
-        self._strategy_averages = getattr(self.model.distribute_strategy, "exchange", None) is not None
+        self._strategy_averages = sparse_strategy_of(self.model) is not None
         if runtime.communicator().size == 1 or self._strategy_averages:
             return
         steps = keras_test_batches()

@@ -31,6 +31,12 @@ def owner_of(model):
         if getattr(opt, "exchange", None) is not None:
             return opt
         opt = getattr(opt, "inner_optimizer", None)
+    return sparse_strategy_of(model)
+
+
+def sparse_strategy_of(model):
+    """``model``'s ``tf.distribute`` strategy where it is a SparseStrategy (it holds an exchange),
+    else None."""
     strategy = getattr(model, "distribute_strategy", None)
     return strategy if getattr(strategy, "exchange", None) is not None else None
 
