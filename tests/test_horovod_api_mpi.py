@@ -105,6 +105,9 @@ def _check_keras(results, P, backend):
         np.testing.assert_array_equal(res["schedule_weights"], results[0]["schedule_weights"])
         np.testing.assert_array_equal(res["sparse_weights"], results[0]["sparse_weights"])
         assert res["sparse_losses"][-1] < 0.8 * res["sparse_losses"][0], res["sparse_losses"]
+        # local_variables: that kernel each rank's own (fit's replica check passed), the rest rank 0's
+        assert (r == 0) == np.array_equal(res["local_head"], results[0]["local_head"])
+        np.testing.assert_array_equal(res["local_rest"], results[0]["local_rest"])
         e = res["errors"]
         assert "op=3 is not supported; accepted: hvd.Average, hvd.Sum (DistributedOptimizer" in e["op"]
         assert "backward_passes_per_step=0 is not valid; accepted: an integer >= 1" in e["passes"]

@@ -1,5 +1,6 @@
 """Keras integration in one process (in-process communicator of size 1): API, validation, graph mode."""
 import gc
+import warnings
 
 import numpy as np
 import pytest
@@ -728,3 +729,26 @@ def test_the_test_batches_of_evaluate_and_of_fits_validation_are_known_to_a_call
     assert seen.batches == [9, 7, 3]
     assert seen.calls == [5, 4, 2]  # ceil(batches / 2)
     assert keras_test_batches() is None  # no evaluate running
+
+
+def test_the_batches_fit_runs_are_known_to_a_callback():
+    """What StepCountCheck compares across ranks (tfsparse._tf_private.keras_fit_batches): the
+    training batches per epoch -- the data's count where ``steps_per_epoch`` asks for more (Keras'
+    loop stops there), ``steps_per_epoch`` where it asks for fewer."""
+    from tfsparse._tf_private import keras_fit_batches
+
+    class Seen(keras.callbacks.Callback):
+        batches = []
+
+        def on_train_begin(self, logs=None):
+            self.batches.append((keras_fit_batches(), self.params["steps"]))
+
+    x, y = data(64)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1), LOSS)
+    for steps in (None, 6, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras: "Your input ran out of data" at steps_per_epoch=6
+            model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=steps, callbacks=[Seen()], verbose=0)
+    assert Seen.batches == [(4, 4), (4, 6), (3, 3)]
+    assert keras_fit_batches() is None  # no fit running

@@ -54,10 +54,15 @@ def test_a_rank_that_holds_the_gil_is_shown_by_faulthandler():
     """Rank 1 holds Python's GIL for 10 s (libc's sleep through ctypes.PyDLL): its watch thread
     cannot answer the inquiry (made after 2 s, answers awaited 5 s), so the report says "no
     answer", and with TFSPARSE_STALL_STACKS faulthandler's own thread writes rank 1's stacks
-    once its watch thread has not run for the 2 s of the warning: where it stopped."""
+    once its watch thread has not run for the 2 s of the warning: where it stopped; when it runs
+    again, it says for how long it could not."""
     _, text = mpirun(2, "stall.py", 10, 2, "gil", timeout=180, env={"TFSPARSE_STALL_STACKS": "1"})
     assert text.count("fit returned") == 2, text[-3000:]
-    assert "rank 1: no answer (stuck without releasing Python's GIL, or gone)" in text, text[-3000:]
+    assert "rank 1: no answer (a thread holding Python's GIL, a machine that ran none of its threads, or gone)" \
+        in text, text[-3000:]
+    # once it runs again, its watch thread says how long it could not (10 s less the 2 s warning's poll)
+    late = re.search(r"rank 1's watch thread could not run for (\d+) s \(a thread of this process held", text)
+    assert late and 5 <= int(late.group(1)) <= 11, text[-3000:]
     # faulthandler's head line and its form of a frame (no comma before "in"), rank 1's stacks written
     # seconds before the asking rank's (after the answers)
     assert "Timeout (0:00:02.500000)!" in text and re.search(r"line \d+ in on_train_batch_end", text), text[-3000:]

@@ -255,8 +255,21 @@ def keras_test_batches(max_depth: int = 16):
     ``num_batches`` (read-only stack inspection; Keras tells a callback only ``fit``'s steps) --
     or the data's own count where ``steps=`` asks for more, as Keras' loop then stops there.  A
     ``steps=`` is trusted where the data's length is unknown, as Keras trusts it."""
-    name, _, frame = _keras_frame(max_depth)
-    return _batches_run(frame.f_locals.get("epoch_iterator") if name == "evaluate" else None)
+    return _loop_batches("evaluate", max_depth)
+
+
+def keras_fit_batches(max_depth: int = 16):
+    """The number of batches per epoch of the ``fit`` running now, or None (unknown length, or no
+    ``fit`` on the call stack): as :func:`keras_test_batches`, from ``fit``'s local
+    ``epoch_iterator`` (what ``on_train_begin`` sees as ``params["steps"]``, less where
+    ``steps_per_epoch`` asks for more batches than the data holds: Keras' loop stops there)."""
+    return _loop_batches("fit", max_depth)
+
+
+def _loop_batches(loop: str, max_depth: int):
+    """The batches of the innermost Keras model method on the call stack where it is ``loop``."""
+    name, _, frame = _keras_frame(max_depth + 1)
+    return _batches_run(frame.f_locals.get("epoch_iterator") if name == loop else None)
 
 
 def _keras_frame(max_depth: int):

@@ -148,7 +148,6 @@ class NoMemory(Stateful):
     """
 
     name = "none"
-    stateful = False
     always = False
     has_velocity = False
     takes_rows = False
@@ -232,7 +231,6 @@ class ResidualMemory(Stateful):
     """
 
     name = "residual"
-    stateful = True
     always = False  # only where the exchange loses something
     has_velocity = False  # no momentum of its own: the optimizer applies it
     takes_rows = False  # the spans of row-sparse gradients (get_memory's rows) make no difference

@@ -2,8 +2,8 @@
 write them: model.fit with DistributedOptimizer and the four callbacks (each rank starting from
 its own weights), each step's update against the numpy mean (or sum) of the ranks' own
 gradients, accumulation over backward passes, fp16 compression, the learning-rate callbacks'
-rates and momentum correction, a sparse algorithm one keyword away, and the errors; for
-tests/test_horovod_api_mpi.py.  Launched by mpirun or horovodrun."""
+rates and momentum correction, a sparse algorithm one keyword away, a variable kept local, and the
+errors; for tests/test_horovod_api_mpi.py.  Launched by mpirun or horovodrun."""
 import numpy as np
 import keras
 import tensorflow as tf
@@ -163,6 +163,16 @@ sparse_losses = net.fit(dataset, steps_per_epoch=STEPS, epochs=4, verbose=0,
                                    hvd.callbacks.MetricAverageCallback()]).history["loss"]
 sparse_weights = flat(net.variables)
 
+# 5. local_variables: the (frozen) output layer's kernel stays each rank's own -- not broadcast, and
+#    left out of the replica check at fit's end (the rest identical on every rank)
+net = build(30 + r)
+net.layers[-1].trainable = False  # DistributedOptimizer starts every rank from rank 0's trainable ones
+net.compile(loss=lossf, optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+head = net.layers[-1].kernel
+net.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=head)])
+local_head, local_rest = flat([head]), flat([v for v in net.weights if v is not head])
+
 
 sgd = keras.optimizers.SGD(0.1)
 errors = {
@@ -176,4 +186,5 @@ errors = {
 save_result(r, history=history, fit_weights=fit_weights, metric_error=metric_error, lr_error=lr_error,
             lrs=seen.lrs, updates=updates, passes=passes, schedule_lrs=schedule_lrs, correction=correction,
             schedule_weights=schedule_weights, sparse_losses=sparse_losses, sparse_weights=sparse_weights,
+            local_head=local_head, local_rest=local_rest,
             errors=errors, name=type(opt).__name__, backend=__import__("tfsparse").runtime.backend())

@@ -32,7 +32,8 @@ elif case == "uneven_steps_optimizer":
     x, y = rng.random((n, 8), dtype=np.float32), rng.integers(0, 4, n)
     model = small_model()
     model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.5), loss)
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+    # steps_per_epoch=6 on every rank: rank 0's data holds 4 batches, where Keras' loop stops
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, steps_per_epoch=6,
               callbacks=[tfsparse.keras.callbacks.StepCountCheck()])
 elif case == "progress_and_predict":
     # default verbosity: only rank 0 prints; predict on rank 0 alone must not block

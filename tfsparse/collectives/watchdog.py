@@ -185,7 +185,8 @@ def describe(reports: dict, size: int) -> str:
     for r in late + [r for r in range(size) if r not in late]:
         rep = reports.get(r)
         if rep is None:
-            lines.append(f"  rank {r}: no answer (stuck without releasing Python's GIL, or gone)")
+            lines.append(f"  rank {r}: no answer (a thread holding Python's GIL, a machine that ran none of its "
+                         f"threads, or gone)")
             continue
         where = "" if rep["round"] is None else f"round {rep['round']}, "
         if rep["waiting_s"] is not None:
@@ -322,9 +323,12 @@ class DepartureWatch:
     def _answer(self) -> None:
         """Answers other ranks' inquiries with :func:`report`; rank 0 also notes stall notices."""
         status = self._MPI.Status()
+        answered = False
         while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_QUERY, status=status):
             asker = self._comm.recv(source=status.Get_source(), tag=TAG_QUERY)
             self._send(report(self.rank), asker, TAG_REPORT)
+            answered = True
+        if answered:  # once for the inquiries queued together (after a hold of the GIL: several)
             self._write_stacks()
         while self._comm.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STALL, status=status):
             self._comm.recv(source=status.Get_source(), tag=TAG_STALL)
@@ -428,8 +432,23 @@ class DepartureWatch:
                 return sorted(self.departed)
             time.sleep(0.05)
 
+    def _late(self, since: float) -> None:
+        """After a poll that came ``since`` seconds after this thread went to sleep: where that is
+        longer than the poll by more than the stall warning, the rank says so on its standard
+        error -- its watch thread did not run meanwhile (a thread held the GIL, or the machine ran
+        none of its threads: every rank then says it), which the stall report shows as "no answer"."""
+        late = since - self.poll
+        if self.stall_warning is not None and late > self.stall_warning:
+            sys.stderr.write(f"tfsparse: rank {self.rank}'s watch thread could not run for {late:.0f} s (a thread "
+                             f"of this process held Python's GIL, or the machine ran none of its threads)\n")
+            sys.stderr.flush()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.poll):
+        while True:
+            asleep = time.monotonic()
+            if self._stop.wait(self.poll):
+                return
+            self._late(time.monotonic() - asleep)
             self._keep_armed()
             self._receive()
             self._receive_failures()

@@ -26,7 +26,7 @@ import numpy as np
 import keras
 
 from .. import _checks, files, runtime
-from .._tf_private import keras_test_batches
+from .._tf_private import keras_fit_batches, keras_test_batches
 from ..wire import get_wire
 from .backup import _BatchCount
 from .ownership import checkpointer_of, exchange_of, require_exchange, sparse_strategy_of
@@ -289,8 +289,11 @@ class StepCountCheck(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         """Compares this rank's steps per epoch (-1: unknown) with every rank's; raises
-        :class:`~tfsparse.StepCountMismatch` on every rank when they differ."""
-        steps = self.params.get("steps")
+        :class:`~tfsparse.StepCountMismatch` on every rank when they differ.  A ``steps_per_epoch``
+        beyond the batches of this rank's data counts as those batches: Keras' loop stops there."""
+        steps = keras_fit_batches()
+        if steps is None:  # not under Keras' fit (a loop calling the hooks itself), or unknown length
+            steps = self.params.get("steps")
         runtime.check_step_counts(runtime.communicator(), -1 if steps is None else int(steps))
 
 

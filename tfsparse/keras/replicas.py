@@ -18,6 +18,8 @@ bits differ and the ranks that differ from rank 0.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .. import runtime
@@ -83,8 +85,25 @@ def compare(names, gathered, what: str = "") -> None:
                 f"please report it with the model, optimizer and settings")
 
 
+#: model -> {id(variable): variable}: the variables each rank keeps as its own (:func:`keep_own`)
+_OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def keep_own(model, variables) -> None:
+    """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
+    leave them out.  Horovod's ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of
+    the variables it does not broadcast.
+
+    Args:
+      model: the Keras model.
+      variables: its variables (or its optimizer's) that may differ between the ranks.
+    """
+    _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
+
+
 def variables_of(model, optimizers=()) -> list:
-    """Every weight of ``model`` (trainable or not) and every variable of its optimizers, each once.
+    """Every weight of ``model`` (trainable or not) and every variable of its optimizers, each once,
+    except those each rank keeps as its own (:func:`keep_own`).
 
     Args:
       model: a Keras model (its ``optimizer`` is included where it has one).
@@ -93,7 +112,7 @@ def variables_of(model, optimizers=()) -> list:
     Returns:
       A list of variables: the model's weights first.
     """
-    found, seen = [], set()
+    found, seen = [], set(_OWN.get(model, ()))
     opts = [getattr(model, "optimizer", None), *optimizers]
     for v in list(model.weights) + [v for o in opts if o is not None for v in o.variables]:
         if id(v) not in seen:

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from ....collectives.agreement import check_agreement
+from ....keras.replicas import keep_own
 from ....keras.sync import broadcast_variables
 from .. import _check_root, _comm, rank, size
 
@@ -38,7 +39,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
       root_rank: the rank whose variables everyone takes, from 0 to ``size() - 1``.
       device: accepted and ignored (Horovod's device for the broadcast).
       local_variables: a variable or a list of them that stay each rank's own (also
-        :meth:`register_local_var`).
+        :meth:`register_local_var`): not broadcast here, and left out of the replica checks
+        (:func:`tfsparse.keras.replicas.check_replicas`, the end of every ``fit``); trainable ones
+        still start from rank 0's values (``DistributedOptimizer`` broadcasts the trainable
+        variables at its first step).
 
     Raises:
       ValueError: ``root_rank`` not a rank of the job.
@@ -79,6 +83,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None:
             variables += [v for v in optimizer.variables if id(v) not in self._local]
         broadcast_variables(variables, self.root_rank, comm)
+        keep_own(self.model, self._local.values())  # the replica checks leave them out
         self.broadcast_done = True
 
 
