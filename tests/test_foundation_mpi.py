@@ -163,10 +163,10 @@ def test_checkpoint_holds_every_ranks_residual_and_restores(tmp_path):
     assert not np.array_equal(res[0]["live_res"], res[1]["live_res"])
 
 
-@pytest.mark.parametrize("case", ["uneven_steps", "uneven_steps_optimizer"])
+@pytest.mark.parametrize("case", ["uneven_steps", "uneven_steps_optimizer", "uneven_steps_optimizer_beyond"])
 def test_uneven_step_counts_fail_fast_instead_of_hanging(case):
-    """Rank 0 has 4 batches, the others 6 (on the optimizer route each rank asks for
-    ``steps_per_epoch=6``: rank 0's loop would stop after 4): every rank raises before training."""
+    """Rank 0 has 4 batches, the others 6 (``_beyond``: each rank asks for ``steps_per_epoch=6``,
+    and rank 0's loop would stop after 4): every rank raises before training."""
     _, text = mpirun(3, "pitfalls.py", case, timeout=150, expect_fail=True)
     assert "different numbers of batches per epoch (rank 0: 4, rank 1: 6, rank 2: 6)" in text
 

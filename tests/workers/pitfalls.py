@@ -27,13 +27,13 @@ if case == "uneven_steps":
         model = small_model()
         model.compile(keras.optimizers.SGD(0.1), loss)
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-elif case == "uneven_steps_optimizer":
+elif case in ("uneven_steps_optimizer", "uneven_steps_optimizer_beyond"):
     n = 64 if rank == 0 else 96
     x, y = rng.random((n, 8), dtype=np.float32), rng.integers(0, 4, n)
     model = small_model()
     model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.5), loss)
-    # steps_per_epoch=6 on every rank: rank 0's data holds 4 batches, where Keras' loop stops
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, steps_per_epoch=6,
+    # _beyond: steps_per_epoch=6 on every rank, where rank 0's data holds 4 batches (Keras' loop stops there)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, steps_per_epoch=6 if case.endswith("beyond") else None,
               callbacks=[tfsparse.keras.callbacks.StepCountCheck()])
 elif case == "progress_and_predict":
     # default verbosity: only rank 0 prints; predict on rank 0 alone must not block

@@ -185,8 +185,8 @@ def describe(reports: dict, size: int) -> str:
     for r in late + [r for r in range(size) if r not in late]:
         rep = reports.get(r)
         if rep is None:
-            lines.append(f"  rank {r}: no answer (a thread holding Python's GIL, a machine that ran none of its "
-                         f"threads, or gone)")
+            lines.append(f"  rank {r}: no answer (a thread holding Python's GIL, a process not scheduled -- "
+                         f"stopped, or the machine paused -- or gone)")
             continue
         where = "" if rep["round"] is None else f"round {rep['round']}, "
         if rep["waiting_s"] is not None:
@@ -435,12 +435,15 @@ class DepartureWatch:
     def _late(self, since: float) -> None:
         """After a poll that came ``since`` seconds after this thread went to sleep: where that is
         longer than the poll by more than the stall warning, the rank says so on its standard
-        error -- its watch thread did not run meanwhile (a thread held the GIL, or the machine ran
-        none of its threads: every rank then says it), which the stall report shows as "no answer"."""
+        error -- its watch thread did not run meanwhile (a thread held the GIL, or the process was
+        not scheduled: stopped, or the machine paused), which an inquiry meanwhile reported as
+        "no answer".  (A hold of the GIL that begins while this thread is awake, between two
+        waits, is not measured.)"""
         late = since - self.poll
         if self.stall_warning is not None and late > self.stall_warning:
             sys.stderr.write(f"tfsparse: rank {self.rank}'s watch thread could not run for {late:.0f} s (a thread "
-                             f"of this process held Python's GIL, or the machine ran none of its threads)\n")
+                             f"of this process held Python's GIL, or the process was not scheduled: stopped, or "
+                             f"the machine paused)\n")
             sys.stderr.flush()
 
     def _run(self) -> None:

@@ -91,8 +91,9 @@ _OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def keep_own(model, variables) -> None:
     """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
-    leave them out.  Horovod's ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of
-    the variables it does not broadcast.
+    leave them out, for the model's whole life.  Horovod's
+    ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
+    broadcast.
 
     Args:
       model: the Keras model.

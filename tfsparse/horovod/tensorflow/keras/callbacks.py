@@ -68,6 +68,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
           var: a variable of the model or of its optimizer.
         """
         self._local[id(var)] = var
+        if self.model is not None:
+            keep_own(self.model, [var])
+
+    def on_train_begin(self, logs=None):
+        """The local variables are left out of the replica checks from the start (``SparseStrategy``'s
+        is traced with the first step, before the broadcast)."""
+        keep_own(self.model, self._local.values())
 
     def on_batch_end(self, batch, logs=None):
         """After the first batch only: every rank takes ``root_rank``'s model and optimizer variables, except
@@ -83,7 +90,6 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if optimizer is not None:
             variables += [v for v in optimizer.variables if id(v) not in self._local]
         broadcast_variables(variables, self.root_rank, comm)
-        keep_own(self.model, self._local.values())  # the replica checks leave them out
         self.broadcast_done = True
 
 
