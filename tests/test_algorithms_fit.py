@@ -37,6 +37,7 @@ def fits():
              for a in ("dense", "topk") for w in HALF_WIRES]
     runs += [{"algo": "oktopk", "route": "optimizer", "epochs": 2, "density": DENSITY, "wire": "int8",
               "bucket_bytes": 1024}]
+    runs += [{"algo": "dense", "route": "strategy", "epochs": EPOCHS, "density": DENSITY, "wire": "int4"}]
     # GradientFlow's / DGC's recipe: momentum correction + dense warm-up, at the issue's densities
     runs += [{"algo": a, "route": "strategy", "epochs": EPOCHS, "density": d, "memory": "momentum",
               "warmup_epochs": 2, "options": o} for a, d, o in RECIPE]
@@ -89,6 +90,20 @@ def test_half_precision_wire_accuracy_within_one_point(fits, algo, wire):
     assert half["comm_bytes"] == pytest.approx(f32["comm_bytes"] * (0.5 if algo == "dense" else 2 / 3), rel=0.02)
     for r in results:
         assert r["runs"][f"{algo}/strategy+{wire}"]["identical"]
+
+
+@pytest.mark.mpi
+def test_int4_wire_accuracy_within_one_point(fits):
+    """Dense over int4 (15 levels per 512 values, error feedback keeping what it rounds off):
+    digits accuracy within 1 point of the float32 wire for an eighth of its bytes (and the
+    scales), replicas identical."""
+    results, _ = fits
+    runs = results[0]["runs"]
+    f32, int4 = runs["dense/strategy"], runs["dense/strategy+int4"]
+    assert int4["accuracy"] >= f32["accuracy"] - 0.01, (int4["accuracy"], f32["accuracy"])
+    assert int4["comm_bytes"] == pytest.approx(f32["comm_bytes"] / 8 * (1 + 8 / 512), rel=0.02)
+    for r in results:
+        assert r["runs"]["dense/strategy+int4"]["identical"]
 
 
 @pytest.mark.mpi

@@ -125,7 +125,8 @@ FUSED_SETTINGS = [("topk", {}), ("gtopk", {}), ("oktopk", {"tau_prime": 2}), ("d
                   ("topk", {"plan": "per_tensor"}), ("gtopk", {"wire_dtype": "float16"}),
                   ("dense", {"wire_dtype": "float16"}), ("dense", {"wire_dtype": "int8"}),
                   ("dense", {"wire_dtype": "bfloat16", "reduce_scatter": "ring"}),
-                  ("dense", {"wire_dtype": "int8", "memory": "momentum"}),
+                  ("dense", {"wire_dtype": "int8", "memory": "momentum"}), ("dense", {"wire_dtype": "int4"}),
+                  ("dense", {"wire_dtype": "int4", "reduce_scatter": "ring", "memory": "momentum"}),
                   # momentum correction: the velocity's pass, then error feedback's fused passes over it
                   ("dense", {"wire_dtype": "float16", "memory": "momentum"}), ("topk", {"memory": "momentum"}),
                   ("gtopk", {"memory": "momentum"}), ("oktopk", {"tau_prime": 2, "memory": "momentum"}),

@@ -17,10 +17,11 @@ from test_gradientflow import MPI_CASES, STEPS as GF_STEPS, mpi_case_reference
 
 pytestmark = pytest.mark.mpi
 
-#: the dense 16/8-bit exchanges that tests/workers/exchange_matrix.py runs decoding in pieces of
+#: the dense 16/8/4-bit exchanges that tests/workers/exchange_matrix.py runs decoding in pieces of
 #: one int8 chunk (``wire.DECODE_PIECE``), the communicator's progress called between them
 PIECES = {"int8": ("int8", {}), "int8-ring": ("int8", {"reduce_scatter": "ring"}),
-          "bfloat16": ("bfloat16", {}), "float16": ("float16", {})}
+          "bfloat16": ("bfloat16", {}), "float16": ("float16", {}),
+          "int4": ("int4", {}), "int4-ring": ("int4", {"reduce_scatter": "ring"})}
 
 
 def pieces_grads(rank: int) -> list[np.ndarray]:

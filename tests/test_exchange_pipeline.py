@@ -88,10 +88,11 @@ def test_exchange_equals_reference(P, algorithm, wire, plan):
 @pytest.mark.parametrize("P", [2, 4])
 def test_dense_bytes_follow_the_wire_exactly(P):
     """Ring volume 2n(P-1)/P values per rank: float16/bfloat16 send exactly half the bytes of
-    float32; int8 a quarter plus one float32 scale per 4096-value chunk of every message."""
+    float32; int8 a quarter plus one float32 scale per 4096-value chunk of every message; int4
+    half of that, a float32 scale per 512 values."""
     n = 4096 * 6  # divisible by P: the formula is exact
     got = {}
-    for wire in WIRES:
+    for wire in (*WIRES, "int4"):
         def fn(comm, wire=wire):
             ex = GradientExchange("dense", 1.0, wire_dtype=wire, communicator=comm)
             ex.exchange_numpy(np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32))
@@ -103,6 +104,7 @@ def test_dense_bytes_follow_the_wire_exactly(P):
     assert got["float16"] == got["bfloat16"] == [b // 2 for b in got["float32"]]
     block = n // P
     assert got["int8"] == [2 * (P - 1) * (block + 4 * -(-block // 4096))] * P
+    assert got["int4"] == [2 * (P - 1) * (block // 2 + 4 * -(-block // 512))] * P
 
 
 @pytest.mark.parametrize("wire,value_bytes", [("float32", 4), ("float16", 2), ("bfloat16", 2), ("int8", 1)])

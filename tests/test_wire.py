@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 
 from tfsparse.buffers import Reusable
-from tfsparse.wire import (DECODE_PIECE, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires, get_wire,
-                           index_codec, index_dtype, pack_sparse, unpack_sparse)
+from tfsparse.wire import (DECODE_PIECE, INT4_CHUNK, INT8_CHUNK, BlockedIndices, PlainIndices, WireLoss, available_wires,
+                           check_wire_for, get_wire, index_codec, index_dtype, pack_sparse, unpack_sparse)
 
-WIRES = ("float32", "float16", "bfloat16", "int8")
+WIRES = ("float32", "float16", "bfloat16", "int8", "int4")
+#: the wires a sparse message carries (int4 is for the dense exchange)
+SPARSE_WIRES = WIRES[:-1]
 
 
 def data(n=10_000, seed=0):
@@ -30,9 +32,11 @@ def test_roundtrip_sizes_and_determinism(name, n):
     x = data(n)
     buf, dec = w.roundtrip(x)
     assert buf.dtype == np.uint8 and buf.size == w.nbytes(n)  # no overflow here: nominal size
-    assert w.entries(buf.size) == n
+    if name != "int4" or n == 0:  # int4: every odd count takes the bytes of the even one after it
+        assert w.entries(buf.size) == n
+    assert w.entries(buf.size + 4 * n, 4) == n  # beside indices every wire's count is unique
     np.testing.assert_array_equal(w.decode(buf, n), dec)
-    if name != "int8":  # 16-bit values re-encode exactly (int8 re-quantizes)
+    if name not in ("int8", "int4"):  # 16-bit values re-encode exactly (int8 and int4 re-quantize)
         np.testing.assert_array_equal(w.decode(w.encode(dec), n), dec)
     assert dec.dtype == np.float32 and dec.shape == (n,)
 
@@ -53,6 +57,100 @@ def test_definitions():
         q = np.clip(np.rint(chunk * (np.float32(127) / amax)), -127, 127)
         np.testing.assert_array_equal(dec[c:c + INT8_CHUNK], (q * (amax / np.float32(127))).astype(np.float32))
         assert np.abs(dec[c:c + INT8_CHUNK] - chunk).max() <= amax / 254 * 1.0001
+
+
+def int4_reference(x, chunk=INT4_CHUNK):
+    """numpy's int4 wire: per chunk ``q = clip(rint(x * (7 / max|x|)), -7, 7)``, value ``q * (max|x| / 7)``;
+    the codes ``q + 8`` two a byte, the first value in the low nibble, an odd count's last high nibble 8."""
+    x = np.asarray(x, np.float32)
+    codes, dec, scales = np.full(x.size + x.size % 2, 8, np.uint8), np.empty_like(x), []
+    for c in range(0, x.size, chunk):
+        part = x[c:c + chunk]
+        amax = np.abs(part).max()
+        scale = np.float32(amax / np.float32(7))
+        with np.errstate(over="ignore", divide="ignore"):
+            inv = np.float32(7) / amax
+        if amax == 0:
+            q = np.zeros(part.size)
+        elif np.isinf(inv):  # max|x| below 7 / FLT_MAX: the ratio in float64
+            q = np.clip(np.rint(part.astype(np.float64) * 7.0 / np.float64(amax)), -7, 7)
+        else:
+            q = np.clip(np.rint(part * inv), -7, 7)
+        codes[c:c + part.size] = (q + 8).astype(np.uint8)
+        dec[c:c + chunk] = (q.astype(np.float32) * scale).astype(np.float32)
+        scales.append(scale)
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return np.concatenate([packed, np.array(scales, np.float32).view(np.uint8)]), dec
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, INT4_CHUNK - 1, INT4_CHUNK, INT4_CHUNK + 1, 3 * INT4_CHUNK + 5, 10_000])
+def test_int4_is_its_definition(n):
+    """int4: 15 levels per chunk of 512 values, two codes a byte -- the message byte for byte as
+    numpy makes it, the loss ``x - decoded``, written in place too, at most half a level per value."""
+    w = get_wire("int4")
+    x = data(n, seed=n)
+    want_buf, want = int4_reference(x)
+    loss = np.empty(n, np.float32)
+    buf = w.encode(x, loss)
+    np.testing.assert_array_equal(buf, want_buf)
+    assert buf.size == w.nbytes(n) == (n + 1) // 2 + 4 * -(-n // INT4_CHUNK)
+    dec = w.decode(buf, n)
+    np.testing.assert_array_equal(dec, want)
+    np.testing.assert_array_equal(loss, x - dec)
+    for c in range(0, n, INT4_CHUNK):
+        amax = np.abs(x[c:c + INT4_CHUNK]).max()
+        assert np.abs(dec[c:c + INT4_CHUNK] - x[c:c + INT4_CHUNK]).max() <= amax / 14 * 1.0001
+    in_place = x.copy()
+    np.testing.assert_array_equal(w.encode(in_place, in_place), want_buf)
+    np.testing.assert_array_equal(in_place, x - dec)
+    acc = np.ones(n, np.float32)
+    w.decode_into(buf, n, acc, accumulate=True)
+    np.testing.assert_array_equal(acc, np.float32(1) + dec)
+
+
+def test_int4_decodes_in_pieces_and_guards_its_edges(monkeypatch):
+    """Decoding in pieces (the communicator's progress between them) writes the same values; a
+    chunk holding Inf or NaN decodes to NaN; a chunk whose maximum is tiny is scaled in float64;
+    a length that fits two counts (an odd one and the even one after it) is refused as a block
+    and read beside indices."""
+    from tfsparse.wire import values
+
+    w = get_wire("int4")
+    x = data(3 * DECODE_PIECE + 1001, seed=3)
+    buf = w.encode(x)
+    whole = w.decode(buf, x.size)
+    calls = []
+    got = w.decode_into(buf, x.size, np.empty(x.size, np.float32), progress=lambda: calls.append(1))
+    np.testing.assert_array_equal(got, whole)
+    assert len(calls) == 3
+    monkeypatch.setattr(values, "DECODE_PIECE", 8 * INT4_CHUNK)
+    got = w.decode_into(buf, x.size, np.empty(x.size, np.float32), progress=lambda: None)
+    np.testing.assert_array_equal(got, whole)
+    y = np.zeros(INT4_CHUNK + 5, np.float32)
+    y[3], y[-1] = np.inf, 1.0
+    loss = np.full(y.size, 9, np.float32)
+    dec = w.decode(w.encode(y, loss), y.size)
+    assert np.isnan(dec[:INT4_CHUNK]).all() and dec[-1] == 1.0 and not loss[:INT4_CHUNK].any()
+    tiny = np.array([1e-45, -2e-45, 0.0], np.float32)  # 7 / max|x| overflows float32
+    np.testing.assert_array_equal(w.roundtrip(tiny)[1], int4_reference(tiny)[1])
+    with pytest.raises(RuntimeError, match="corrupt int4"):
+        w.entries(w.nbytes(7))  # 7 values or 8
+    assert w.entries(w.nbytes(8) + 2 * 7, 2) == 7 and w.entries(w.nbytes(8) + 2 * 8, 2) == 8
+
+
+def test_int4_is_for_the_dense_exchange_only():
+    """A sparse algorithm with the int4 wire is refused before any communication, naming both and
+    what is accepted: in the settings, and in a plan's bucket."""
+    from tfsparse.settings import Settings
+
+    check_wire_for("dense", "int4")
+    for algorithm in ("topk", "gtopk", "oktopk"):
+        check_wire_for(algorithm, "int8")
+        with pytest.raises(ValueError, match=f"wire_dtype='int4' with algorithm='{algorithm}'.*algorithm='dense'"):
+            Settings.of(algorithm=algorithm, wire_dtype="int4")
+    with pytest.raises(ValueError, match="wire_dtype='int4' with algorithm='topk'"):
+        Settings.of(wire_dtype="int4")  # a wire without an algorithm pins top-k
+    assert Settings.of(algorithm="dense", wire_dtype="int4").wire_dtype == "int4"
 
 
 def test_float16_overflow_is_scaled_not_inf():
@@ -89,7 +187,7 @@ def test_non_finite_values():
 CODECS = {"int32": PlainIndices(2**21), "int64": PlainIndices(2**31), "blocked": BlockedIndices(2**21 + 3)}
 
 
-@pytest.mark.parametrize("name", WIRES)
+@pytest.mark.parametrize("name", SPARSE_WIRES)
 @pytest.mark.parametrize("coding", sorted(CODECS))
 def test_sparse_messages(name, coding):
     w = get_wire(name)
@@ -123,7 +221,7 @@ def test_blocked_indices_roundtrip(n, m):
         idx = np.unique(idx)
     codec = BlockedIndices(n)
     val = rng.standard_normal(idx.size).astype(np.float32)
-    for w in map(get_wire, WIRES):
+    for w in map(get_wire, SPARSE_WIRES):
         buf, _ = pack_sparse(idx, val, codec, w)
         i2, v2 = unpack_sparse(buf, codec, w)
         np.testing.assert_array_equal(i2, idx)

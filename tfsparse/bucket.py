@@ -33,7 +33,7 @@ from .compensation import compensation_for
 from .memory import get_memory
 from .schedules import check_density, k_from_density
 from .space import HOST
-from .wire import FLOAT32, get_wire
+from .wire import FLOAT32, check_wire_for, get_wire
 
 
 class ExchangeStats:
@@ -288,6 +288,7 @@ def make_bucket(spec, settings, space, replaces: Bucket | None = None, layout=No
     options = copy.deepcopy({**(settings.options if algorithm == settings.algorithm else {}), **spec.options})
     density = None if spec.density is None else check_density(spec.density, f"density of bucket {spec.index}")
     aggregator, wire = get_aggregator(algorithm, **options), get_wire(spec.wire_dtype or settings.wire_dtype)
+    check_wire_for(algorithm, wire)
     # error feedback where the aggregator takes its vector: an aggregator that takes no device
     # vector is handed the bucket on the host anyway, so there the gradients cross to the host
     # once and the host's fused passes run (Bucket.encode)

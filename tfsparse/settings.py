@@ -12,7 +12,7 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
                    settings that give a ``density`` or a ``wire_dtype`` without an algorithm
                    pin ``"topk"``
 ``density``        fraction of elements each rank sends, in (0, 1]
-``wire_dtype``     ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"int8"`` (:mod:`tfsparse.wire`)
+``wire_dtype``     ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (dense only; :mod:`tfsparse.wire`)
 ``plan``           how gradients are grouped into buckets and priced: ``None``/``"fused"`` (one
                    bucket), a byte threshold θ (GradientFlow's lazy allreduce; ``0``: one bucket
                    per tensor), ``"per_tensor"``, ``"cost_model"`` or a
@@ -84,7 +84,7 @@ from .memory import available_memories, check_memory, keeps_velocity
 from .plan import BucketPlan, Plan, available_plans, make_plan
 from .schedules import check_density
 from .selection import CostModel, CostModelPlan, make_selection
-from .wire import get_wire
+from .wire import check_wire_for, get_wire
 
 #: ``algorithm="auto"`` (the default: :mod:`tfsparse.auto`) and ``memory="auto"``
 #: (:meth:`Settings.resolved`, once the optimizer is known)
@@ -305,7 +305,7 @@ class Settings:
       algorithm: ``"auto"`` or a registered aggregator's name.
       density: the fraction of elements each rank (each host, in two levels) sends, in (0, 1].
       wire_dtype: the values' encoding on the wire: ``"float32"``, ``"float16"``,
-        ``"bfloat16"`` or ``"int8"``.
+        ``"bfloat16"``, ``"int8"`` or ``"int4"`` (``algorithm="dense"`` only).
       plan: how the gradients are grouped into buckets (a :class:`tfsparse.plan.Plan`; None:
         one bucket).
       memory: the error feedback: ``"auto"``, ``"residual"``, ``"momentum"``,
@@ -345,6 +345,7 @@ class Settings:
             check_option_names(self.algorithm, self.options)
             get_aggregator(self.algorithm, **self.options)  # validates the options
         put("plan", make_grouping(self.plan, self.algorithm))
+        check_wire_for(self.algorithm, self.wire_dtype)
         _checks.choice("memory", self.memory, (AUTO, *available_memories()))
         if self.memory == AUTO:
             if self.momentum is not None:

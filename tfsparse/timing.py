@@ -115,7 +115,7 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
         rank has cores of its own.  Local work that more ranks than cores do at once is slowed
         by ``busy / cores``.
       step: the step to price (from 1); None: the mean over the algorithm's :func:`period`.
-      value_bytes: bytes per value on the wire (default 4, float32; 2 for the 16-bit wires).
+      value_bytes: bytes per value on the wire (default 4, float32; 2 for the 16-bit wires, 0.5 for int4).
       **options: the aggregator's options (see :func:`schedule`).
 
     Returns:
@@ -129,7 +129,7 @@ def simulate(algorithm: str, workers: int, n: int, density: float, ab: AlphaBeta
     ab, gamma, cores = check_model(ab, gamma, cores)
     aggregator, workers, n, density = _case(algorithm, workers, n, density, options)
     steps = ((_checks.integer("step", step, 1), 1.0),) if step is not None else aggregator.period()
-    value_bytes = _checks.integer("value_bytes", value_bytes, 1)
+    value_bytes = _checks.real("value_bytes", value_bytes, 0.5)
     return price([(declared(aggregator, workers, n, density, t, value_bytes), weight) for t, weight in steps],
                  ab, gamma, cores)
 

@@ -111,6 +111,14 @@ INT8_ROWS='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algo
  {"label":"dense int8, memory=momentum_rows","algorithm":"dense","wire_dtype":"int8","memory":"momentum_rows"},
  {"label":"dense int8 pipeline=2","algorithm":"dense","wire_dtype":"int8","pipeline":2}]'
 
+# dense over int4: half of int8's bytes (15 levels per chunk of 512, error feedback keeping what it rounds off),
+# beside dense float32, float16 and int8, with momentum correction (the SGD's momentum applied in the exchange) and
+# with the optimizer's own momentum (docs/choosing.md, "Dense over int4")
+INT4_ROWS='[{"label":"dense f32","algorithm":"dense"},{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
+ {"label":"dense int8, memory=momentum_rows","algorithm":"dense","wire_dtype":"int8","memory":"momentum_rows"},
+ {"label":"dense int4, memory=momentum_rows","algorithm":"dense","wire_dtype":"int4","memory":"momentum_rows"},
+ {"label":"dense int4","algorithm":"dense","wire_dtype":"int4"}]'
+
 # masking: momentum correction's masking on the Transformer (docs/choosing.md, "Masking and embeddings"):
 # DGC's masking everywhere, against memory="momentum_rows" (what memory="auto" runs), at two densities
 MASKING='[{"label":"dense f16","algorithm":"dense","wire_dtype":"float16"},
@@ -155,6 +163,9 @@ STEP[tta_conv_schedules]=$(tta_seeds time_to_accuracy_conv_schedules "$CONV_SCHE
 STEP[tta_conv_small_dense]=$(tta_seeds time_to_accuracy_conv_small_dense "$CONV_SMALL_DENSE" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
 STEP[tta_int8_conv]=$(tta_seeds time_to_accuracy_int8_conv_1gbit "$INT8_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
 STEP[tta_int8_mlp]=$(tta_seeds time_to_accuracy_int8_mlp_1gbit "$INT8_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
+STEP[tta_int4_conv]=$(tta_seeds time_to_accuracy_int4_conv_1gbit "$INT4_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model conv")
+STEP[tta_int4_mlp]=$(tta_seeds time_to_accuracy_int4_mlp_1gbit "$INT4_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)')
+STEP[tta_int4_transformer]=$(tta_seeds time_to_accuracy_int4_transformer_1gbit "$INT4_ROWS" "$NET1G" '1 Gbit/s (tfsparse-run --net 1gbit)' "--model transformer")
 STEP[tta_small_dense_mlp_shm]=$(tta_seeds time_to_accuracy_small_dense_mlp_shm "$SMALL_DENSE_SHM" "" 'shared memory')
 STEP[tta_small_dense_transformer_shm]=$(tta_seeds time_to_accuracy_small_dense_transformer_shm "$SMALL_DENSE_SHM" "" 'shared memory' "--model transformer")
 STEP[tta_shm]=$(tta_seeds time_to_accuracy_shm "$TTA_FAST" "" 'shared memory')
@@ -183,7 +194,7 @@ STEP[validate_1gbit]="$PYTHON tools/validate_network_model.py --repeats 3 --out 
 ORDER="fit17m_1gbit fit25m_1gbit fit17m_shm gf_1gbit pipe_1gbit dragonn_1gbit horovod_resnet50 two_level_fit
  two_level_exchange tta_conv encode exchange traffic
  kernels choices collectives convergence convergence_dragonn convergence_pipesgd accuracy simulate validate_100mbit validate_1gbit
- tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_int8_conv tta_int8_mlp tta_small_dense_mlp_shm tta_small_dense_transformer_shm
+ tta_1gbit tta_1gbit_auto tta_conv_auto tta_conv_schedules tta_conv_small_dense tta_int8_conv tta_int8_mlp tta_int4_conv tta_int4_mlp tta_int4_transformer tta_small_dense_mlp_shm tta_small_dense_transformer_shm
  tta_transformer_auto tta_transformer_100mbit masking tta_shm tta_10gbit tta_conv_noise concentration demo"
 
 if [[ "${1:-}" == "--list" ]]; then

@@ -1,4 +1,4 @@
-"""The CPU quantization kernels (:mod:`tfsparse.ops.cpu`): int8 by chunk, float16 with round to
+"""The CPU quantization kernels (:mod:`tfsparse.ops.cpu`): int8 and int4 by chunk, float16 with round to
 nearest even, bfloat16, their fused error-feedback encodes and the decodes into a sum."""
 from __future__ import annotations
 
@@ -304,6 +304,105 @@ def _dequantize_chunks_into(q, scales, chunk, out, accumulate):
         else:
             for i in range(qs.size):
                 os[i] = np.float32(qs[i]) * s
+    return out
+
+
+@njit(cache=True, inline="always")
+def _code4(v, inv):
+    """``clip(rint(v * inv), -7, 7)`` as an offset nibble (1 to 15; 8 is zero)."""
+    return np.uint8(np.int32(min(max(np.rint(v * inv), np.float32(-7.0)), np.float32(7.0))) + 8)
+
+
+@njit(cache=True, inline="always")
+def _quantize4_chunk(y, xs, qs, ls, in_place):
+    """One chunk of :func:`_quantize4_chunks`: ``xs`` (``y``: its bits, an even number of values
+    but in the last chunk) into the packed nibbles ``qs`` (value ``2j`` in byte ``j``'s low
+    nibble, ``2j + 1`` in its high one) and the loss ``ls`` (``xs`` itself with ``in_place``);
+    returns the chunk's scale."""
+    top = np.uint32(0)
+    for i in range(y.size):
+        top = max(top, y[i] & np.uint32(_ABS))
+    nan = top > np.uint32(_INFK)
+    amax = _as_float(top)
+    scale = np.float32(np.nan) if nan else np.float32(amax / np.float32(7.0))
+    m = xs.size
+    if nan or amax == np.inf or amax == 0:
+        for j in range(qs.size):
+            qs[j] = np.uint8(0x88)
+        for i in range(m):
+            ls[i] = np.float32(0.0)
+        return scale
+    inv = np.float32(np.float32(7.0) / amax)
+    wide = inv == np.inf  # max|x| below 7 / FLT_MAX: the ratio in float64
+    for j in range(m // 2):
+        a, b = xs[2 * j], xs[2 * j + 1]
+        if wide:
+            ca = np.uint8(np.int32(min(max(np.rint(np.float64(a) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
+            cb = np.uint8(np.int32(min(max(np.rint(np.float64(b) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
+        else:
+            ca, cb = _code4(a, inv), _code4(b, inv)
+        qs[j] = ca | (cb << np.uint8(4))
+        la = a - np.float32(np.int32(ca) - 8) * scale
+        lb = b - np.float32(np.int32(cb) - 8) * scale
+        if in_place:
+            xs[2 * j], xs[2 * j + 1] = la, lb
+        else:
+            ls[2 * j], ls[2 * j + 1] = la, lb
+    if m % 2:
+        a = xs[m - 1]
+        if wide:
+            ca = np.uint8(np.int32(min(max(np.rint(np.float64(a) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
+        else:
+            ca = _code4(a, inv)
+        qs[m // 2] = ca | np.uint8(0x80)  # the unused high nibble: zero
+        la = a - np.float32(np.int32(ca) - 8) * scale
+        if in_place:
+            xs[m - 1] = la
+        else:
+            ls[m - 1] = la
+    return scale
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _quantize4_chunks(x, chunk, q, scales, loss, in_place):
+    """Per chunk of ``chunk`` (even) values: ``scale = max|x| / 7``, ``code = clip(rint(x * (7 /
+    max|x|)), -7, 7)``, two codes a byte (:func:`_quantize4_chunk`); a chunk holding NaN/Inf (or
+    only zeros) gets zero codes and a NaN/Inf (or zero) scale.  ``loss = x - code * scale`` (0
+    in a non-finite chunk); ``in_place``: ``loss`` is ``x``."""
+    n = x.size
+    xu = x.view(np.uint32)
+    for c in prange(scales.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        scales[c] = _quantize4_chunk(xu[lo:hi], x[lo:hi], q[lo // 2:(hi + 1) // 2], loss[lo:hi], in_place)
+    return q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _dequantize4_chunks_into(q, scales, chunk, n, out, accumulate):
+    """``out (+)= (code - 8) * scale`` for the ``n`` values packed two a byte in ``q``."""
+    for c in prange(scales.size):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        s = scales[c]
+        qs, os = q[lo // 2:(hi + 1) // 2], out[lo:hi]
+        m = hi - lo
+        for j in range(m // 2):
+            b = np.int32(qs[j])
+            a0 = np.float32((b & 15) - 8) * s
+            a1 = np.float32((b >> 4) - 8) * s
+            if accumulate:
+                os[2 * j] += a0
+                os[2 * j + 1] += a1
+            else:
+                os[2 * j] = a0
+                os[2 * j + 1] = a1
+        if m % 2:
+            a0 = np.float32((np.int32(qs[m // 2]) & 15) - 8) * s
+            if accumulate:
+                os[m - 1] += a0
+            else:
+                os[m - 1] = a0
     return out
 
 

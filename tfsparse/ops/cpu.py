@@ -46,8 +46,8 @@ from . import _common as C
 from ._cpu_bits import _CH, _INFK, _STG, as_f32
 from ._cpu_digest import _word_sums
 from ._cpu_quant import (_add_encode16, _add_quantize_chunks, _bf16_into, _bf16_truncate, _chunk_l1, _dequantize,
-                         _dequantize_chunks_into, _half_into, _half_rne, _lookup_into, _max_key, _quantize,
-                         _quantize_chunks, _truncate_fp16)
+                         _dequantize4_chunks_into, _dequantize_chunks_into, _half_into, _half_rne, _lookup_into,
+                         _max_key, _quantize, _quantize4_chunks, _quantize_chunks, _truncate_fp16)
 from ._cpu_select import (_NO_INDEX, _add_select_ge, _hash_candidates, _hash_select, _hash_survivors, _keys_of,
                           _kth_key, _lower_key, _magnitude_keys, _positions, _radix_select, _sample_keys,
                           _sample_positions, _select_ge, _select_top, _take_keyed, _top_of_candidates)
@@ -550,6 +550,33 @@ def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
         return _dequantize_chunks_into(q, scales, int(chunk), out, bool(accumulate))
 
 
+def quantize_int4_chunks(x, chunk, loss=None, out=None):
+    """Per-chunk 4-bit quantization: ``(q uint8[ceil(n / 2)], scales float32[ceil(n / chunk)],
+    loss)`` -- ``code = clip(rint(x * 7 / max|x|), -7, 7)`` per chunk of ``chunk`` (even)
+    values, stored ``code + 8``, value ``2j`` in byte ``j``'s low nibble and ``2j + 1`` in its
+    high one; ``scale = max|x| / 7``; ``loss = x - code * scale`` (0 in chunks holding NaN/Inf,
+    whose scale is not finite), written into ``loss`` when given (``x`` itself allowed); the
+    codes into ``out`` (``ceil(n / 2)`` bytes) when given."""
+    x = as_f32(x)
+    chunk = C.check_chunk(chunk)
+    if chunk % 2:
+        raise ValueError(f"chunk={chunk!r} must be even for int4 (two codes a byte)")
+    q = _codes_buffer(x[:(x.size + 1) // 2], out, np.uint8)
+    loss = _loss_buffer(x, loss)
+    scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
+    traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)
+    with _threads_for(x.size):
+        _quantize4_chunks(x, chunk, q, scales, loss, loss.ctypes.data == x.ctypes.data)
+    return q, scales, loss
+
+
+def dequantize_int4_chunks_into(q, scales, chunk, n, out, accumulate=False):
+    """``out (+)= (code - 8) * scale`` of the ``n`` values :func:`quantize_int4_chunks` packed in ``q``."""
+    traffic.count("decode", read=(n + 1) // 2 + (4 * n if accumulate else 0), written=4 * n)
+    with _threads_for(n):
+        return _dequantize4_chunks_into(q, scales, int(chunk), int(n), out, bool(accumulate))
+
+
 def chunk_l1_norms(x, chunk=32768):
     """The L1 norm of each ``chunk``-element chunk of ``x`` (:func:`tfsparse.ops.chunk_l1_norms`),
     float32; the read is counted as ``select`` traffic."""
@@ -600,6 +627,8 @@ def warmup() -> None:
         add_quantize_int8_chunks(x, x, np.empty_like(x), 4096, np.empty(x.size, np.int8), stream)
     add_encode16(x, x, np.empty_like(x), np.empty(x.size, np.uint16), True)
     dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
+    q4, scales4, _ = quantize_int4_chunks(x, 512)
+    dequantize_int4_chunks_into(q4, scales4, 512, x.size, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)
     sample_positions(x.size, 64)

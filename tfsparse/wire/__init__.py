@@ -18,6 +18,11 @@ name          encoding of ``m`` float32 values                 bytes            
               "a quantization range determined by the maximal
               element"); the float32 scale of each chunk is
               sent with it
+``int4``      the same with 15 levels, ``rint(x*7/max|x|)``,   ``ceil(m/2)              yes
+              per chunk of ``INT4_CHUNK`` (512) values, two    + 4 ceil(m/512)``
+              codes a byte; for ``algorithm="dense"`` only
+              (a block's length does not tell an odd count
+              from the even one after it)
 ============  ==============================================  =======================  ======
 
 **float16 overflow** (a finite value of magnitude 65520 or more would round to Inf): the
@@ -39,7 +44,7 @@ decoding straight into the receiver's accumulator); they give exactly numpy's
 buffers: the payload is on the host when it goes to MPI.
 
 Non-finite values: ``float16``/``bfloat16`` carry ±Inf and NaN (a NaN stays a NaN: the
-truncation keeps a quiet-NaN bit).  ``int8`` cannot: a chunk holding a non-finite value gets
+truncation keeps a quiet-NaN bit).  ``int8`` and ``int4`` cannot: a chunk holding a non-finite value gets
 a non-finite scale and decodes to NaN (:func:`tfsparse.ops.quantize_int8`'s rule), so the
 receivers see the bad gradient instead of a silently clipped one.
 
@@ -63,5 +68,5 @@ The package's modules, by concern: :mod:`tfsparse.wire.values` (the value encodi
 from .indices import (INDEX_BLOCK, BlockedIndices, PlainIndices, index_codec, index_dtype, pack_sparse,  # noqa: F401
                       unpack_sparse)
 from .loss import WireLoss  # noqa: F401
-from .values import (DECODE_PIECE, FLOAT32, INT8_CHUNK, WIRES, BFloat16, Float16, Float32, Int8, Wire,  # noqa: F401
-                     available_wires, get_wire, register_wire)
+from .values import (DECODE_PIECE, FLOAT32, INT4_CHUNK, INT8_CHUNK, WIRES, BFloat16, Float16, Float32, Int4,  # noqa: F401
+                     Int8, Wire, available_wires, check_wire_for, get_wire, register_wire)
