@@ -33,7 +33,7 @@ candidate, so on a fast link auto picks dense.
 
 The timing model is a model: on a busy node, or a link as fast as the ranks' own memory, its
 step can be off by 2x either way.  So a compressed choice (:attr:`Candidate.compressed`: a
-sparse algorithm, or dense over int8) runs on trial first, and after it the next best predicted
+sparse algorithm, or dense over int8 or int4) runs on trial first, and after it the next best predicted
 compressed candidate where the model's error could swap the two (:data:`CONTENDERS`,
 :data:`SPREAD`): for :data:`TRIAL_ROUNDS` rounds each, every rank times its steps, and then
 (:func:`confirm`, collective) each one's measured step (the slowest rank's median) times its
@@ -113,7 +113,9 @@ class Candidate:
     within 10 epochs where dense took 9 (0.969, 0.973 against 0.9835): 2.0 is assumed.  Dense over
     int8 with momentum correction reached it in dense float32's own epochs or fewer in every seed
     on both the 17.1M MLP and the convolutional model (9, 6, 10 and 6, 6, 5 where dense took 9, 6,
-    10 and 7, 6, 5): 1.0."""
+    10 and 7, 6, 5): 1.0.  Dense over int4 with momentum correction followed dense float16's test
+    accuracy within a test image or two, epoch by epoch, on the convolutional model (pinned from the
+    first step, three seeds; docs/choosing.md, "Dense over int4"): 1.0."""
 
     algorithm: str
     density: float
@@ -132,7 +134,7 @@ class Candidate:
     @property
     def compressed(self) -> bool:
         """Whether it sends less than 16 bits a gradient element -- a sparse algorithm, or a dense
-        one over int8: its epochs were measured with momentum correction only (it takes part where
+        one over int8 or int4: its epochs were measured with momentum correction only (it takes part where
         the exchange runs one, :func:`choose`'s ``sparse``), and a choice of it runs on trial
         (:data:`TRIAL_ROUNDS`) -- its step rests most on the timing model's prediction."""
         return self.algorithm != "dense" or get_wire(self.wire_dtype).value_bytes < 2
@@ -159,6 +161,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("topk", 0.01, "float32", 2.0),
     Candidate("oktopk", 0.01, "float32", 2.0),
     Candidate("dense", 1.0, "int8", 1.0),
+    Candidate("dense", 1.0, "int4", 1.0),  # (appended: the order is part of the saved state's format)
 )
 #: what the measured rounds run (the index into :data:`CANDIDATES`): dense over float16
 MEASURING = next(i for i, c in enumerate(CANDIDATES) if c.algorithm == "dense" and c.wire_dtype == "float16")
@@ -664,7 +667,7 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
       n: the gradient's elements.
       periods: this rank's seconds between consecutive measured rounds' starts.
       rounds: the earlier round's exchange, seconds, per period.
-      sparse: whether the compressed candidates (sparse algorithms, dense over int8) may be chosen
+      sparse: whether the compressed candidates (sparse algorithms, dense over int8 or int4) may be chosen
         (their epochs are measured with momentum correction only).
       probe: the :class:`Probe` whose pieces were run between the rounds (the rest run now); None:
         all of them now.

@@ -1,7 +1,7 @@
 """``algorithm="auto"`` on the round engine: :class:`AutoSwitching`, the part of
 :class:`~tfsparse.exchange.GradientExchange` that runs the measured rounds, decides at the same
 round on every rank (:func:`tfsparse.auto.decide`), runs a compressed choice (sparse, or dense
-over int8) on trial, and its contender after it (:func:`tfsparse.auto.confirm`), and switches the buckets between rounds (:meth:`AutoSwitching._replan`).
+over int8 or int4) on trial, and its contender after it (:func:`tfsparse.auto.confirm`), and switches the buckets between rounds (:meth:`AutoSwitching._replan`).
 What is measured and how the candidates are priced is :mod:`tfsparse.auto`; this module is when,
 and what the switch does to the buckets and their memory.
 
