@@ -136,6 +136,8 @@ def test_int4_decodes_in_pieces_and_guards_its_edges(monkeypatch):
     with pytest.raises(RuntimeError, match="corrupt int4"):
         w.entries(w.nbytes(7))  # 7 values or 8
     assert w.entries(w.nbytes(8) + 2 * 7, 2) == 7 and w.entries(w.nbytes(8) + 2 * 8, 2) == 8
+    for m in (0, 1, 2, 511, 512, 513, 1025, 10_001):  # one-byte indices too: the search starts below
+        assert w.entries(w.nbytes(m) + m, 1) == m and w.entries(w.nbytes(m) + 4 * m, 4) == m
 
 
 def test_int4_is_for_the_dense_exchange_only():
@@ -149,8 +151,11 @@ def test_int4_is_for_the_dense_exchange_only():
         with pytest.raises(ValueError, match=f"wire_dtype='int4' with algorithm='{algorithm}'.*algorithm='dense'"):
             Settings.of(algorithm=algorithm, wire_dtype="int4")
     with pytest.raises(ValueError, match="wire_dtype='int4' with algorithm='topk'"):
-        Settings.of(wire_dtype="int4")  # a wire without an algorithm pins top-k
+        Settings.of(wire_dtype="int4", density=0.1)  # a density without an algorithm pins top-k
+    assert Settings.of(wire_dtype="int4").algorithm == "dense"  # the int4 wire alone: the dense exchange
     assert Settings.of(algorithm="dense", wire_dtype="int4").wire_dtype == "int4"
+    with pytest.raises(ValueError, match=r"with algorithm='auto'.*e\.g\. algorithm='dense', wire_dtype='int4'"):
+        Settings.of(algorithm="auto", wire_dtype="int4")
 
 
 def test_float16_overflow_is_scaled_not_inf():

@@ -10,7 +10,7 @@ through :meth:`Settings.of`; ``settings=`` passes one directly.
 ``algorithm``      ``"auto"`` (default: chosen from measurements of the job, :mod:`tfsparse.auto`)
                    or a registered aggregator name (``tfsparse.aggregators.available_aggregators()``);
                    settings that give a ``density`` or a ``wire_dtype`` without an algorithm
-                   pin ``"topk"``
+                   pin ``"topk"`` (``wire_dtype="int4"`` alone: ``"dense"``)
 ``density``        fraction of elements each rank sends, in (0, 1]
 ``wire_dtype``     ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (dense only; :mod:`tfsparse.wire`)
 ``plan``           how gradients are grouped into buckets and priced: ``None``/``"fused"`` (one
@@ -213,8 +213,9 @@ def _check_auto(settings) -> None:
     pinned = [f"{name}={getattr(settings, name)!r}" for name in ("density", "wire_dtype")
               if getattr(settings, name) != _DEFAULTS[name]]
     if pinned:
+        example = "dense" if getattr(get_wire(settings.wire_dtype), "dense_only", False) else "topk"
         raise ValueError(f"{', '.join(pinned)} with algorithm='auto': auto chooses the algorithm, the density and "
-                         f"the wire; give algorithm= too to pin them (e.g. algorithm='topk', {pinned[0]})")
+                         f"the wire; give algorithm= too to pin them (e.g. algorithm={example!r}, {pinned[0]})")
     if settings.options:
         raise ValueError(f"algorithm='auto' takes no algorithm options (got {settings.options!r}): auto chooses the "
                          f"algorithm; give algorithm= to use one with options")
@@ -367,7 +368,8 @@ class Settings:
         """Settings from keyword arguments, or ``settings`` itself when given alone.
 
         A ``density`` or ``wire_dtype`` without an algorithm (and without ``settings``) pins
-        :data:`PINNED_DEFAULT`.
+        :data:`PINNED_DEFAULT` -- ``"dense"`` for a wire only the dense exchange sends (``int4``)
+        given without a density.
 
         Args:
           settings: a :class:`Settings` to start from (the keywords change a copy); None: the defaults.
@@ -386,7 +388,9 @@ class Settings:
         options = {**(algorithm_options or {}), **kwargs}
         if given.get("algorithm") is None and settings is None and \
                 any(given.get(k) is not None for k in ("density", "wire_dtype")):
-            given["algorithm"] = PINNED_DEFAULT  # a density or a wire of one's own: not auto's choice
+            # a density or a wire of one's own: not auto's choice
+            dense_wire = given.get("wire_dtype") is not None and getattr(get_wire(given["wire_dtype"]), "dense_only", False)
+            given["algorithm"] = "dense" if dense_wire and given.get("density") is None else PINNED_DEFAULT
         if settings is not None:
             if not isinstance(settings, Settings):
                 raise ValueError(f"settings={settings!r} is not valid; accepted: a tfsparse.settings.Settings")

@@ -67,6 +67,7 @@ def worker(args) -> None:
     from tfsparse import traffic
     from tfsparse.collectives import MPICommunicator
     from tfsparse.exchange import GradientExchange
+    from tfsparse.wire import get_wire
 
     comm = MPICommunicator()
     numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, (os.cpu_count() or 1) // comm.size)))
@@ -76,6 +77,8 @@ def worker(args) -> None:
     rows = []
     for algo in args.algorithms.split(","):
         for wire in args.wires.split(","):
+            if getattr(get_wire(wire), "dense_only", False) and algo != "dense":
+                continue  # (int4: the dense exchange only)
             for plan in args.plans.split(","):
                 ex = GradientExchange(algo, args.density, wire_dtype=wire, communicator=comm, **parse_plan(plan))
                 times = []

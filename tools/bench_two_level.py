@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     from tfsparse.collectives import measure_alpha_beta
     from tfsparse.collectives.hosts import host_ids
     from tfsparse.timing import simulate_two_level
+    from tfsparse.wire import get_wire
 
     comm = tfsparse.init(backend="mpi")
     ids = host_ids(comm)
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
             got = run_setting(comm, grads, options, two, args.steps)
             row.update({f"{'two_level' if two else 'flat'}_{k}": v for k, v in got.items()})
         density = options.get("density", 1.0)
-        value_bytes = 2 if options.get("wire_dtype") == "float16" else 4
+        value_bytes = get_wire(options.get("wire_dtype", "float32")).value_bytes
         # the host's parts as measured here (their memory traffic on this machine), the network's priced
         add_s = 1e-3 * row["two_level_host_sum_ms"] / (per_host - 1).bit_length()
         level_s = 1e-3 * row["two_level_share_ms"] / (per_host - 1).bit_length()

@@ -69,7 +69,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
 class CommunicationStats(keras.callbacks.Callback):
     """Adds to each epoch's logs, per step of the gradient exchange on this rank:
     ``comm_bytes`` (mean bytes sent), ``density`` (achieved fraction of gradient elements
-    sent), ``wire_bits`` (bits per value on the wire at the epoch's end: 32, 16 or 8), and where
+    sent), ``wire_bits`` (bits per value on the wire at the epoch's end: 32, 16, 8 or 4), and where
     the time went -- ``encode_ms`` (error feedback, selection, encoding, on
     the training thread), ``comm_ms`` (the collectives, on the communication thread),
     ``decode_ms`` (dense result and residual update, on the training thread once a bucket is

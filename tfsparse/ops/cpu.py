@@ -571,7 +571,17 @@ def quantize_int4_chunks(x, chunk, loss=None, out=None):
 
 
 def dequantize_int4_chunks_into(q, scales, chunk, n, out, accumulate=False):
-    """``out (+)= (code - 8) * scale`` of the ``n`` values :func:`quantize_int4_chunks` packed in ``q``."""
+    """``out (+)= (code - 8) * scale`` of the ``n`` values :func:`quantize_int4_chunks` packed in ``q``
+    (``ceil(n / 2)`` bytes or more, a scale per chunk of ``chunk`` values) into the float32 vector
+    ``out`` of ``n`` elements."""
+    n, chunk = int(n), C.check_chunk(chunk)
+    q, scales = np.asarray(q).reshape(-1), np.asarray(scales).reshape(-1)
+    if (q.dtype != np.uint8 or q.size < (n + 1) // 2 or scales.dtype != np.float32
+            or scales.size != C.num_chunks(n, chunk) or not isinstance(out, np.ndarray)
+            or out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous):
+        raise TypeError(f"dequantize_int4_chunks_into: {n} values need {(n + 1) // 2} uint8 codes, "
+                        f"{C.num_chunks(n, chunk)} float32 scales and a contiguous float32 out of {n} elements")
+    out = out.reshape(-1)
     traffic.count("decode", read=(n + 1) // 2 + (4 * n if accumulate else 0), written=4 * n)
     with _threads_for(n):
         return _dequantize4_chunks_into(q, scales, int(chunk), int(n), out, bool(accumulate))

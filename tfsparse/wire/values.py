@@ -636,7 +636,8 @@ class Int4(Wire):
         """
         nbytes = int(nbytes)
         fits = []
-        m = max(0, int(nbytes / (index_bytes + 0.5 + 4 / INT4_CHUNK)) - 2)
+        # m (index_bytes + 0.5 + 4 / INT4_CHUNK) <= nbytes <= that + 4.5 (the roundings): start below
+        m = max(0, int((nbytes - 5) / (index_bytes + 0.5 + 4 / INT4_CHUNK)) - 1)
         while m * index_bytes + self.nbytes(m) <= nbytes:
             if m * index_bytes + self.nbytes(m) == nbytes:
                 fits.append(m)
