@@ -596,16 +596,9 @@ class Int4(Wire):
         return (count + 1) // 2 + 4 * (-(-count // INT4_CHUNK))
 
     def encode(self, values, loss=None, buffers=None):
-        """Quantizes each chunk of :data:`INT4_CHUNK` values to ``rint(x * 7 / max|x|)`` (:func:`tfsparse.ops.cpu.quantize_int4_chunks`).
-
-        Args:
-          values: the float32 values.
-          loss: None, or a float32 vector of their size for what the quantization lost (:meth:`Wire.encode`).
-          buffers: a :class:`tfsparse.buffers.Reusable` to take the message from; None: a new array.
-
-        Returns:
-          The message: the codes, two a byte, then the chunks' float32 scales (:meth:`nbytes` bytes).
-        """
+        """:meth:`Wire.encode` (the same arguments): each chunk of :data:`INT4_CHUNK` values
+        quantized to ``rint(x * 7 / max|x|)`` (:func:`tfsparse.ops.cpu.quantize_int4_chunks`); the
+        message is the codes, two a byte, then the chunks' float32 scales (:meth:`nbytes` bytes)."""
         values = _f32(values)
         count, codes = values.size, (values.size + 1) // 2
         buf = np.empty(self.nbytes(count), np.uint8) if buffers is None else buffers.take(self.nbytes(count), np.uint8)
@@ -621,19 +614,10 @@ class Int4(Wire):
                                                accumulate)
 
     def entries(self, nbytes, index_bytes=0):
-        """Solves ``nbytes = m index_bytes + ceil(m / 2) + 4 ceil(m / INT4_CHUNK)`` for ``m``.
-
-        Args:
-          nbytes: the message's length.
-          index_bytes: the bytes of each entry's index; 0: a block of values.
-
-        Returns:
-          ``m``, the number of entries.
-
-        Raises:
-          RuntimeError: no ``m`` fits (a corrupt length), or two do (a block of values: an odd
-            count and the even one after it take the same bytes).
-        """
+        """:meth:`Wire.entries` (the same arguments and result): solves ``nbytes = m index_bytes +
+        ceil(m / 2) + 4 ceil(m / INT4_CHUNK)`` for ``m``; a RuntimeError where no ``m`` fits (a
+        corrupt length) or two do (a block of values: an odd count and the even one after it take
+        the same bytes)."""
         nbytes = int(nbytes)
         fits = []
         # m (index_bytes + 0.5 + 4 / INT4_CHUNK) <= nbytes <= that + 4.5 (the roundings): start below
