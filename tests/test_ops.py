@@ -696,11 +696,15 @@ def test_dlpack_view_of_tf_tensor_is_zero_copy_and_owned():
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n,offset", [(3 * 4096 + 17, 3), (4096, 0), (100, 1), (2_000_003, 5)])
-def test_add_quantize_int8_chunks_is_the_sum_then_the_quantization(n, offset, stream):
-    """Error feedback fused with the int8 encoding: the same codes, scales and loss bits as
-    ``g + r`` quantized in place, for vectors that start off a cache line (the non-temporal
-    stores begin at the first aligned element), a last partial chunk, a chunk of zeros, one
-    holding NaN and one holding Inf (scales NaN / Inf: the caller's finite check)."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_add_quantize_chunks_is_the_sum_then_the_quantization(n, offset, stream, bits):
+    """Error feedback fused with the int8 (chunks of 4096) or int4 (chunks of 512, two codes a
+    byte) encoding: the same codes, scales and loss bits as ``g + r`` quantized in place, for
+    vectors that start off a cache line (the non-temporal stores begin at the first aligned
+    element), a last partial chunk (an odd one: int4's last high nibble unused), a chunk of
+    zeros, one holding NaN and one holding Inf (scales NaN / Inf: the caller's finite check)."""
+    fused, plain, chunk, ncodes = {8: (cpu.add_quantize_int8_chunks, cpu.quantize_int8_chunks, 4096, n),
+                                   4: (cpu.add_quantize_int4_chunks, cpu.quantize_int4_chunks, 512, (n + 1) // 2)}[bits]
     rng = np.random.default_rng(n)
     g = rng.standard_normal(n + 16).astype(np.float32)[offset:offset + n]
     r = (0.1 * rng.standard_normal(n + 16)).astype(np.float32)[offset:offset + n]
@@ -708,14 +712,14 @@ def test_add_quantize_int8_chunks_is_the_sum_then_the_quantization(n, offset, st
         g[4096:8192] = r[4096:8192] = 0.0
         g[8200], g[2] = np.nan, -np.inf
     acc = np.empty(n + 16, np.float32)[offset:offset + n]
-    q = np.empty(n, np.int8)
-    scales = cpu.add_quantize_int8_chunks(g, r, acc, 4096, q, stream)
-    q0, s0, loss0 = cpu.quantize_int8_chunks(g + r, 4096)
-    assert np.array_equal(q, q0)
+    q = np.empty(ncodes, np.uint8)
+    scales = fused(g, r, acc, chunk, q, stream)
+    q0, s0, loss0 = plain(g + r, chunk)
+    assert np.array_equal(q, q0.view(np.uint8))
     np.testing.assert_array_equal(scales.view(np.uint32), s0.view(np.uint32))
     np.testing.assert_array_equal(acc.view(np.uint32), loss0.view(np.uint32))
     with pytest.raises(TypeError, match="acc contiguous and aligned"):
-        cpu.add_quantize_int8_chunks(g, r, np.empty(n + 1, np.float32), 4096, q)
+        fused(g, r, np.empty(n + 1, np.float32), chunk, q)
 
 
 def test_stage_hits_without_compressing_stores(monkeypatch):

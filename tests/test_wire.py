@@ -419,11 +419,12 @@ def test_16_bit_codecs_inside_tensorflows_flush_to_zero_threads():
 
 
 @pytest.mark.parametrize("pooled", [False, True])
-@pytest.mark.parametrize("name", ["int8", "float16", "bfloat16"])
-@pytest.mark.parametrize("sizes", [[5000, 3, 9000, 4096], [20_000], [100, 100], [4096, 4096, 1]])
+@pytest.mark.parametrize("name", ["int8", "int4", "float16", "bfloat16"])
+@pytest.mark.parametrize("sizes", [[5000, 3, 9000, 4096], [20_000], [100, 100], [4096, 4096, 1], [511, 2, 1023]])
 def test_fused_error_feedback_is_the_sum_then_the_encoding(name, sizes, pooled):
-    """Wire.compensate_encode -- int8: chunks inside a piece summed and quantized in one pass,
-    chunks a piece boundary cuts summed piece by piece and quantized after; float16 and bfloat16:
+    """Wire.compensate_encode -- int8 and int4: chunks inside a piece summed and quantized in one
+    pass, chunks a piece boundary cuts (at odd offsets too: int4's codes share bytes) summed piece
+    by piece and quantized after; float16 and bfloat16:
     every piece summed and encoded in one pass, float16 encoding again, scaled, where a sum
     overflows -- gives the message and the loss (over acc) of its definition: every sum first,
     then encode with the loss over acc; and a sum that is not finite is reported (finite False).  ``pooled``:

@@ -213,7 +213,7 @@ def _check_auto(settings) -> None:
     pinned = [f"{name}={getattr(settings, name)!r}" for name in ("density", "wire_dtype")
               if getattr(settings, name) != _DEFAULTS[name]]
     if pinned:
-        example = "dense" if getattr(get_wire(settings.wire_dtype), "dense_only", False) else "topk"
+        example = "dense" if get_wire(settings.wire_dtype).dense_only else "topk"
         raise ValueError(f"{', '.join(pinned)} with algorithm='auto': auto chooses the algorithm, the density and "
                          f"the wire; give algorithm= too to pin them (e.g. algorithm={example!r}, {pinned[0]})")
     if settings.options:
@@ -389,7 +389,7 @@ class Settings:
         if given.get("algorithm") is None and settings is None and \
                 any(given.get(k) is not None for k in ("density", "wire_dtype")):
             # a density or a wire of one's own: not auto's choice
-            dense_wire = given.get("wire_dtype") is not None and getattr(get_wire(given["wire_dtype"]), "dense_only", False)
+            dense_wire = given.get("wire_dtype") is not None and get_wire(given["wire_dtype"]).dense_only
             given["algorithm"] = "dense" if dense_wire and given.get("density") is None else PINNED_DEFAULT
         if settings is not None:
             if not isinstance(settings, Settings):

@@ -77,7 +77,7 @@ def worker(args) -> None:
     rows = []
     for algo in args.algorithms.split(","):
         for wire in args.wires.split(","):
-            if getattr(get_wire(wire), "dense_only", False) and algo != "dense":
+            if get_wire(wire).dense_only and algo != "dense":
                 continue  # (int4: the dense exchange only)
             for plan in args.plans.split(","):
                 ex = GradientExchange(algo, args.density, wire_dtype=wire, communicator=comm, **parse_plan(plan))

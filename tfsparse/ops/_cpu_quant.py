@@ -308,17 +308,18 @@ def _dequantize_chunks_into(q, scales, chunk, out, accumulate):
 
 
 @njit(cache=True, inline="always")
-def _code4(v, inv):
-    """``clip(rint(v * inv), -7, 7)`` as an offset nibble (1 to 15; 8 is zero)."""
-    return np.uint8(np.int32(min(max(np.rint(v * inv), np.float32(-7.0)), np.float32(7.0))) + 8)
+def _code4(t):
+    """``clip(rint(t), -7, 7)`` as an offset nibble (1 to 15; 8 is zero): ``t`` is ``x * 7 / max|x|``."""
+    return np.uint8(np.int32(min(max(np.rint(t), np.float32(-7.0)), np.float32(7.0))) + 8)
 
 
 @njit(cache=True, inline="always")
-def _quantize4_chunk(y, xs, qs, ls, in_place):
+def _quantize4_chunk(y, xs, qs, ls, cs):
     """One chunk of :func:`_quantize4_chunks`: ``xs`` (``y``: its bits, an even number of values
     but in the last chunk) into the packed nibbles ``qs`` (value ``2j`` in byte ``j``'s low
-    nibble, ``2j + 1`` in its high one) and the loss ``ls`` (``xs`` itself with ``in_place``);
-    returns the chunk's scale."""
+    nibble, ``2j + 1`` in its high one) and the loss ``ls`` (``xs`` itself allowed: each value is
+    read before its loss is written), the codes first into ``cs`` (a chunk-sized buffer, in the
+    cache: the per-value loops vectorise, the packing reads it); returns the chunk's scale."""
     top = np.uint32(0)
     for i in range(y.size):
         top = max(top, y[i] & np.uint32(_ABS))
@@ -333,49 +334,66 @@ def _quantize4_chunk(y, xs, qs, ls, in_place):
             ls[i] = np.float32(0.0)
         return scale
     inv = np.float32(np.float32(7.0) / amax)
-    wide = inv == np.inf  # max|x| below 7 / FLT_MAX: the ratio in float64
+    c = cs[:m]
+    if inv == np.inf:  # max|x| below 7 / FLT_MAX: the ratio in float64
+        for i in range(m):
+            c[i] = _code4(np.float64(xs[i]) * 7.0 / np.float64(amax))
+    else:
+        for i in range(m):
+            c[i] = _code4(xs[i] * inv)
+    for i in range(m):
+        ls[i] = xs[i] - np.float32(np.int32(c[i]) - 8) * scale
     for j in range(m // 2):
-        a, b = xs[2 * j], xs[2 * j + 1]
-        if wide:
-            ca = np.uint8(np.int32(min(max(np.rint(np.float64(a) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
-            cb = np.uint8(np.int32(min(max(np.rint(np.float64(b) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
-        else:
-            ca, cb = _code4(a, inv), _code4(b, inv)
-        qs[j] = ca | (cb << np.uint8(4))
-        la = a - np.float32(np.int32(ca) - 8) * scale
-        lb = b - np.float32(np.int32(cb) - 8) * scale
-        if in_place:
-            xs[2 * j], xs[2 * j + 1] = la, lb
-        else:
-            ls[2 * j], ls[2 * j + 1] = la, lb
+        qs[j] = c[2 * j] | (c[2 * j + 1] << np.uint8(4))
     if m % 2:
-        a = xs[m - 1]
-        if wide:
-            ca = np.uint8(np.int32(min(max(np.rint(np.float64(a) * 7.0 / np.float64(amax)), -7.0), 7.0)) + 8)
-        else:
-            ca = _code4(a, inv)
-        qs[m // 2] = ca | np.uint8(0x80)  # the unused high nibble: zero
-        la = a - np.float32(np.int32(ca) - 8) * scale
-        if in_place:
-            xs[m - 1] = la
-        else:
-            ls[m - 1] = la
+        qs[m // 2] = c[m - 1] | np.uint8(0x80)  # the unused high nibble: zero
     return scale
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quantize4_chunks(x, chunk, q, scales, loss, in_place):
+def _quantize4_chunks(x, chunk, q, scales, loss):
     """Per chunk of ``chunk`` (even) values: ``scale = max|x| / 7``, ``code = clip(rint(x * (7 /
     max|x|)), -7, 7)``, two codes a byte (:func:`_quantize4_chunk`); a chunk holding NaN/Inf (or
     only zeros) gets zero codes and a NaN/Inf (or zero) scale.  ``loss = x - code * scale`` (0
-    in a non-finite chunk); ``in_place``: ``loss`` is ``x``."""
+    in a non-finite chunk; ``x`` itself allowed)."""
     n = x.size
     xu = x.view(np.uint32)
-    for c in prange(scales.size):
-        lo = c * chunk
-        hi = min(lo + chunk, n)
-        scales[c] = _quantize4_chunk(xu[lo:hi], x[lo:hi], q[lo // 2:(hi + 1) // 2], loss[lo:hi], in_place)
+    nch = scales.size
+    per = max(1, _CH // chunk)  # chunks per parallel task: one code buffer each
+    for t in prange((nch + per - 1) // per):
+        cs = np.empty(chunk, np.uint8)
+        for c in range(t * per, min((t + 1) * per, nch)):
+            lo = c * chunk
+            hi = min(lo + chunk, n)
+            scales[c] = _quantize4_chunk(xu[lo:hi], x[lo:hi], q[lo // 2:(hi + 1) // 2], loss[lo:hi], cs)
     return q
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _add_quantize4_chunks(g, r, acc, chunk, q, scales, addr, stream):
+    """``acc = g + r`` quantized as :func:`_quantize4_chunks` does in place, in one pass, as
+    :func:`_add_quantize_chunks` does for int8: per chunk the sums are made in a buffer (in the
+    cache), quantized there into ``q`` and ``scales``, and what that lost is written to ``acc``
+    (``stream``: by non-temporal stores from its first 64-byte aligned element on; ``addr``:
+    ``acc``'s address)."""
+    n = g.size
+    nch = scales.size
+    per = max(1, _CH // chunk)
+    for t in prange((nch + per - 1) // per):
+        buf = np.empty(chunk, np.float32)
+        bu = buf.view(np.uint32)
+        cs = np.empty(chunk, np.uint8)
+        for c in range(t * per, min((t + 1) * per, nch)):
+            lo = c * chunk
+            hi = min(lo + chunk, n)
+            m = hi - lo
+            bs, gs, rs = buf[:m], g[lo:hi], r[lo:hi]
+            for i in range(m):
+                bs[i] = gs[i] + rs[i]
+            scales[c] = _quantize4_chunk(bu[:m], bs, q[lo // 2:(hi + 1) // 2], bs, cs)
+            _store_block(acc, lo, hi, buf, addr, stream)
+        _store_fence()
+    return scales
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -45,9 +45,10 @@ from .. import _checks, traffic
 from . import _common as C
 from ._cpu_bits import _CH, _INFK, _STG, as_f32
 from ._cpu_digest import _word_sums
-from ._cpu_quant import (_add_encode16, _add_quantize_chunks, _bf16_into, _bf16_truncate, _chunk_l1, _dequantize,
-                         _dequantize4_chunks_into, _dequantize_chunks_into, _half_into, _half_rne, _lookup_into,
-                         _max_key, _quantize, _quantize4_chunks, _quantize_chunks, _truncate_fp16)
+from ._cpu_quant import (_add_encode16, _add_quantize4_chunks, _add_quantize_chunks, _bf16_into, _bf16_truncate,
+                         _chunk_l1, _dequantize, _dequantize4_chunks_into, _dequantize_chunks_into, _half_into,
+                         _half_rne, _lookup_into, _max_key, _quantize, _quantize4_chunks, _quantize_chunks,
+                         _truncate_fp16)
 from ._cpu_select import (_NO_INDEX, _add_select_ge, _hash_candidates, _hash_select, _hash_survivors, _keys_of,
                           _kth_key, _lower_key, _magnitude_keys, _positions, _radix_select, _sample_keys,
                           _sample_positions, _select_ge, _select_top, _take_keyed, _top_of_candidates)
@@ -550,6 +551,14 @@ def dequantize_int8_chunks_into(q, scales, chunk, out, accumulate=False):
         return _dequantize_chunks_into(q, scales, int(chunk), out, bool(accumulate))
 
 
+def _check_chunk4(chunk):
+    """An int4 chunk: :func:`tfsparse.ops._common.check_chunk`'s, and even (two codes a byte)."""
+    chunk = C.check_chunk(chunk)
+    if chunk % 2:
+        raise ValueError(f"chunk={chunk!r} must be even for int4 (two codes a byte)")
+    return chunk
+
+
 def quantize_int4_chunks(x, chunk, loss=None, out=None):
     """Per-chunk 4-bit quantization: ``(q uint8[ceil(n / 2)], scales float32[ceil(n / chunk)],
     loss)`` -- ``code = clip(rint(x * 7 / max|x|), -7, 7)`` per chunk of ``chunk`` (even)
@@ -558,16 +567,30 @@ def quantize_int4_chunks(x, chunk, loss=None, out=None):
     whose scale is not finite), written into ``loss`` when given (``x`` itself allowed); the
     codes into ``out`` (``ceil(n / 2)`` bytes) when given."""
     x = as_f32(x)
-    chunk = C.check_chunk(chunk)
-    if chunk % 2:
-        raise ValueError(f"chunk={chunk!r} must be even for int4 (two codes a byte)")
+    chunk = _check_chunk4(chunk)
     q = _codes_buffer(x[:(x.size + 1) // 2], out, np.uint8)
     loss = _loss_buffer(x, loss)
     scales = np.empty(C.num_chunks(x.size, chunk), np.float32)
     traffic.count("encode", read=x.nbytes, written=q.nbytes + loss.nbytes)
     with _threads_for(x.size):
-        _quantize4_chunks(x, chunk, q, scales, loss, loss.ctypes.data == x.ctypes.data)
+        _quantize4_chunks(x, chunk, q, scales, loss)
     return q, scales, loss
+
+
+def add_quantize_int4_chunks(g, r, acc, chunk, out, stream=False):
+    """``acc = g + r`` (error feedback) and :func:`quantize_int4_chunks` of it in place, in one
+    pass, as :func:`add_quantize_int8_chunks` does for int8: the codes into ``out`` (``ceil(n /
+    2)`` bytes), what quantizing lost into ``acc``; returns the chunks' scales.  The same bits as
+    ``np.add`` then :func:`quantize_int4_chunks`."""
+    g, r = _fused_operands("add_quantize_int4_chunks", g, r, acc)
+    chunk = _check_chunk4(chunk)
+    n = g.size
+    q = _codes_buffer(g[:(n + 1) // 2], out, np.uint8)
+    scales = np.empty(C.num_chunks(n, chunk), np.float32)
+    _count_fused(g, q)
+    with _threads_for(n):
+        _add_quantize4_chunks(g, r, acc, chunk, q, scales, np.int64(acc.ctypes.data), bool(stream))
+    return scales
 
 
 def dequantize_int4_chunks_into(q, scales, chunk, n, out, accumulate=False):
@@ -638,6 +661,8 @@ def warmup() -> None:
     add_encode16(x, x, np.empty_like(x), np.empty(x.size, np.uint16), True)
     dequantize_int8_chunks_into(q, scales, 4096, np.zeros(x.size, np.float32), accumulate=True)
     q4, scales4, _ = quantize_int4_chunks(x, 512)
+    for stream in (False, True):
+        add_quantize_int4_chunks(x, x, np.empty_like(x), 512, np.empty((x.size + 1) // 2, np.uint8), stream)
     dequantize_int4_chunks_into(q4, scales4, 512, x.size, np.zeros(x.size, np.float32), accumulate=True)
     truncate_fp16(x)
     chunk_l1_norms(x, 1024)

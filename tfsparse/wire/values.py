@@ -69,6 +69,8 @@ class Wire:
     lossy = True
     #: whether :meth:`compensate_encode` fuses the error feedback's sum into the encoding
     fuses_compensation = False
+    #: whether only ``algorithm="dense"`` can send it (:func:`check_wire_for`)
+    dense_only = False
 
     def encode(self, values, loss=None, buffers=None) -> np.ndarray:
         """float32 ``values`` -> one ``uint8`` message.
@@ -455,6 +457,43 @@ def _compensate_encode16(wire, pieces, acc, buffers, stream, half):
     return wire.encode(acc, acc, buffers), True
 
 
+def _compensate_chunks(wire, pieces, acc, buffers, stream, C, shift, fused, plain):
+    """:meth:`Wire.compensate_encode` for the wires quantized by chunk of ``C`` values (int8, int4):
+    the chunks that lie within one piece by the ``fused`` kernel (sum, quantize, loss in one pass),
+    those a piece boundary cuts summed piece by piece and then quantized in place by ``plain``.
+    The message is the codes, ``2 ** shift`` a byte (``C`` a multiple of that: a chunk's codes
+    start a byte), then the chunks' float32 scales."""
+    count = acc.size
+    buf = np.empty(wire.nbytes(count), np.uint8) if buffers is None else buffers.take(wire.nbytes(count), np.uint8)
+    per = 1 << shift
+    codes_bytes = (count + per - 1) >> shift
+
+    def code_range(lo, hi):
+        return buf[lo >> shift:(hi + per - 1) >> shift]
+
+    scales = np.empty(-(-count // C), np.float32)
+    cut = set()  # chunks a piece boundary cuts
+    for g, r, at in pieces:
+        end = at + g.size
+        lo = -(-at // C) * C                     # the first chunk that starts in this piece ...
+        hi = end if end == count else end // C * C  # ... to the last one that ends in it
+        if hi <= lo:
+            lo = hi = end
+        else:
+            scales[lo // C:-(-hi // C)] = fused(g[lo - at:hi - at], r[lo - at:hi - at], acc[lo:hi], C,
+                                                code_range(lo, hi), stream)
+        for a, b in ((at, lo), (hi, end)):  # the parts of cut chunks
+            if b > a:
+                np.add(g[a - at:b - at], r[a - at:b - at], out=acc[a:b])
+                traffic.count("compensate", read=8 * (b - a), written=4 * (b - a))
+                cut.update(range(a // C, -(-b // C)))
+    for c in sorted(cut):
+        lo, hi = c * C, min(c * C + C, count)
+        scales[c] = plain(acc[lo:hi], C, loss=acc[lo:hi], out=code_range(lo, hi))[1][0]
+    buf[codes_bytes:] = scales.view(np.uint8)
+    return buf, bool(np.isfinite(scales).all())  # a chunk's scale is NaN/Inf where a sum is
+
+
 @register_wire
 class Int8(Wire):
     """``q = rint(x * 127 / max|x|)`` per chunk of ``INT8_CHUNK`` values (round half to even),
@@ -514,30 +553,8 @@ class Int8(Wire):
           ``(message, finite)``: :meth:`nbytes` bytes, and whether every chunk's scale is finite.
         """
         k = _kernels()
-        count, C = acc.size, INT8_CHUNK
-        buf = np.empty(self.nbytes(count), np.uint8) if buffers is None else buffers.take(self.nbytes(count), np.uint8)
-        codes = buf[:count]
-        scales = np.empty(-(-count // C), np.float32)
-        cut = set()  # chunks a piece boundary cuts
-        for g, r, at in pieces:
-            end = at + g.size
-            lo = -(-at // C) * C                     # the first chunk that starts in this piece ...
-            hi = end if end == count else end // C * C  # ... to the last one that ends in it
-            if hi <= lo:
-                lo = hi = end
-            else:
-                scales[lo // C:-(-hi // C)] = k.add_quantize_int8_chunks(
-                    g[lo - at:hi - at], r[lo - at:hi - at], acc[lo:hi], C, codes[lo:hi], stream)
-            for a, b in ((at, lo), (hi, end)):  # the parts of cut chunks
-                if b > a:
-                    np.add(g[a - at:b - at], r[a - at:b - at], out=acc[a:b])
-                    traffic.count("compensate", read=8 * (b - a), written=4 * (b - a))
-                    cut.update(range(a // C, -(-b // C)))
-        for c in sorted(cut):
-            lo, hi = c * C, min(c * C + C, count)
-            scales[c] = k.quantize_int8_chunks(acc[lo:hi], C, loss=acc[lo:hi], out=codes[lo:hi])[1][0]
-        buf[count:] = scales.view(np.uint8)
-        return buf, bool(np.isfinite(scales).all())  # a chunk's scale is NaN/Inf where a sum is
+        return _compensate_chunks(self, pieces, acc, buffers, stream, INT8_CHUNK, 0, k.add_quantize_int8_chunks,
+                                  k.quantize_int8_chunks)
 
     def _decode_range(self, buf, count, lo, hi, out, accumulate):
         first, end = lo // INT8_CHUNK, -(-hi // INT8_CHUNK)  # lo is a multiple of INT8_CHUNK
@@ -580,7 +597,6 @@ class Int4(Wire):
 
     name = "int4"
     value_bytes = 0.5
-    #: only ``algorithm="dense"`` sends it (:func:`check_wire_for`)
     dense_only = True
 
     def nbytes(self, count):
@@ -605,6 +621,17 @@ class Int4(Wire):
         _, scales, _ = _kernels().quantize_int4_chunks(values, INT4_CHUNK, loss=loss, out=buf[:codes])
         buf[codes:] = scales.view(np.uint8)
         return buf
+
+    fuses_compensation = True
+
+    def compensate_encode(self, pieces, acc, buffers=None, stream=False):
+        """:meth:`Wire.compensate_encode` (the same arguments and result) as :meth:`Int8.compensate_encode`
+        does it: the chunks within one piece summed, quantized and their loss written in one pass
+        (:func:`tfsparse.ops.cpu.add_quantize_int4_chunks`), the few a piece boundary cuts summed
+        first, then quantized in place."""
+        k = _kernels()
+        return _compensate_chunks(self, pieces, acc, buffers, stream, INT4_CHUNK, 1, k.add_quantize_int4_chunks,
+                                  k.quantize_int4_chunks)
 
     def _decode_range(self, buf, count, lo, hi, out, accumulate):
         first, end = lo // INT4_CHUNK, -(-hi // INT4_CHUNK)  # lo is a multiple of INT4_CHUNK
@@ -641,9 +668,10 @@ def check_wire_for(algorithm: str, wire_dtype) -> None:
     Raises:
       ValueError: naming both and what to use instead.
     """
-    if getattr(get_wire(wire_dtype), "dense_only", False) and algorithm not in ("dense", "auto"):
-        raise ValueError(f"wire_dtype={get_wire(wire_dtype).name!r} with algorithm={algorithm!r}: the "
-                         f"{get_wire(wire_dtype).name} wire sends dense blocks only; accepted with it: "
+    wire = get_wire(wire_dtype)
+    if wire.dense_only and algorithm not in ("dense", "auto"):
+        raise ValueError(f"wire_dtype={wire.name!r} with algorithm={algorithm!r}: the "
+                         f"{wire.name} wire sends dense blocks only; accepted with it: "
                          f"algorithm='dense' (or a sparse algorithm with wire_dtype='int8', 'float16', "
                          f"'bfloat16' or 'float32')")
 
