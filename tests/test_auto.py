@@ -74,6 +74,87 @@ def test_dense_over_int4_where_its_coding_pays():
     assert slow.candidate.wire_dtype != "int4"
 
 
+def test_the_concentration_is_the_top_share_of_one_sample_of_the_whole_gradient():
+    """``energy_sample``: every bucket sampled at the whole gradient's stride, so that the joined
+    samples weigh every entry alike (a bucket far larger than the sample counts as much as its
+    entries); ``top_share``: the largest 1 %'s share of their sum.  The pricing it gives: a sparse
+    candidate 0.5 epochs fewer from a share of 0.8 on (dense never; unmeasured: its own)."""
+    x = np.full(1000, 0.1, np.float32)
+    x[[3, 500, 999, 7, 250, 42, 600, 800, 901, 77]] = [3, -3, 3, -3, 3, -3, 3, -3, 3, -3]  # 1 %: 10 entries
+    assert auto.top_share(auto.energy_sample(x, 0, x.size)) == pytest.approx(90.0 / (90.0 + 990 * 0.01))
+    n = 1 << 22  # two buckets of a 4M gradient: a stride of 16
+    g = np.full(n, 0.1, np.float32)
+    g[np.random.default_rng(0).choice(n, n // 100, replace=False)] = 3.0
+    cut = 1000  # a small bucket, then a large one (its sample starts where the stride says)
+    parts = [auto.energy_sample(g[:cut], 0, n), auto.energy_sample(g[cut:], cut, n)]
+    assert sum(p.size for p in parts) == n // 16
+    np.testing.assert_array_equal(np.concatenate(parts), np.square(g[::16], dtype=np.float64))
+    whole = (n // 100) * 9.0 / ((n // 100) * 9.0 + (n - n // 100) * np.float32(0.1) ** 2)
+    assert auto.top_share(np.concatenate(parts)) == pytest.approx(whole, rel=0.02)
+    assert auto.top_share(np.zeros(10)) == auto.top_share([np.inf, 1.0]) == auto.UNMEASURED
+    gtopk, int4 = auto.CANDIDATES[index_of("gtopk")], auto.CANDIDATES[index_of("dense", "int4")]
+    assert auto.epochs_of(gtopk, 0.85) == gtopk.epochs - auto.CONCENTRATED_SAVING == 1.5
+    assert auto.epochs_of(gtopk, 0.6) == auto.epochs_of(gtopk) == gtopk.epochs
+    assert auto.epochs_of(int4, 0.95) == int4.epochs
+
+
+def test_a_concentrated_gradient_prices_the_sparse_candidates_fewer_epochs():
+    """At 1 Gbit/s, where dense over int4's coding is slow (50 ms): a gradient of the Transformer's
+    concentration (0.88 of the energy in the top 1 %) prices gTop-k at 1.5 epochs, ahead of int4;
+    the MLP's and the convolutional model's (0.60-0.63) leave it at 2.0, behind int4.  The
+    decision's line names the share; a trial's verdict prices alike."""
+    link = AlphaBeta.from_strings("1gbit", "50us")
+    n, costs = 8_400_000, local(f16=0.01, sparse=0.02, int4=0.05)
+    flat = auto.choose(n, 4, link, 0.06, costs, concentration=0.62)
+    assert (flat.candidate.algorithm, flat.candidate.wire_dtype) == ("dense", "int4")
+    d = auto.choose(n, 4, link, 0.06, costs, concentration=0.88)
+    assert d.candidate.algorithm == "gtopk" and d.concentration == 0.88
+    p = d.predictions[d.index]
+    assert p.epochs == 1.5 and p.score == pytest.approx(p.step_s * 1.5)
+    assert "x1.5 epochs" in d.describe(4) and "largest 1 % of the gradient held 88 % of its energy" in d.describe(4)
+    assert "62 %" in flat.describe(4) and "held" not in auto.choose(n, 4, link, 0.06, costs).describe(4)  # (unmeasured)
+    from tfsparse.collectives import InProcessWorld
+    gtopk = index_of("gtopk")
+    world = InProcessWorld(2)
+    for conc, kept in ((0.88, gtopk), (auto.UNMEASURED, auto.MEASURING)):  # 0.3 s x 1.5 < 0.5 s < 0.3 s x 2.0
+        v = world.run(lambda comm: auto.confirm(comm, gtopk, 0.5, [0.3, 0.3, 0.3], concentration=conc))
+        assert {x.index for x in v} == {kept}
+
+
+def test_the_measured_rounds_concentration_is_every_ranks_and_saved():
+    """Rank 0 measures the measured rounds' summed gradients (the same on every rank); the decision
+    broadcasts it, every rank prices with it (gTop-k at 1.5 epochs) and saves it; a state restored
+    carries it, and so does a new exchange that inherits the choice."""
+    from tfsparse.collectives import InProcessWorld
+    from tfsparse.exchange import GradientExchange
+
+    def fn(comm):
+        rng = np.random.default_rng(comm.rank)
+        engine = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        for _ in range(auto.MEASURE_ROUNDS + 1):
+            g = (0.01 * rng.standard_normal(4000)).astype(np.float32)
+            g[:40] = 1.0  # 1 % of the entries, nearly all of the energy
+            engine.start([g[:3000], g[3000:]]).wait()
+        saved = engine.get_state()
+        engine.close()
+        zeros = [np.zeros(3000, np.float32), np.zeros(1000, np.float32)]
+        again = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        again.set_state(saved)
+        again.start(zeros).wait()
+        inherits = GradientExchange("auto", plan=0, communicator=comm, memory="momentum", momentum=0.9)
+        inherits.inherit_choice(engine)
+        inherits.start(zeros).wait()
+        again.close()
+        inherits.close()
+        d = engine.auto_decision
+        return (d.concentration, float(saved["auto_concentration"][0]), again._auto.concentration,
+                inherits._auto.concentration), d.predictions[index_of("gtopk")].epochs
+
+    results = InProcessWorld(3).run(fn)
+    c = results[0][0][0]
+    assert 0.95 < c <= 1.0 and all(r == ((c, c, c, c), 1.5) for r in results)
+
+
 def test_one_rank_or_a_small_model_chooses_dense_float32():
     assert chosen(None, workers=1) == auto.CANDIDATES[0]
     assert chosen(AlphaBeta.from_strings("1gbit", "50us"), n=5_000) == auto.CANDIDATES[0]
@@ -464,7 +545,7 @@ def test_two_contenders_run_on_trial_in_turn_on_every_rank(monkeypatch, winner):
         real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25, contenders=(gtopk, int8)))
     calls = []
 
-    def confirm(comm, tried, reference, periods, earlier=()):
+    def confirm(comm, tried, reference, periods, earlier=(), concentration=auto.UNMEASURED):
         calls.append((comm.rank, tried, tuple(earlier), len(periods), reference))
         step = {gtopk: 0.1, int8: 0.2}[tried]
         if tried == gtopk:
@@ -525,7 +606,7 @@ def test_the_trial_ends_on_every_rank_at_the_same_round(monkeypatch, verdict):
         real(*a, **k), index=gtopk, trial_rounds=auto.TRIAL_ROUNDS, reference_s=0.25, contenders=(gtopk,)))
     ends = []
 
-    def confirm(comm, tried, reference, periods, earlier=()):
+    def confirm(comm, tried, reference, periods, earlier=(), concentration=auto.UNMEASURED):
         ends.append((comm.rank, len(periods), reference))
         v = auto.Verdict(tried if verdict == "keeps" else auto.MEASURING, tried, 0.2, reference)
         return v

@@ -96,6 +96,19 @@ PROBES = (((8, 3), (1 << 20, 3)), ((4 << 20, 1),), ((4 << 20, 1),), ((4 << 20, 1
 PROFILE_ELEMENTS = 1 << 20
 #: the two-level exchange's copies and adds are timed on this many elements (32 MB: beyond the caches)
 TWO_LEVEL_PROFILE = 1 << 23
+#: the gradient's concentration (:func:`top_share`: the share of its energy in its largest 1 % of
+#: entries, over the measured rounds) at or above which a sparse candidate is priced
+#: :data:`CONCENTRATED_SAVING` fewer epochs (:func:`epochs_of`): 0.60 on the 17.1M MLP, 0.62-0.63
+#: on the convolutional model, 0.88-0.89 on the Transformer, where gTop-k needed 0.5-1.5 times
+#: dense's epochs (docs/choosing.md, "What it decides")
+CONCENTRATED = 0.8
+#: the epochs a sparse candidate is priced fewer on a concentrated gradient: gTop-k 1.5, the most
+#: it needed on the Transformer and on the 17.1M MLP, against the 2.0 of the convolutional model
+CONCENTRATED_SAVING = 0.5
+#: the concentration is measured on a strided sample of about this many elements of the gradient
+CONCENTRATION_SAMPLE = 1 << 18
+#: the concentration where it was not measured (a device's gradients, a state saved before it was kept)
+UNMEASURED = -1.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,37 @@ CANDIDATES: tuple[Candidate, ...] = (
 MEASURING = next(i for i, c in enumerate(CANDIDATES) if c.algorithm == "dense" and c.wire_dtype == "float16")
 
 
+def epochs_of(candidate: Candidate, concentration: float = UNMEASURED) -> float:
+    """The epochs ``candidate`` is priced at: :attr:`Candidate.epochs`, less :data:`CONCENTRATED_SAVING`
+    for a sparse one where ``concentration`` -- the share of the gradient's energy in its largest 1 %
+    of entries (:func:`top_share`; :data:`UNMEASURED`: not measured) -- is at least
+    :data:`CONCENTRATED` (its top-k keeps most of it)."""
+    if candidate.algorithm != "dense" and concentration >= CONCENTRATED:
+        return candidate.epochs - CONCENTRATED_SAVING
+    return candidate.epochs
+
+
+def energy_sample(x, start: int, n: int, sample: int = CONCENTRATION_SAMPLE) -> np.ndarray:
+    """The squares (float64) of the entries of a gradient of ``n`` elements that a stride of
+    ``ceil(n / sample)`` takes, among those of its part ``x`` that starts at element ``start`` (a
+    bucket): the buckets' samples of a round, joined, are one sample of the whole gradient, every
+    entry of equal weight."""
+    stride = -(-int(n) // int(sample))
+    return np.square(np.asarray(x).reshape(-1)[(-int(start)) % stride::stride], dtype=np.float64)
+
+
+def top_share(squares, density: float = 0.01) -> float:
+    """The share of ``squares``' sum (a sample's energy, :func:`energy_sample`) in its largest
+    ``density`` of entries (at least one) -- the gradient's concentration; :data:`UNMEASURED` where
+    the sum is zero or not finite."""
+    squares = np.asarray(squares, np.float64).reshape(-1)
+    total = float(squares.sum())
+    if not (total > 0.0 and np.isfinite(total)):
+        return UNMEASURED
+    k = max(1, int(round(density * squares.size)))
+    return float(np.partition(squares, squares.size - k)[squares.size - k:].sum() / total)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """One candidate as :func:`predict` prices it.
@@ -181,14 +225,16 @@ class Prediction:
         and broadcasts for a two-level exchange.
       local_s: its local work per step (selection, encoding, decoding), seconds, from the measurements.
       step_s: the predicted step: compute + ``comm_s`` + ``local_s``.
-      score: ``step_s * candidate.epochs``, proportional to the time to accuracy.
+      score: ``step_s * epochs``, proportional to the time to accuracy.
+      epochs: the epochs it is priced at (:func:`epochs_of`).
     """
 
     candidate: Candidate
     comm_s: float  # the exchange's communication, timing model
     local_s: float  # its local work (selection, encoding, decoding), measured
     step_s: float  # compute + comm + local
-    score: float  # step_s * candidate.epochs: proportional to the time to accuracy
+    score: float  # step_s * epochs: proportional to the time to accuracy
+    epochs: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +258,8 @@ class Decision:
     #: the compressed candidates that run on trial, in order (the chosen one first; :data:`CONTENDERS`
     #: at most); empty for a choice without a trial
     contenders: tuple[int, ...] = ()
+    #: the gradient's concentration over the measured rounds (:func:`top_share`; :data:`UNMEASURED`)
+    concentration: float = UNMEASURED
 
     @property
     def candidate(self) -> Candidate:
@@ -246,9 +294,11 @@ class Decision:
         if self.busy > 1.0 and not self.two_level:  # (in two levels the leaders alone do it)
             link += f", local work x{self.busy:.3g} (more ranks than cores on a host)"
         why = (f"predicted step {1e3 * chosen.step_s:.0f} ms (compute {1e3 * self.compute_s:.0f} ms, exchange "
-               f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.candidate.epochs} epochs")
+               f"{1e3 * (chosen.comm_s + chosen.local_s):.0f} ms), x{chosen.epochs} epochs")
         if chosen is not f16:
-            why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.candidate.epochs}"
+            why += f"; dense over float16: {1e3 * f16.step_s:.0f} ms, x{f16.epochs}"
+        if self.concentration >= 0.0:
+            why += f"; the largest 1 % of the gradient held {100 * self.concentration:.0f} % of its energy"
         then = "".join(f", then {CANDIDATES[i].label} for {self.trial_rounds} rounds" for i in self.contenders[1:])
         trial = "" if not self.trial_rounds else (
             f"; on trial for {self.trial_rounds} rounds{then}, against dense over float16's measured step "
@@ -268,6 +318,8 @@ class Verdict:
     reference_s: float  # dense over float16's measured step
     #: the contenders tried before it and their measured steps: ``(index, seconds)`` pairs
     earlier: tuple[tuple[int, float], ...] = ()
+    #: the gradient's concentration the epochs were priced at (:func:`epochs_of`)
+    concentration: float = UNMEASURED
 
     @property
     def measured(self) -> tuple[tuple[int, float], ...]:
@@ -276,8 +328,8 @@ class Verdict:
 
     def _steps(self) -> str:
         dense = CANDIDATES[MEASURING]
-        tried = "; ".join(f"{CANDIDATES[i].label} measured {1e3 * s:.0f} ms a step, x{CANDIDATES[i].epochs} epochs"
-                          for i, s in self.measured)
+        tried = "; ".join(f"{CANDIDATES[i].label} measured {1e3 * s:.0f} ms a step, "
+                          f"x{epochs_of(CANDIDATES[i], self.concentration)} epochs" for i, s in self.measured)
         return f"{tried}, against dense over float16's {1e3 * self.reference_s:.0f} ms, x{dense.epochs}"
 
     def describe(self, two_level: bool = False) -> str:
@@ -318,11 +370,12 @@ def _slowest(comm, values) -> np.ndarray:
     return np.max(np.array([np.asarray(v, np.float64) for v in comm.allgather(own)]), axis=0)
 
 
-def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdict:
+def confirm(comm, tried: int, reference_s: float, periods, earlier=(),
+            concentration: float = UNMEASURED) -> Verdict:
     """Collective, every rank at the same round: the end of a candidate's trial.
 
     Each contender's measured step (the slowest rank's median) times its
-    :attr:`Candidate.epochs`, and dense over float16's measured step: the smallest wins, and as
+    epochs (:func:`epochs_of`), and dense over float16's measured step: the smallest wins, and as
     :func:`choose` breaks ties, the first in :data:`CANDIDATES` order within :data:`TOLERANCE` of
     it -- dense over float16 before any compressed one.  Every rank returns the same verdict.
 
@@ -332,6 +385,7 @@ def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdic
       reference_s: dense over float16's measured step, seconds.
       periods: this rank's seconds between consecutive rounds' starts on trial.
       earlier: the contenders tried before, ``(index, measured step)`` pairs.
+      concentration: the decision's (:attr:`Decision.concentration`).
 
     Returns:
       A :class:`Verdict`.
@@ -340,14 +394,15 @@ def confirm(comm, tried: int, reference_s: float, periods, earlier=()) -> Verdic
     earlier = tuple((int(i), float(s)) for i, s in earlier)
     scores = {MEASURING: float(reference_s) * CANDIDATES[MEASURING].epochs}
     for i, s in earlier + ((tried, step),):
-        scores[i] = s * CANDIDATES[i].epochs
+        scores[i] = s * epochs_of(CANDIDATES[i], concentration)
     best = min(scores.values())
     index = next(i for i in sorted(scores) if scores[i] <= best * (1.0 + TOLERANCE))
-    return Verdict(index, tried, step, float(reference_s), earlier)
+    return Verdict(index, tried, step, float(reference_s), earlier, float(concentration))
 
 
 def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, compute_s: float,
-            local_s: float, hosts: tuple[int, int] | None = None, two_level_s: float = 0.0) -> Prediction:
+            local_s: float, hosts: tuple[int, int] | None = None, two_level_s: float = 0.0,
+            concentration: float = UNMEASURED) -> Prediction:
     """The predicted step and score of ``candidate`` for a gradient of ``n`` elements.
 
     Args:
@@ -363,6 +418,7 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
         measured between two of its ranks); None: every rank has its own.
       two_level_s: > 0: the two-level exchange instead -- the algorithm among the hosts over the
         whole link, plus ``two_level_s`` for the hosts' sums and broadcasts.
+      concentration: the gradient's (:func:`epochs_of`); :data:`UNMEASURED`: not measured.
 
     Returns:
       A :class:`Prediction` (step and score: step × epochs).
@@ -377,11 +433,13 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
         comm_s = simulate(candidate.algorithm, workers, n, candidate.density, link, value_bytes=value_bytes).seconds
     comm_s += two_level_s
     step = compute_s + comm_s + local_s
-    return Prediction(candidate, comm_s, local_s, step, step * candidate.epochs)
+    epochs = epochs_of(candidate, concentration)
+    return Prediction(candidate, comm_s, local_s, step, step * epochs, epochs)
 
 
 def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local_s, sparse: bool = True,
-           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0) -> Decision:
+           hosts: tuple[int, int] | None = None, two_level_s: float = 0.0, busy: float = 1.0,
+           concentration: float = UNMEASURED) -> Decision:
     """The first candidate whose predicted time to accuracy is within :data:`TOLERANCE` of the smallest.
 
     Dense float32 comes first: where the predictions differ by less than their noise, the simpler
@@ -403,23 +461,30 @@ def choose(n: int, workers: int, link: AlphaBeta | None, compute_s: float, local
       busy: the factor ``local_s`` carries for ranks that share cores (:func:`oversubscription`):
         in two levels only each host's leader does the local work while its other ranks wait
         quietly (:mod:`tfsparse.hierarchy`), so there it is priced without it.
+      concentration: the gradient's, which prices the sparse candidates' epochs (:func:`epochs_of`).
 
     Returns:
       A :class:`Decision` (with the contenders that run on trial).
     """
-    flat = tuple(predict(c, n, workers, link, compute_s, float(t), hosts) for c, t in zip(CANDIDATES, local_s))
+    def priced(two_level_s, factor):
+        return tuple(predict(c, n, workers, link, compute_s, float(t) / factor, hosts, two_level_s,
+                             float(concentration)) for c, t in zip(CANDIDATES, local_s))
+
+    def made(predictions, index, two_level=False):
+        return Decision(index, compute_s, link, predictions, two_level=two_level, concentration=float(concentration),
+                        contenders=_contenders(predictions, allowed, index))
+
+    flat = priced(0.0, 1.0)
     allowed = [i for i, c in enumerate(CANDIDATES) if sparse or not c.compressed]
     best = min(flat[i].score for i in allowed)
     index = next(i for i in allowed if flat[i].score <= best * (1.0 + TOLERANCE))
     if hosts is None or hosts[0] < 2 or hosts[1] < 2 or link is None:
-        return Decision(index, compute_s, link, flat, contenders=_contenders(flat, allowed, index))
-    two = tuple(predict(c, n, workers, link, compute_s, float(t) / max(1.0, busy), hosts, max(two_level_s, 1e-9))
-                for c, t in zip(CANDIDATES, local_s))
+        return made(flat, index)
+    two = priced(max(two_level_s, 1e-9), max(1.0, busy))
     best_two = min(two[i].score for i in allowed)
     if best_two * (1.0 + TOLERANCE) >= flat[index].score:
-        return Decision(index, compute_s, link, flat, contenders=_contenders(flat, allowed, index))
-    index = next(i for i in allowed if two[i].score <= best_two * (1.0 + TOLERANCE))
-    return Decision(index, compute_s, link, two, two_level=True, contenders=_contenders(two, allowed, index))
+        return made(flat, index)
+    return made(two, next(i for i in allowed if two[i].score <= best_two * (1.0 + TOLERANCE)), two_level=True)
 
 
 def _contenders(predictions, allowed, index: int) -> tuple[int, ...]:
@@ -660,7 +725,8 @@ class Probe:
 
 
 def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | None = None,
-           workers: int | None = None, two_level: bool = True) -> Decision:
+           workers: int | None = None, two_level: bool = True,
+           concentration: float = UNMEASURED) -> Decision:
     """Collective, every rank at the same round: the choice for a gradient of ``n`` elements.
 
     Every rank returns the same decision.  A link whose round-trip times cannot be fitted (noise
@@ -679,6 +745,8 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         the user asked for: the hosts).
       two_level: whether the two-level exchange may be chosen (on several hosts, some of several
         ranks; :func:`choose`).
+      concentration: rank 0's measure of the measured rounds' summed gradients (:func:`top_share`;
+        every rank's sums are the same), broadcast; :data:`UNMEASURED`: not measured.
 
     Returns:
       A :class:`Decision`.
@@ -697,19 +765,20 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
     link = None
     if comm.size > 1:
         medians = _slowest(comm, medians)
-        fitted, error = np.full(2, np.nan), ""
+        fitted, error = np.array([np.nan, np.nan, concentration]), ""  # (rank 0's concentration broadcast too)
         if comm.rank == 0:
             try:
                 ab = probe.fit()
-                fitted[:] = (ab.alpha, ab.beta)
+                fitted[:2] = (ab.alpha, ab.beta)
             except ValueError as e:
                 error = str(e)
-        fitted = comm.bcast(fitted if comm.rank == 0 else None, root=0, shape=(2,), dtype=np.float64)
-        if not np.all(np.isfinite(fitted)):  # on every rank alike (rank 0's fit, broadcast)
+        fitted = comm.bcast(fitted if comm.rank == 0 else None, root=0, shape=(3,), dtype=np.float64)
+        concentration = float(fitted[2])
+        if not np.all(np.isfinite(fitted[:2])):  # on every rank alike (rank 0's fit, broadcast)
             why = error or "rank 0 could not fit the round-trip times"
             warnings.warn(f"tfsparse: algorithm='auto' could not measure the link ({why}); it keeps dense over "
                           f"float16", RuntimeWarning, stacklevel=2)
-            return Decision(MEASURING, float(medians[0]), None, ())
+            return Decision(MEASURING, float(medians[0]), None, (), concentration=concentration)
         link = AlphaBeta(alpha=float(fitted[0]), beta=float(fitted[1]))
     compute_s, reference_s, exchange_s = (float(m) for m in medians)
     # rank 0's timing of the local work, of the two-level exchange's inside a host, and its factor
@@ -719,9 +788,11 @@ def decide(comm, n: int, periods, rounds, sparse: bool = True, probe: Probe | No
         link = calibrated(link, n, comm.size, exchange_s, float(local[MEASURING]), flat_hosts)
     busy = float(local[-1])
     if workers is not None:  # in two levels already (hierarchical=True): the leaders alone do the local work
-        decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse)
+        decision = choose(n, int(workers), link, compute_s, local[:-2] / max(1.0, busy), sparse,
+                          concentration=concentration)
     else:
-        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy)
+        decision = choose(n, comm.size, link, compute_s, local[:-2], sparse, flat_hosts, float(local[-2]), busy,
+                          concentration)
     trial = TRIAL_ROUNDS if decision.candidate.compressed and link is not None else 0
     return dataclasses.replace(decision, reference_s=reference_s, trial_rounds=trial, busy=busy,
                                probed=probed, contenders=decision.contenders if trial else ())

@@ -386,8 +386,10 @@ class GradientExchange(Building, ExchangeState, AutoSwitching):
                         s.seconds += time.perf_counter() - t0
             if last:
                 self._round += 1
-        if last and self._auto is not None:
-            self._probe_between_rounds()
+        if self._auto is not None:
+            if last:
+                self._probe_between_rounds()
+            self._observe_sum(b, index, out.dense)
         return out.dense
 
     def __repr__(self):

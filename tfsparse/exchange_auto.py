@@ -50,6 +50,9 @@ class AutoState:
         self.two_level = False  # the choice runs in two levels (auto's own choice)
         self.prepared = -1  # the last round prepare_round saw
         self.decision = None
+        self.samples: dict[int, list] = {}  # rank 0: the measured rounds' energy samples so far, by round
+        self.shares: list[float] = []  # rank 0: each measured round's top 1 % share of the energy
+        self.concentration = auto.UNMEASURED  # the decision's (tfsparse.auto.Decision.concentration)
 
 
 class AutoSwitching:
@@ -69,6 +72,7 @@ class AutoSwitching:
         if self._auto is not None and getattr(other, "_auto", None) is not None and other._auto.index >= 0:
             self._auto.inherited = other._auto.index
             self._auto.two_level = other._auto.two_level
+            self._auto.concentration = other._auto.concentration
             if other._auto.trial_from >= 0:  # on trial there: the trial anew here
                 self._auto.inherited_trial = (other._auto.trial_rounds, other._auto.reference)
                 self._auto.contenders, self._auto.measured = other._auto.contenders, other._auto.measured
@@ -162,11 +166,13 @@ class AutoSwitching:
             piece.result()
         pinned = None if self._two is None else self._two.hosts  # hierarchical=True: the hosts run the algorithm
         two_level = pinned is None and self._xcomm.forms_groups and not self.space.on_device
+        shares = float(np.median(a.shares)) if a.shares else auto.UNMEASURED  # (rank 0's; decide broadcasts it)
         decision = self._runner.run(lambda comm: auto.decide(comm, n, a.periods, a.rounds, sparse, a.probe,
-                                                             workers=pinned, two_level=two_level), self._xcomm)
+                                                             workers=pinned, two_level=two_level,
+                                                             concentration=shares), self._xcomm)
         if pinned is not None:
             decision = dataclasses.replace(decision, two_level=True)
-        a.decision = decision
+        a.decision, a.concentration = decision, decision.concentration
         if self.comm.rank == 0:
             hosts = a.probe.hosts[0] if a.probe is not None and a.probe.hosts[0] > 1 else None
             print(decision.describe(self.comm.size, hosts=hosts), flush=True)
@@ -189,7 +195,8 @@ class AutoSwitching:
         a = self._auto
         timed = a.periods[a.trial_from + 1:]  # the first round on trial has the switch in it
         tried, reference, earlier = a.index, a.reference, a.measured
-        verdict = self._runner.run(lambda comm: auto.confirm(comm, tried, reference, timed, earlier), self._xcomm)
+        verdict = self._runner.run(lambda comm: auto.confirm(comm, tried, reference, timed, earlier,
+                                                             concentration=a.concentration), self._xcomm)
         a.measured = verdict.measured
         rest = [i for i in a.contenders if i not in dict(a.measured)]
         if rest:
@@ -205,6 +212,28 @@ class AutoSwitching:
             print(verdict.describe(two_level), flush=True)
         if verdict.index != tried:
             self._replan(verdict.index, two_level)
+
+    def _observe_sum(self, b, index: int, dense) -> None:
+        """``algorithm="auto"``, rank 0, in the measured rounds a probe's piece runs in (not the
+        three undisturbed ones that give the compute step and dense over float16's step): bucket
+        ``b``'s summed gradient of round ``index`` (the same on every rank), sampled
+        (:func:`tfsparse.auto.energy_sample`); once every bucket of the round is in, the share of
+        the energy in its largest 1 % (:func:`tfsparse.auto.top_share`) -- the gradient's
+        concentration, which prices the sparse candidates' epochs."""
+        a = self._auto
+        if (a.index >= 0 or self.comm.rank != 0 or self.space.on_device or not isinstance(dense, np.ndarray)
+                or len(a.periods) > len(auto.PROBES)):
+            return
+        part = auto.energy_sample(dense, b.spec.start, self.layout.n)
+        with self._stats_lock:  # (the glue may finish buckets on several threads)
+            parts = a.samples.setdefault(index, [])
+            parts.append(part)
+            if len(parts) < len(self.bucket_states):
+                return
+            del a.samples[index]
+        share = auto.top_share(np.concatenate(parts))
+        if share >= 0.0:
+            a.shares.append(share)
 
     def _probe_between_rounds(self) -> None:
         """``algorithm="auto"`` while measuring, after a round's last bucket: the next piece of
@@ -230,6 +259,7 @@ class AutoSwitching:
             for j, i in enumerate(a.contenders[:auto.CONTENDERS]):
                 contenders[j], steps[j] = i, measured.get(i, -1.0)
         return {"auto": np.array([a.index], np.int64), "auto_two_level": np.array([int(a.two_level)], np.int64),
+                "auto_concentration": np.array([a.concentration], np.float64),
                 "auto_trial": np.array([a.trial_rounds if a.trial_from >= 0 else 0, a.reference], np.float64),
                 "auto_contenders": contenders, "auto_measured": steps}
 
@@ -266,6 +296,8 @@ class AutoSwitching:
             contenders = np.asarray(state.get("auto_contenders", [chosen]), np.int64).reshape(-1)
             steps = np.asarray(state.get("auto_measured", [-1.0]), np.float64).reshape(-1)
             a = self._auto
+            saved = state.get("auto_concentration", [auto.UNMEASURED])
+            a.concentration = float(np.asarray(saved, np.float64).reshape(-1)[0])
             a.trial_from, a.contenders, a.measured = -1, (), ()
             if int(trial[0]) > 0:
                 a.contenders = tuple(int(i) for i in contenders if 0 <= i < len(auto.CANDIDATES)) or (chosen,)
