@@ -98,10 +98,10 @@ PROFILE_ELEMENTS = 1 << 20
 TWO_LEVEL_PROFILE = 1 << 23
 #: the gradient's concentration (:func:`top_share`: the share of its energy in its largest 1 % of
 #: entries, over the measured rounds) at or above which a sparse candidate is priced
-#: :data:`CONCENTRATED_SAVING` fewer epochs (:func:`epochs_of`): 0.60 on the 17.1M MLP, 0.62-0.63
-#: on the convolutional model, 0.88-0.89 on the Transformer, where gTop-k needed 0.5-1.5 times
-#: dense's epochs (docs/choosing.md, "What it decides")
-CONCENTRATED = 0.8
+#: :data:`CONCENTRATED_SAVING` fewer epochs (:func:`epochs_of`): as auto measured it (one seed each,
+#: 1 Gbit/s, four ranks), 0.57 on the 17.1M MLP, 0.53 on the convolutional model and 0.72 on the
+#: Transformer, where gTop-k needed 0.5-1.5 times dense's epochs (docs/choosing.md, "What it decides")
+CONCENTRATED = 0.65
 #: the epochs a sparse candidate is priced fewer on a concentrated gradient: gTop-k 1.5, the most
 #: it needed on the Transformer and on the 17.1M MLP, against the 2.0 of the convolutional model
 CONCENTRATED_SAVING = 0.5

@@ -215,6 +215,17 @@ def _store_block(acc, lo, hi, buf, addr, stream):
         a[j] = b[j]
 
 
+@njit(cache=True, inline="always")
+def _chunk_sum(buf, g, r, lo, hi):
+    """``buf[:hi - lo] = g[lo:hi] + r[lo:hi]`` -- a fused error-feedback kernel's sums of one
+    chunk, made in a buffer that stays in the cache; returns ``hi - lo``."""
+    m = hi - lo
+    bs, gs, rs = buf[:m], g[lo:hi], r[lo:hi]
+    for i in range(m):
+        bs[i] = gs[i] + rs[i]
+    return m
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
     """``acc = g + r`` quantized as :func:`_quantize_chunks` does in place -- error feedback and
@@ -233,11 +244,8 @@ def _add_quantize_chunks(g, r, acc, chunk, q, scales, addr, stream):
         for c in range(t * per, min((t + 1) * per, nch)):
             lo = c * chunk
             hi = min(lo + chunk, n)
-            m = hi - lo
-            bs, gs, rs = buf[:m], g[lo:hi], r[lo:hi]
-            for i in range(m):
-                bs[i] = gs[i] + rs[i]
-            scales[c] = _quantize_chunk(bu[:m], bs, q[lo:hi], bs, True)
+            m = _chunk_sum(buf, g, r, lo, hi)
+            scales[c] = _quantize_chunk(bu[:m], buf[:m], q[lo:hi], buf[:m], True)
             _store_block(acc, lo, hi, buf, addr, stream)
         _store_fence()
     return scales
@@ -386,11 +394,8 @@ def _add_quantize4_chunks(g, r, acc, chunk, q, scales, addr, stream):
         for c in range(t * per, min((t + 1) * per, nch)):
             lo = c * chunk
             hi = min(lo + chunk, n)
-            m = hi - lo
-            bs, gs, rs = buf[:m], g[lo:hi], r[lo:hi]
-            for i in range(m):
-                bs[i] = gs[i] + rs[i]
-            scales[c] = _quantize4_chunk(bu[:m], bs, q[lo // 2:(hi + 1) // 2], bs, cs)
+            m = _chunk_sum(buf, g, r, lo, hi)
+            scales[c] = _quantize4_chunk(bu[:m], buf[:m], q[lo // 2:(hi + 1) // 2], buf[:m], cs)
             _store_block(acc, lo, hi, buf, addr, stream)
         _store_fence()
     return scales
