@@ -26,7 +26,8 @@ the library's timing model (:func:`tfsparse.timing.simulate`, the aggregators' o
 α-β): predicted step = compute + communication + local work, and predicted **time to accuracy** =
 predicted step × the candidate's :attr:`Candidate.epochs` (how many epochs it needs to reach what
 dense float32 reaches, relative to dense; :data:`CANDIDATES` documents the measurements behind
-each).  The smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first --
+each), fewer for a sparse one where the gradient is concentrated (:func:`epochs_of`: rank 0 samples
+the first measured rounds' sums, :meth:`~tfsparse.exchange.GradientExchange.finish`).  The smallest wins -- within :data:`TOLERANCE` of it, the earlier candidate, dense first --
 and every rank computes it from the same numbers (the slowest rank's compute and exchange, rank
 0's link and local timings, broadcast), so every rank runs the same choice.  Dense over float16 is always a
 candidate, so on a fast link auto picks dense.
