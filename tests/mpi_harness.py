@@ -7,6 +7,7 @@ Workers write ``np.savez`` / JSON results into ``$TFSPARSE_TEST_OUT`` with
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -85,7 +86,7 @@ def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
     way tfsparse-run ends one (:class:`tfsparse.run.LauncherWatch`): exit status 1, and a line
     saying so at the end of the output.  Returns (exit status, output)."""
     full_env = job_env(env)
-    with mpi_lock():
+    with mpi_lock(), _logged(what or str(cmd)):
         proc = subprocess.Popen(cmd, env=full_env, cwd=str(REPO), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -109,6 +110,22 @@ def run_job(cmd, env: dict | None = None, timeout: float = 120, what: str = ""):
                           f"(pid, state, command):{listing}\n"
                           + (f"still there after SIGKILL: {sorted(left)}\n" if left else "")
                           + _tail(text))
+
+
+@contextlib.contextmanager
+def _logged(what: str):
+    """With ``TFSPARSE_TEST_LAUNCH_LOG=path``: appends one JSON line per launch -- the test, the
+    command, its seconds -- where the suite's time goes, launch by launch (docs/tests.md)."""
+    log = os.environ.get("TFSPARSE_TEST_LAUNCH_LOG")
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        if log:
+            line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what[:300],
+                    "seconds": round(time.monotonic() - start, 2)}
+            with open(log, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 def _tail(text: str, n: int = 6000) -> str:

@@ -199,7 +199,9 @@ def test_optimizer_created_outside_scope_has_a_clear_error():
 
 def test_only_rank_zero_prints_and_predict_on_one_rank_does_not_block():
     res, text = mpirun(3, "pitfalls.py", "progress_and_predict", timeout=150)
-    assert text.count("4/4") == 1, text[-2000:]
+    # Keras shows the bar at the first step, then at most once per 0.05 s, then once more at the
+    # epoch's end: the last step's "4/4" may come twice from one rank on a slow machine, "1/4" once
+    assert text.count("1/4") == 1 and 1 <= text.count("4/4") <= 2, text[-2000:]
     assert res[0]["eval"] == res[1]["eval"] == res[2]["eval"]
 
 

@@ -30,7 +30,9 @@ def test_pip_install_cpu_mpi_runs_the_digits_demo_on_two_ranks(tmp_path):
     python = env_dir / "bin" / "python"
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
              and not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+    # --no-compile: pip would byte-compile every module it installs (TensorFlow's thousands);
+    # what the test runs compiles what it imports
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
                            f"{REPO}[cpu,mpi]"], env=clean, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     env = {**clean, "PATH": f"{env_dir / 'bin'}:{clean['PATH']}", "VIRTUAL_ENV": str(env_dir),

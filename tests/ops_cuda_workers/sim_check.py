@@ -245,6 +245,40 @@ def check_simulator_gives_a_block_one_shared_array():
     assert other is not got[0] and other.dtype == np.int64 and other.shape == (4,)
 
 
+def check_simulator_polls_yield_the_interpreter():
+    """The simulator's block manager, as tfsparse.ops.cuda leaves it: each poll of a block's thread
+    gives up the interpreter (it spun without, the threads it waits for starved), installed once;
+    a block of 32 threads that meet at ``syncthreads`` still runs to the same sums."""
+    if not simulated():
+        raise Skipped("a check of the CUDA simulator")
+    global _cuda  # the simulator swaps a kernel's module-level name for numba.cuda, not a local one
+    from numba import cuda as _cuda
+    from numba.cuda.simulator import kernel
+
+    from tfsparse.ops import _cuda_kernels
+
+    _setup()
+    assert getattr(kernel.BlockThread.is_alive, "_tfsparse_yields", False)
+    assert _cuda_kernels.yield_simulator_polls() is False  # installed once
+
+    @_cuda.jit
+    def block_sums(x, out):
+        sh = _cuda.shared.array(32, np.int64)
+        t = _cuda.threadIdx.x
+        sh[t] = x[_cuda.blockIdx.x * 32 + t]
+        _cuda.syncthreads()
+        if t == 0:
+            s = 0
+            for i in range(32):
+                s += sh[i]
+            out[_cuda.blockIdx.x] = s
+
+    x = np.arange(96, dtype=np.int64)
+    out = _cuda.device_array(3, np.int64)
+    block_sums[3, 32](_cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), x.reshape(3, 32).sum(axis=1))
+
+
 def check_scatter_add():
     import tfsparse.ops as ops
     from tfsparse.ops import reference as R
