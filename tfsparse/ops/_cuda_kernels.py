@@ -102,10 +102,11 @@ def yield_simulator_polls() -> bool:
     thread = kernel.BlockThread
     if getattr(thread.is_alive, "_tfsparse_yields", False):
         return False
+    simulator_is_alive = thread.is_alive
 
     def is_alive(self):
         time.sleep(0)
-        return threading.Thread.is_alive(self)
+        return simulator_is_alive(self)
 
     is_alive._tfsparse_yields = True
     thread.is_alive = is_alive
