@@ -93,8 +93,9 @@ def yield_simulator_polls() -> bool:
 
     numba-cuda's simulator (0.30) runs a block's threads as Python threads while the launching
     thread spins over them (``is_alive``, ``syncthreads`` flags) without ever blocking: it holds the
-    interpreter for whole switch intervals while the threads it waits for cannot run.  A top-k of
-    4,096 values at 32 threads a block took 15 s, 85 % of it in that loop; yielding at each poll
+    interpreter for whole switch intervals while the threads it waits for cannot run (a profile of
+    ``tools/bench_kernels.py --cuda`` under the simulator: about 100 s of its 168 s in those polls).
+    A top-k of 4,096 values at 32 threads a block took 15 s; yielding at each poll
     (``time.sleep(0)`` releases the interpreter) takes 2 s -- the same kernels, the same
     results, the tests' simulator runs several times sooner."""
     from numba.cuda.simulator import kernel
