@@ -2,8 +2,9 @@
 write them: model.fit with DistributedOptimizer and the four callbacks (each rank starting from
 its own weights), each step's update against the numpy mean (or sum) of the ranks' own
 gradients, accumulation over backward passes, fp16 compression, the learning-rate callbacks'
-rates and momentum correction, a sparse algorithm one keyword away, a variable kept local, and the
-errors; for tests/test_horovod_api_mpi.py.  Launched by mpirun or horovodrun."""
+rates and momentum correction, a sparse algorithm one keyword away, a variable kept local (a
+BatchNormalization statistic too), and the errors; for tests/test_horovod_api_mpi.py.  Launched by
+mpirun or horovodrun."""
 import numpy as np
 import keras
 import tensorflow as tf
@@ -173,6 +174,17 @@ net.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0,
         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=head)])
 local_head, local_rest = flat([head]), flat([v for v in net.weights if v is not head])
 
+# 6. a BatchNormalization's moving mean kept local: fit's end averages the moving variance over
+#    the ranks (each rank's from its own batches) but leaves the local moving mean each rank's own
+keras.utils.set_random_seed(40)
+net = keras.Sequential([keras.Input((LEN,), dtype="int32"), keras.layers.Embedding(VOCAB, 8), keras.layers.Flatten(),
+                        keras.layers.BatchNormalization(), keras.layers.Dense(CLASSES)])
+net.compile(loss=lossf, optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+bn = net.layers[2]
+net.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[bn.moving_mean])])
+local_mean, averaged_variance = flat([bn.moving_mean]), flat([bn.moving_variance])
+
 
 sgd = keras.optimizers.SGD(0.1)
 errors = {
@@ -186,5 +198,6 @@ errors = {
 save_result(r, history=history, fit_weights=fit_weights, metric_error=metric_error, lr_error=lr_error,
             lrs=seen.lrs, updates=updates, passes=passes, schedule_lrs=schedule_lrs, correction=correction,
             schedule_weights=schedule_weights, sparse_losses=sparse_losses, sparse_weights=sparse_weights,
-            local_head=local_head, local_rest=local_rest,
+            local_head=local_head, local_rest=local_rest, local_mean=local_mean,
+            averaged_variance=averaged_variance,
             errors=errors, name=type(opt).__name__, backend=__import__("tfsparse").runtime.backend())

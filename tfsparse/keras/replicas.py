@@ -102,6 +102,11 @@ def keep_own(model, variables) -> None:
     _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
 
 
+def own_ids(model) -> set:
+    """The ids of the variables each rank keeps as its own in ``model`` (:func:`keep_own`)."""
+    return set(_OWN.get(model, ()))
+
+
 def variables_of(model, optimizers=()) -> list:
     """Every weight of ``model`` (trainable or not) and every variable of its optimizers, each once,
     except those each rank keeps as its own (:func:`keep_own`).
@@ -113,7 +118,7 @@ def variables_of(model, optimizers=()) -> list:
     Returns:
       A list of variables: the model's weights first.
     """
-    found, seen = [], set(_OWN.get(model, ()))
+    found, seen = [], own_ids(model)
     opts = [getattr(model, "optimizer", None), *optimizers]
     for v in list(model.weights) + [v for o in opts if o is not None for v in o.variables]:
         if id(v) not in seen:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from .. import runtime
 from ..collectives.agreement import check_agreement
 from .ownership import exchange_of
+from .replicas import own_ids
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
@@ -122,6 +123,8 @@ def moving_statistics(model) -> list:
     What a train step updates besides the trainable weights (BatchNormalization's moving mean
     and variance); each rank computes them from its own batches, so they are averaged with the
     step's metrics.  A frozen layer (``trainable=False``) is left out: its weights do not change.
+    So is a variable each rank keeps as its own (:func:`~tfsparse.keras.replicas.keep_own`:
+    Horovod's ``BroadcastGlobalVariablesCallback(local_variables=...)``): it is never averaged.
 
     Args:
       model: a Keras model (nested models and layers are searched).
@@ -129,7 +132,7 @@ def moving_statistics(model) -> list:
     Returns:
       A list of the variables, in the order of the layers.
     """
-    out, seen, stack = [], set(), [model]
+    out, seen, stack, own = [], set(), [model], own_ids(model)
     while stack:
         layer = stack.pop()
         if id(layer) in seen:
@@ -139,5 +142,5 @@ def moving_statistics(model) -> list:
         if children:
             stack.extend(reversed(children))
         elif getattr(layer, "trainable", False):
-            out += [w for w in layer.non_trainable_weights if tf.as_dtype(w.dtype).is_floating]
+            out += [w for w in layer.non_trainable_weights if tf.as_dtype(w.dtype).is_floating and id(w) not in own]
     return out

@@ -39,7 +39,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
       root_rank: the rank whose variables everyone takes, from 0 to ``size() - 1``.
       device: accepted and ignored (Horovod's device for the broadcast).
       local_variables: a variable or a list of them that stay each rank's own (also
-        :meth:`register_local_var`): not broadcast here, and left out of the replica checks
+        :meth:`register_local_var`): not broadcast here, not averaged with the moving statistics
+        (a BatchNormalization's moving mean or variance, :func:`tfsparse.keras.callbacks.average_moving_statistics`),
+        and left out of the replica checks
         (:func:`tfsparse.keras.replicas.check_replicas`, the end of every ``fit``); trainable ones
         still start from rank 0's values (``DistributedOptimizer`` broadcasts the trainable
         variables at its first step).
