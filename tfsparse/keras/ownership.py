@@ -15,12 +15,37 @@ Each owner holds the exchange as ``exchange`` and its :class:`~tfsparse.checkpoi
 as ``checkpointer``.  The Keras callbacks find both from the model here, by its attributes
 (``model.optimizer``, looking through wrappers with ``inner_optimizer``, then
 ``model.distribute_strategy``).
+
+The variables each rank keeps as its own (:func:`keep_own`: Horovod's ``local_variables``) are
+recorded here too, by model: the replica checks and the averaging of moving statistics leave them out.
 """
 from __future__ import annotations
 
 import numbers
+import weakref
 
 from ..memory import keeps_velocity
+
+#: model -> {id(variable): variable}: the variables each rank keeps as its own (:func:`keep_own`)
+_OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def keep_own(model, variables) -> None:
+    """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
+    and the averaging of moving statistics leave them out, for the model's whole life.  Horovod's
+    ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
+    broadcast.
+
+    Args:
+      model: the Keras model.
+      variables: its variables (or its optimizer's) that may differ between the ranks.
+    """
+    _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
+
+
+def own_ids(model) -> set:
+    """The ids of the variables each rank keeps as its own in ``model`` (:func:`keep_own`)."""
+    return set(_OWN.get(model, ()))
 
 
 def owner_of(model):

@@ -18,12 +18,11 @@ bits differ and the ranks that differ from rank 0.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from .. import runtime
 from ..ops import cpu
+from .ownership import own_ids
 
 
 class ReplicasDiverged(RuntimeError):
@@ -85,31 +84,9 @@ def compare(names, gathered, what: str = "") -> None:
                 f"please report it with the model, optimizer and settings")
 
 
-#: model -> {id(variable): variable}: the variables each rank keeps as its own (:func:`keep_own`)
-_OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def keep_own(model, variables) -> None:
-    """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
-    leave them out, for the model's whole life.  Horovod's
-    ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
-    broadcast.
-
-    Args:
-      model: the Keras model.
-      variables: its variables (or its optimizer's) that may differ between the ranks.
-    """
-    _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
-
-
-def own_ids(model) -> set:
-    """The ids of the variables each rank keeps as its own in ``model`` (:func:`keep_own`)."""
-    return set(_OWN.get(model, ()))
-
-
 def variables_of(model, optimizers=()) -> list:
     """Every weight of ``model`` (trainable or not) and every variable of its optimizers, each once,
-    except those each rank keeps as its own (:func:`keep_own`).
+    except those each rank keeps as its own (:func:`~tfsparse.keras.ownership.keep_own`).
 
     Args:
       model: a Keras model (its ``optimizer`` is included where it has one).

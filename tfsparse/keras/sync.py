@@ -17,7 +17,7 @@ import tensorflow as tf
 from .. import runtime
 from ..collectives.agreement import check_agreement
 from .ownership import exchange_of
-from .replicas import own_ids
+from .ownership import own_ids
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 from ....collectives.agreement import check_agreement
-from ....keras.replicas import keep_own
+from ....keras.ownership import keep_own
 from ....keras.sync import broadcast_variables
 from .. import _check_root, _comm, rank, size
 
