@@ -351,12 +351,16 @@ def test_a_failing_or_departing_rank_ends_every_rank_within_a_minute(case, route
 def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(route):
     """Moving mean/variance come from each rank's own batches; they are averaged across ranks
     (strategy: after every step; wrapper: MetricAverage at each epoch's end), so every variable
-    and every prediction is identical on every rank."""
+    and every prediction is identical on every rank -- except a statistic kept local through
+    Horovod's ``local_variables``, which stays each rank's own."""
     res, _ = mpirun(3, "batchnorm.py", route, timeout=200)
     assert np.abs(res[0]["moving_mean"]).max() > 0.05  # the statistics did move
     for r in res[1:]:
         np.testing.assert_array_equal(r["weights"], res[0]["weights"])
         np.testing.assert_array_equal(r["predict"], res[0]["predict"])
+        # the moving mean kept local (Horovod's local_variables): each rank's own, never averaged
+        assert not np.array_equal(r["local_mean"], res[0]["local_mean"])
+        np.testing.assert_array_equal(r["local_rest"], res[0]["local_rest"])
 
 
 def test_callbacks_before_metric_average_see_the_averaged_logs():

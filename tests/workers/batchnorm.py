@@ -1,15 +1,19 @@
 """Worker: a BatchNormalization model trained on different data per rank.  argv: route
-(strategy | optimizer).  Every variable -- the moving statistics included -- must end equal."""
+(strategy | optimizer).  Every variable -- the moving statistics included -- must end equal; then
+the same with the moving mean kept local (Horovod's ``local_variables``): it must end each rank's
+own, the rest equal."""
 import sys
 
 import numpy as np
 import keras
 
 import tfsparse
+import tfsparse.horovod.tensorflow.keras as hvd
 from mpi_harness import save_result
 
 route = sys.argv[1]
 tfsparse.init(backend="mpi")
+hvd.init()  # for the Horovod callback of the second model
 rank = tfsparse.rank()
 rng = np.random.default_rng(rank)
 x = (rng.random((96, 8), dtype=np.float32) + rank).astype(np.float32)  # other statistics per rank
@@ -22,17 +26,32 @@ def build():
 
 
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-if route == "strategy":
-    with tfsparse.SparseStrategy("topk", 0.5):
+
+
+def train(local=False):
+    """The route's model after two epochs; ``local``: its moving mean kept each rank's own."""
+    if route == "strategy":
+        with tfsparse.SparseStrategy("topk", 0.5):
+            model = build()
+            model.compile(keras.optimizers.SGD(0.05), loss)
+        callbacks = []
+    else:
         model = build()
-        model.compile(keras.optimizers.SGD(0.05), loss)
-    callbacks = []
-else:
-    model = build()
-    model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05), "topk", 0.5), loss)
-    callbacks = [tfsparse.keras.callbacks.MetricAverage()]
-model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+        model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05), "topk", 0.5), loss)
+        callbacks = [tfsparse.keras.callbacks.MetricAverage()]
+    if local:
+        kept = [model.layers[1].moving_mean]
+        callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=kept))
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+    return model
+
+
+model = train()
 bn = model.layers[1]
 probe = np.linspace(-1, 2, 40, dtype=np.float32).reshape(5, 8)
-save_result(rank, weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
-            moving_mean=np.asarray(bn.moving_mean), predict=model.predict(probe, verbose=0))
+result = dict(weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
+              moving_mean=np.asarray(bn.moving_mean), predict=model.predict(probe, verbose=0))
+model = train(local=True)
+bn = model.layers[1]
+save_result(rank, **result, local_mean=np.asarray(bn.moving_mean),
+            local_rest=np.concatenate([np.ravel(np.asarray(v)) for v in model.weights if v is not bn.moving_mean]))

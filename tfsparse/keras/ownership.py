@@ -32,7 +32,9 @@ _OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def keep_own(model, variables) -> None:
     """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
-    and the averaging of moving statistics leave them out, for the model's whole life.  Horovod's
+    and the averaging of moving statistics leave them out, for the model's whole life (a
+    ``SparseStrategy`` step already traced keeps averaging the moving statistics it found: keep
+    them before the first ``fit``).  Horovod's
     ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
     broadcast.
 

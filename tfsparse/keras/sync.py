@@ -16,8 +16,7 @@ import tensorflow as tf
 
 from .. import runtime
 from ..collectives.agreement import check_agreement
-from .ownership import exchange_of
-from .ownership import own_ids
+from .ownership import exchange_of, own_ids
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
@@ -123,8 +122,8 @@ def moving_statistics(model) -> list:
     What a train step updates besides the trainable weights (BatchNormalization's moving mean
     and variance); each rank computes them from its own batches, so they are averaged with the
     step's metrics.  A frozen layer (``trainable=False``) is left out: its weights do not change.
-    So is a variable each rank keeps as its own (:func:`~tfsparse.keras.replicas.keep_own`:
-    Horovod's ``BroadcastGlobalVariablesCallback(local_variables=...)``): it is never averaged.
+    So is a variable each rank keeps as its own (:func:`~tfsparse.keras.ownership.keep_own`:
+    Horovod's ``BroadcastGlobalVariablesCallback(local_variables=...)``): it is not averaged.
 
     Args:
       model: a Keras model (nested models and layers are searched).

@@ -22,7 +22,8 @@ import numpy as np
 
 from ....collectives.agreement import check_agreement
 from ....keras.ownership import keep_own
-from ....keras.sync import broadcast_variables
+from ....keras.replicas import name_of
+from ....keras.sync import broadcast_variables, run_on_model
 from .. import _check_root, _comm, rank, size
 
 _PROVIDED = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
@@ -64,7 +65,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local = {id(v): v for v in local_variables}
 
     def register_local_var(self, var) -> None:
-        """``var`` stays this rank's own: not broadcast.
+        """``var`` stays this rank's own: not broadcast, not averaged with the moving statistics,
+        left out of the replica checks.  Register it before ``fit``: under ``SparseStrategy`` the
+        step traced at the first batch keeps averaging the moving statistics it found then.
 
         Args:
           var: a variable of the model or of its optimizer.
@@ -74,9 +77,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             keep_own(self.model, [var])
 
     def on_train_begin(self, logs=None):
-        """The local variables are left out of the replica checks from the start (``SparseStrategy``'s
-        is traced with the first step, before the broadcast)."""
+        """The local variables are left out of the replica checks and of the moving statistics'
+        averaging from the start (``SparseStrategy``'s step is traced with the first batch, before
+        the broadcast).  Collective: every rank must name the same ones (by path), or every rank
+        raises ``ConfigurationMismatch`` before the first step -- the moving statistics averaged
+        over the ranks must be the same variables on each."""
         keep_own(self.model, self._local.values())
+        names = sorted(name_of(v) for v in self._local.values())
+        run_on_model(self.model, lambda comm: check_agreement(
+            comm, "BroadcastGlobalVariablesCallback's local_variables", names,
+            "pass the same local_variables (and register_local_var calls) on every rank"))
 
     def on_batch_end(self, batch, logs=None):
         """After the first batch only: every rank takes ``root_rank``'s model and optimizer variables, except
