@@ -361,6 +361,9 @@ def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(r
         # the moving mean kept local (Horovod's local_variables): each rank's own, never averaged
         assert not np.array_equal(r["local_mean"], res[0]["local_mean"])
         np.testing.assert_array_equal(r["local_rest"], res[0]["local_rest"])
+    for r in res:  # kept local on rank 0 only: every rank refuses before the first step
+        assert r["mismatch"].startswith("ConfigurationMismatch: "), r["mismatch"]
+        assert "local_variables" in r["mismatch"], r["mismatch"]
 
 
 def test_callbacks_before_metric_average_see_the_averaged_logs():

@@ -111,8 +111,6 @@ def _check_keras(results, P, backend):
         # a local BatchNormalization moving mean is not averaged at fit's end; the moving variance is
         assert (r == 0) == np.array_equal(res["local_mean"], results[0]["local_mean"])
         np.testing.assert_array_equal(res["averaged_variance"], results[0]["averaged_variance"])
-        assert res["local_mismatch"].startswith("ConfigurationMismatch: "), res["local_mismatch"]
-        assert "local_variables" in res["local_mismatch"]
         e = res["errors"]
         assert "op=3 is not supported; accepted: hvd.Average, hvd.Sum (DistributedOptimizer" in e["op"]
         assert "backward_passes_per_step=0 is not valid; accepted: an integer >= 1" in e["passes"]

@@ -1,7 +1,7 @@
 """Worker: a BatchNormalization model trained on different data per rank.  argv: route
 (strategy | optimizer).  Every variable -- the moving statistics included -- must end equal; then
 the same with the moving mean kept local (Horovod's ``local_variables``): it must end each rank's
-own, the rest equal."""
+own, the rest equal; and kept local on rank 0 only: every rank refuses before the first step."""
 import sys
 
 import numpy as np
@@ -9,7 +9,7 @@ import keras
 
 import tfsparse
 import tfsparse.horovod.tensorflow.keras as hvd
-from mpi_harness import save_result
+from mpi_harness import error_of, save_result
 
 route = sys.argv[1]
 tfsparse.init(backend="mpi")
@@ -28,8 +28,9 @@ def build():
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def train(local=False):
-    """The route's model after two epochs; ``local``: its moving mean kept each rank's own."""
+def train(local=False, fit=None):
+    """The route's model after two epochs; ``local``: its moving mean kept each rank's own (on rank
+    0 only where ``fit`` is given: what ``fit(model.fit)`` returns instead)."""
     if route == "strategy":
         with tfsparse.SparseStrategy("topk", 0.5):
             model = build()
@@ -40,8 +41,10 @@ def train(local=False):
         model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05), "topk", 0.5), loss)
         callbacks = [tfsparse.keras.callbacks.MetricAverage()]
     if local:
-        kept = [model.layers[1].moving_mean]
+        kept = [model.layers[1].moving_mean] if fit is None or rank == 0 else []
         callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=kept))
+    if fit is not None:
+        return fit(lambda: model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks))
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
     return model
 
@@ -53,5 +56,5 @@ result = dict(weights=np.concatenate([np.ravel(w) for w in model.get_weights()])
               moving_mean=np.asarray(bn.moving_mean), predict=model.predict(probe, verbose=0))
 model = train(local=True)
 bn = model.layers[1]
-save_result(rank, **result, local_mean=np.asarray(bn.moving_mean),
+save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), mismatch=train(True, error_of),
             local_rest=np.concatenate([np.ravel(np.asarray(v)) for v in model.weights if v is not bn.moving_mean]))

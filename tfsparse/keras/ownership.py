@@ -45,6 +45,11 @@ def keep_own(model, variables) -> None:
     _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
 
 
+def own_variables(model) -> list:
+    """The variables each rank keeps as its own in ``model`` (:func:`keep_own`), in the order kept."""
+    return list(_OWN.get(model, {}).values())
+
+
 def own_ids(model) -> set:
     """The ids of the variables each rank keeps as its own in ``model`` (:func:`keep_own`)."""
     return set(_OWN.get(model, ()))

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 from ....collectives.agreement import check_agreement
-from ....keras.ownership import keep_own
+from ....keras.ownership import keep_own, own_variables
 from ....keras.replicas import name_of
 from ....keras.sync import broadcast_variables, run_on_model
 from .. import _check_root, _comm, rank, size
@@ -67,7 +67,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def register_local_var(self, var) -> None:
         """``var`` stays this rank's own: not broadcast, not averaged with the moving statistics,
         left out of the replica checks.  Register it before ``fit``: under ``SparseStrategy`` the
-        step traced at the first batch keeps averaging the moving statistics it found then.
+        step traced at the first batch of the first ``fit`` keeps averaging the moving statistics
+        it found then.
 
         Args:
           var: a variable of the model or of its optimizer.
@@ -79,14 +80,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         """The local variables are left out of the replica checks and of the moving statistics'
         averaging from the start (``SparseStrategy``'s step is traced with the first batch, before
-        the broadcast).  Collective: every rank must name the same ones (by path), or every rank
-        raises ``ConfigurationMismatch`` before the first step -- the moving statistics averaged
-        over the ranks must be the same variables on each."""
-        keep_own(self.model, self._local.values())
-        names = sorted(name_of(v) for v in self._local.values())
+        the broadcast).  Collective: the variables the model keeps local -- these and any kept
+        before -- must be the same on every rank (by their place in the model or its optimizer:
+        layer names are numbered per process), or every rank raises ``ConfigurationMismatch``
+        before the first step and keeps none of them: the moving statistics averaged over the
+        ranks must be the same variables on each."""
+        kept = {**{id(v): v for v in own_variables(self.model)}, **self._local}
+        places = sorted((_place(self.model, v) for v in kept.values()), key=repr)
         run_on_model(self.model, lambda comm: check_agreement(
-            comm, "BroadcastGlobalVariablesCallback's local_variables", names,
+            comm, "BroadcastGlobalVariablesCallback's local_variables", places,
             "pass the same local_variables (and register_local_var calls) on every rank"))
+        keep_own(self.model, self._local.values())
 
     def on_batch_end(self, batch, logs=None):
         """After the first batch only: every rank takes ``root_rank``'s model and optimizer variables, except
@@ -103,6 +107,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variables += [v for v in optimizer.variables if id(v) not in self._local]
         broadcast_variables(variables, self.root_rank, comm)
         self.broadcast_done = True
+
+
+def _place(model, variable) -> list:
+    """Where ``variable`` sits, alike on every rank that built the same model: its index among the
+    model's (or its optimizer's) variables, with its shape and dtype; else its path."""
+    shape, dtype = [int(d) for d in variable.shape], str(variable.dtype)
+    optimizer = getattr(model, "optimizer", None)
+    for owner, variables in (("model", model.variables), ("optimizer", getattr(optimizer, "variables", ()))):
+        for i, v in enumerate(variables):
+            if v is variable:
+                return [owner, i, shape, dtype]
+    return ["elsewhere", name_of(variable), shape, dtype]
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
