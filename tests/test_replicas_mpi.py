@@ -1,6 +1,6 @@
 """Identical replicas on the models users write, under real mpirun (P = 2 and 3): every weight and
 optimizer variable bit for bit equal across ranks after training, for every algorithm, Adam and
-SGD, a Transformer under mixed precision, transfer learning and refits on both routes, a GAN's two
+SGD (and eight other Keras optimizers), a Transformer under mixed precision, transfer learning and refits on both routes, a GAN's two
 optimizers; and a rank that drifts apart is named, never silent.
 
 One launch per world size runs every case one after another (tests/workers/replicas.py): a
@@ -17,7 +17,7 @@ CASES = {
                                                  "auto-strategy-measured", "auto-optimizer-gtopk"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
         "transformer-float32", "transformer-mixed_bfloat16", "finetune-strategy", "finetune-optimizer",
-        "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "gan-strategy",
+        "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "optimizers-strategy", "optimizers-optimizer", "gan-strategy",
         "gan-optimizer", "diverge-strategy", "diverge-optimizer", "diverge-strategy-validation", "auto-strategy-measured",
         "auto-optimizer-measured", "auto-strategy-oktopk"],
 }
@@ -51,7 +51,9 @@ def test_every_rank_ends_with_the_same_bits(nproc, case):
     in float32 and mixed_bfloat16 over a bfloat16 wire, the transfer-learning recipe (freeze,
     fit, unfreeze, compile, fit) under SparseStrategy and through a new DistributedOptimizer per
     compile (BatchNorm's moving statistics averaged at fit's end), refits with another trainable
-    set and optimizer (synchronous and Pipe-SGD's pipeline=2), and a GAN whose two optimizers each
+    set and optimizer (synchronous and Pipe-SGD's pipeline=2), Lion, Adafactor, Muon,
+    ScheduleFreeAdamW, Adam's EMA and gradient accumulation, RMSprop and Nadam over the sparse
+    algorithms on both routes (P = 3), and a GAN whose two optimizers each
     get an exchange of their own (under SparseStrategy, or each a DistributedOptimizer)."""
     same_bits(launched(nproc), case.replace("-", "_"))
 

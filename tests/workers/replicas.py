@@ -19,6 +19,10 @@ argv[1:]: the cases, run one after another in this one launch (a launch costs mo
 * ``diverge-<strategy|optimizer>[-validation]``: rank 1 alone nudges a weight during the first
   epoch (``-validation``: the second, with validation data of another length); the replica check
   must raise on every rank (saved: the message, the epoch that had begun and its batches ended);
+* ``optimizers-<strategy|optimizer>``: the text classifier under every other kind of Keras
+  optimizer -- Lion, Adafactor, Muon, ScheduleFreeAdamW, Adam with an EMA of the weights, Adam
+  accumulating gradients over two steps, RMSprop with momentum, Nadam -- each over a sparse
+  algorithm in turn (topk, gtopk, oktopk), one fit each (the bits of all of them, concatenated);
 * ``auto-<strategy|optimizer>-<measured|candidate>``: the text classifier with SGD and momentum
   under ``algorithm="auto"``: the choice measured, or the named candidate forced in place of the
   measured one (the measurement's collectives still run), so that the switch from the measured
@@ -157,6 +161,38 @@ def refit_case(route, pipeline="1"):
     if distinct != 3:
         raise AssertionError(f"the three fits ran {distinct} exchanges, not one each")
     return bits(model, model.optimizer)
+
+
+OPTIMIZERS = (lambda: keras.optimizers.Lion(1e-4), lambda: keras.optimizers.Adafactor(1e-2),
+              lambda: keras.optimizers.Muon(1e-3), lambda: keras.optimizers.ScheduleFreeAdamW(1e-3),
+              lambda: keras.optimizers.Adam(1e-3, use_ema=True, ema_overwrite_frequency=5),
+              lambda: keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2),
+              lambda: keras.optimizers.RMSprop(1e-3, momentum=0.5), lambda: keras.optimizers.Nadam(1e-3))
+
+
+def optimizers_case(route):
+    """Each of :data:`OPTIMIZERS` trains the text classifier for one epoch (an optimizer's own
+    state -- Lion's sign, Adafactor's factored moments, Muon's orthogonalised update, the EMA and
+    the accumulators -- is computed by every rank from the exchanged gradient alone)."""
+    x, y = text_data(256)
+    parts = []
+    for i, make in enumerate(OPTIMIZERS):
+        algorithm = ("topk", "gtopk", "oktopk")[i % 3]
+        keras.utils.set_random_seed(rank)
+        layers = lambda: [keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 16),  # noqa: E731
+                          keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)]
+        if route == "strategy":
+            with tfsparse.SparseStrategy(algorithm, 0.01):
+                model = keras.Sequential(layers())
+                model.compile(make(), LOSS)
+            callbacks = []
+        else:
+            model = keras.Sequential(layers())
+            model.compile(tfsparse.keras.DistributedOptimizer(make(), algorithm, 0.01), LOSS)
+            callbacks = [tfsparse.keras.callbacks.BroadcastInitialState()]
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+        parts.append(bits(model, model.optimizer))
+    return np.concatenate(parts)
 
 
 class GAN(keras.Model):
@@ -306,7 +342,7 @@ class _nothing:
 def run(case: str) -> np.ndarray:
     kind, *args = case.split("-")
     return {"text": text_case, "transformer": transformer_case, "finetune": finetune_case,
-            "refit": refit_case, "gan": gan_case, "diverge": diverge_case, "auto": auto_case}[kind](*args)
+            "refit": refit_case, "optimizers": optimizers_case, "gan": gan_case, "diverge": diverge_case, "auto": auto_case}[kind](*args)
 
 
 results = {}
