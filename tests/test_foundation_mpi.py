@@ -352,7 +352,8 @@ def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(r
     """Moving mean/variance come from each rank's own batches; they are averaged across ranks
     (strategy: after every step; wrapper: MetricAverage at each epoch's end), so every variable
     and every prediction is identical on every rank -- except a statistic kept local through
-    Horovod's ``local_variables``, which stays each rank's own."""
+    Horovod's ``local_variables``, which stays each rank's own (also when kept from a second
+    ``fit`` on: the step traced in the first is traced again)."""
     res, _ = mpirun(3, "batchnorm.py", route, timeout=200)
     assert np.abs(res[0]["moving_mean"]).max() > 0.05  # the statistics did move
     for r in res[1:]:
@@ -361,6 +362,9 @@ def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(r
         # the moving mean kept local (Horovod's local_variables): each rank's own, never averaged
         assert not np.array_equal(r["local_mean"], res[0]["local_mean"])
         np.testing.assert_array_equal(r["local_rest"], res[0]["local_rest"])
+        # kept local from the second fit on (SparseStrategy's step was traced in the first)
+        assert not np.array_equal(r["late_mean"], res[0]["late_mean"])
+        np.testing.assert_array_equal(r["late_rest"], res[0]["late_rest"])
     for r in res:  # kept local on rank 0 only: every rank refuses before the first step
         assert r["mismatch"].startswith("ConfigurationMismatch: "), r["mismatch"]
         assert "local_variables" in r["mismatch"], r["mismatch"]

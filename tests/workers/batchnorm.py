@@ -1,7 +1,7 @@
 """Worker: a BatchNormalization model trained on different data per rank.  argv: route
 (strategy | optimizer).  Every variable -- the moving statistics included -- must end equal; then
 the same with the moving mean kept local (Horovod's ``local_variables``): it must end each rank's
-own, the rest equal; and kept local on rank 0 only: every rank refuses before the first step."""
+own, the rest equal (also when kept from a second fit on); and kept local on rank 0 only: every rank refuses before the first step."""
 import sys
 
 import numpy as np
@@ -28,9 +28,9 @@ def build():
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def train(local=False, fit=None):
-    """The route's model after two epochs; ``local``: its moving mean kept each rank's own (on rank
-    0 only where ``fit`` is given: what ``fit(model.fit)`` returns instead)."""
+def train(local=False, rank0_only=False):
+    """The route's model and a function that fits it for two epochs; ``local``: its moving mean
+    kept each rank's own (``rank0_only``: kept so on rank 0 alone, which every rank must refuse)."""
     if route == "strategy":
         with tfsparse.SparseStrategy("topk", 0.5):
             model = build()
@@ -41,20 +41,23 @@ def train(local=False, fit=None):
         model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.05), "topk", 0.5), loss)
         callbacks = [tfsparse.keras.callbacks.MetricAverage()]
     if local:
-        kept = [model.layers[1].moving_mean] if fit is None or rank == 0 else []
+        kept = [model.layers[1].moving_mean] if rank == 0 or not rank0_only else []
         callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=kept))
-    if fit is not None:
-        return fit(lambda: model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks))
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
-    return model
+    return model, lambda *more: model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks + list(more))
 
 
-model = train()
+model, fit = train()
+fit()
 bn = model.layers[1]
 probe = np.linspace(-1, 2, 40, dtype=np.float32).reshape(5, 8)
 result = dict(weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
               moving_mean=np.asarray(bn.moving_mean), predict=model.predict(probe, verbose=0))
-model = train(local=True)
+model, fit = train(local=True)
+fit()
 bn = model.layers[1]
-save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), mismatch=train(True, error_of),
+late, fit_late = train()  # kept local from its second fit on (SparseStrategy's step traced in the first)
+fit_late()
+fit_late(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[late.layers[1].moving_mean]))
+save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), late_mean=np.asarray(late.layers[1].moving_mean),
+            late_rest=np.concatenate([np.ravel(np.asarray(v)) for v in late.weights if v is not late.layers[1].moving_mean]), mismatch=error_of(train(True, rank0_only=True)[1]),
             local_rest=np.concatenate([np.ravel(np.asarray(v)) for v in model.weights if v is not bn.moving_mean]))

@@ -32,17 +32,22 @@ _OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def keep_own(model, variables) -> None:
     """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
-    and the averaging of moving statistics leave them out, for the model's whole life (a
-    ``SparseStrategy`` step already traced keeps averaging the moving statistics it found: keep
-    them before the first ``fit``).  Horovod's
+    and the averaging of moving statistics leave them out, for the model's whole life.  Horovod's
     ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
-    broadcast.
+    broadcast.  Where the model's train step was made already (a ``fit`` before this one), it is
+    made anew, so that its next call is traced again: a ``SparseStrategy`` step averages the moving
+    statistics, and checks the variables, it found when it was traced.  Every rank keeps the same
+    variables at the same point (the callback checks it at ``fit``'s start).
 
     Args:
       model: the Keras model.
       variables: its variables (or its optimizer's) that may differ between the ranks.
     """
-    _OWN.setdefault(model, {}).update({id(v): v for v in variables})  # held: no other takes the id
+    own = _OWN.setdefault(model, {})
+    new = {id(v): v for v in variables if id(v) not in own}
+    own.update(new)  # held: no other variable takes the id
+    if new and getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)
 
 
 def own_variables(model) -> list:
