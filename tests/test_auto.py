@@ -68,6 +68,14 @@ def test_dense_over_int4_where_its_coding_pays():
     assert d.describe(4).endswith("Pin it with algorithm='dense', wire_dtype='int4'")
     p = d.predictions
     assert p[d.index].comm_s < 0.55 * p[index_of("dense", "int8")].comm_s  # half the bytes (and the scales)
+    # the bytes priced are the message's: the codes and a float32 scale per chunk
+    from tfsparse.timing import simulate
+    from tfsparse.wire import get_wire
+    for wire in ("int8", "int4", "float16"):
+        sent = get_wire(wire).nbytes(n)
+        priced = simulate("dense", 4, n, 1.0, link, value_bytes=sent / n).seconds
+        assert p[index_of("dense", wire)].comm_s == priced
+        assert sent > n * get_wire(wire).value_bytes or wire == "float16"
     dense = auto.choose(n, 4, link, 0.12, local(f16=0.01, sparse=0.02, int4=None), sparse=False).candidate
     assert dense.wire_dtype in ("float16", "bfloat16")  # without momentum correction: 16 bits
     slow = auto.choose(n, 4, link, 0.12, local(f16=0.01, sparse=0.02, int4=0.2))

@@ -430,7 +430,7 @@ def predict(candidate: Candidate, n: int, workers: int, link: AlphaBeta | None, 
     elif hosts is not None and hosts[0] > 1 and link is not None:
         link = shared_link(link, hosts[1])
     if link is not None and workers > 1:
-        value_bytes = get_wire(candidate.wire_dtype).value_bytes
+        value_bytes = get_wire(candidate.wire_dtype).nbytes(n) / n  # with int8's and int4's scales
         comm_s = simulate(candidate.algorithm, workers, n, candidate.density, link, value_bytes=value_bytes).seconds
     comm_s += two_level_s
     step = compute_s + comm_s + local_s
