@@ -182,9 +182,9 @@ def main(argv=None) -> int:
         results = InProcessWorld(args.threads, timeout=600).run(lambda comm: run_rank(comm, args))
         report, size, transport = results[0], args.threads, "threads"
     else:
-        from tfsparse.collectives import MPICommunicator
+        from tfsparse.runtime import init
 
-        comm = MPICommunicator()
+        comm = init(backend="mpi")  # the world, and a rank's failure ends every rank (no TensorFlow needed)
         report, size, transport = run_rank(comm, args), comm.size, "mpi"
         if comm.rank != 0:
             return 0
