@@ -76,6 +76,8 @@ def test_dense_over_int4_where_its_coding_pays():
         priced = simulate("dense", 4, n, 1.0, link, value_bytes=sent / n).seconds
         assert p[index_of("dense", wire)].comm_s == priced
         assert sent > n * get_wire(wire).value_bytes or wire == "float16"
+    gtopk = auto.CANDIDATES[index_of("gtopk")]  # a sparse candidate's values: float32, 4 bytes
+    assert p[index_of("gtopk")].comm_s == simulate("gtopk", 4, n, gtopk.density, link, value_bytes=4).seconds
     dense = auto.choose(n, 4, link, 0.12, local(f16=0.01, sparse=0.02, int4=None), sparse=False).candidate
     assert dense.wire_dtype in ("float16", "bfloat16")  # without momentum correction: 16 bits
     slow = auto.choose(n, 4, link, 0.12, local(f16=0.01, sparse=0.02, int4=0.2))

@@ -56,6 +56,9 @@ def test_every_rank_ends_with_the_same_bits(nproc, case):
     algorithms on both routes (P = 3), and a GAN whose two optimizers each
     get an exchange of their own (under SparseStrategy, or each a DistributedOptimizer)."""
     same_bits(launched(nproc), case.replace("-", "_"))
+    if case.startswith("optimizers"):  # only the recent optimizers may be missing (an older Keras)
+        for res in launched(nproc):
+            assert set(res[case.replace("-", "_") + "_info"]["missing"]) <= {"Muon", "ScheduleFreeAdamW"}
 
 
 @pytest.mark.mpi

@@ -184,7 +184,9 @@ def main(argv=None) -> int:
     else:
         from tfsparse.runtime import init
 
-        comm = init(backend="mpi")  # the world, and a rank's failure ends every rank (no TensorFlow needed)
+        # the world, and a rank's failure ends every rank (no TensorFlow needed); the host kernels
+        # keep Numba's own thread count, as the host baseline always had
+        comm = init(backend="mpi", cores_per_rank=None)
         report, size, transport = run_rank(comm, args), comm.size, "mpi"
         if comm.rank != 0:
             return 0

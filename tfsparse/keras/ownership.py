@@ -34,9 +34,11 @@ def keep_own(model, variables) -> None:
     """``variables`` of ``model`` (or of its optimizer) stay each rank's own: the replica checks
     and the averaging of moving statistics leave them out, for the model's whole life.  Horovod's
     ``BroadcastGlobalVariablesCallback(local_variables=...)`` says so of the variables it does not
-    broadcast.  Where the model's train step was made already (a ``fit`` before this one), it is
-    made anew, so that its next call is traced again: a ``SparseStrategy`` step averages the moving
-    statistics, and checks the variables, it found when it was traced.  Every rank keeps the same
+    broadcast.  Where Keras made the model's train function already (an earlier ``fit``, or this
+    one before its callbacks begin), it is made anew, so that its next call is traced again: a
+    ``SparseStrategy`` step averages the moving statistics, and checks the variables, it found
+    when it was traced.  A ``tf.function`` of the user's own that runs ``model.train_step`` is
+    not made anew: keep the variables before its first call.  Every rank keeps the same
     variables at the same point (the callback checks it at ``fit``'s start).
 
     Args:

@@ -66,9 +66,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def register_local_var(self, var) -> None:
         """``var`` stays this rank's own: not broadcast, not averaged with the moving statistics,
-        left out of the replica checks, from the next step on (a train step made before is made
-        anew: :func:`~tfsparse.keras.ownership.keep_own`).  Register it on every rank alike:
-        before ``fit``, where the callback checks that the ranks agree, or at the same batch.
+        left out of the replica checks (a train step made before is made anew:
+        :func:`~tfsparse.keras.ownership.keep_own`).  Register it before ``fit``, on every rank
+        alike: the callback checks at ``fit``'s start that the ranks agree.
 
         Args:
           var: a variable of the model or of its optimizer.
