@@ -285,9 +285,11 @@ def test_an_mpirun_that_outlives_its_ranks_is_ended(capsys):
 
 # -- hosts: slots, forwarded variables, the check over ssh --------------------------------------
 
-def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path):
+def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path, monkeypatch):
     """On this machine alone every job may oversubscribe; with -H or a hostfile only a job with
     more ranks than the hosts' slots (the slots, not this machine's cores, decide)."""
+    for name in run.BATCH_VARIABLES:  # (the tests may run inside an allocation)
+        monkeypatch.delenv(name, raising=False)
     assert "--oversubscribe" in dry_run(capsys, "-np", "2", "python", "t.py")
     assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "-H", "n1:4,n2:4", "python", "t.py")
     assert "--oversubscribe" in dry_run(capsys, "-np", "9", "-H", "n1:4,n2:4", "python", "t.py")
@@ -302,6 +304,19 @@ def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path):
     assert "-H 'n1:x': 'n1:x' is not a host; accepted: HOST or HOST:SLOTS" in err
     err = usage_error(capsys, "-np", "2", "--hostfile", str(tmp_path / "missing"), "python", "t.py")
     assert "--hostfile" in err and "cannot be read" in err
+
+
+def test_inside_a_batch_allocation_the_allocations_slots_decide(capsys, monkeypatch):
+    """Under Slurm (or PBS, LSF, Grid Engine) with no host list Open MPI reads the allocation's
+    hosts and slots: no --oversubscribe, so a job larger than the allocation is refused."""
+    for name in run.BATCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "python", "t.py")
+    assert "--oversubscribe" in dry_run(capsys, "-np", "9", "-H", "n1:4,n2:4", "python", "t.py")  # -H decides
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    monkeypatch.setenv("PBS_NODEFILE", "/var/spool/pbs/aux/1.server")
+    assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "python", "t.py")
 
 
 def test_tfsparse_numba_and_search_path_variables_reach_every_rank(capsys, monkeypatch):

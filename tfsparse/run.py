@@ -269,8 +269,11 @@ def build_command(np_: int, command: list[str], mpi_args: str = "", hosts: str |
         cmd += ["-H", hosts]
     placement = job_hosts(hosts, extra)
     slots = total_slots(placement) if placement is not None else None
-    # on this machine alone (no host list), as many ranks as asked; on hosts, only beyond their slots
-    if (placement is None or (slots is not None and np_ > slots)) and "nooversubscribe" not in given:
+    # on this machine alone (no host list), as many ranks as asked; on hosts, only beyond their
+    # slots; under a batch system's allocation Open MPI reads the hosts and slots from it, and a
+    # job beyond them is refused, as mpirun refuses it there
+    alone = placement is None and not batch_allocation(env)
+    if (alone or (slots is not None and np_ > slots)) and "nooversubscribe" not in given:
         cmd.append("--oversubscribe")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
@@ -539,6 +542,17 @@ def run_on_hosts(np_: int, hosts: int, spec: NetSpec | None, command: list[str],
         print(f"tfsparse-run: {np_} ranks on {hosts} emulated hosts ({host_list or 'the hostfile'}), "
               f"{spec or 'unshaped'} links between hosts, subnet {cluster.subnet}", file=sys.stderr, flush=True)
         return run_with_restarts(lambda: launcher.run(cmd, env), max_restarts, lambda: launcher.interrupted)
+
+
+#: variables a batch system's allocation sets, from which Open MPI reads the job's hosts and slots
+#: (Slurm, PBS/Torque, LSF, Grid Engine)
+BATCH_VARIABLES = ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "PBS_NODEFILE", "LSB_JOBID", "PE_HOSTFILE")
+
+
+def batch_allocation(env) -> str | None:
+    """The first of :data:`BATCH_VARIABLES` set in ``env``: the job runs inside a batch system's
+    allocation (its hosts and slots are Open MPI's to read); None outside one."""
+    return next((name for name in BATCH_VARIABLES if env.get(name)), None)
 
 
 def check_job_hosts(hosts: str | None, extra: list[str], command: list[str], env: dict) -> list[str]:
