@@ -9,6 +9,8 @@ import pytest
 from tfsparse import auto
 from tfsparse.collectives import AlphaBeta
 from tfsparse.settings import Settings
+from tfsparse.timing import simulate
+from tfsparse.wire import get_wire
 
 N = 17_000_000  # the digits MLP's gradient
 NO_LOCAL = np.zeros(len(auto.CANDIDATES))
@@ -69,8 +71,6 @@ def test_dense_over_int4_where_its_coding_pays():
     p = d.predictions
     assert p[d.index].comm_s < 0.55 * p[index_of("dense", "int8")].comm_s  # half the bytes (and the scales)
     # the bytes priced are the message's: the codes and a float32 scale per chunk
-    from tfsparse.timing import simulate
-    from tfsparse.wire import get_wire
     for wire in ("int8", "int4", "float16"):
         sent = get_wire(wire).nbytes(n)
         priced = simulate("dense", 4, n, 1.0, link, value_bytes=sent / n).seconds

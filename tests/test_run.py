@@ -285,11 +285,17 @@ def test_an_mpirun_that_outlives_its_ranks_is_ended(capsys):
 
 # -- hosts: slots, forwarded variables, the check over ssh --------------------------------------
 
-def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path, monkeypatch):
+@pytest.fixture
+def outside_allocation(monkeypatch):
+    """No batch system's allocation in the environment (the tests may run inside one)."""
+    for name in run.BATCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path, outside_allocation):
     """On this machine alone every job may oversubscribe; with -H or a hostfile only a job with
     more ranks than the hosts' slots (the slots, not this machine's cores, decide)."""
-    for name in run.BATCH_VARIABLES:  # (the tests may run inside an allocation)
-        monkeypatch.delenv(name, raising=False)
     assert "--oversubscribe" in dry_run(capsys, "-np", "2", "python", "t.py")
     assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "-H", "n1:4,n2:4", "python", "t.py")
     assert "--oversubscribe" in dry_run(capsys, "-np", "9", "-H", "n1:4,n2:4", "python", "t.py")
@@ -306,11 +312,10 @@ def test_oversubscribe_only_beyond_the_hosts_slots(capsys, tmp_path, monkeypatch
     assert "--hostfile" in err and "cannot be read" in err
 
 
-def test_inside_a_batch_allocation_the_allocations_slots_decide(capsys, monkeypatch):
+def test_inside_a_batch_allocation_the_allocations_slots_decide(capsys, outside_allocation):
     """Under Slurm (or PBS, LSF, Grid Engine) with no host list Open MPI reads the allocation's
     hosts and slots: no --oversubscribe, so a job larger than the allocation is refused."""
-    for name in run.BATCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch = outside_allocation
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     assert "--oversubscribe" not in dry_run(capsys, "-np", "8", "python", "t.py")
     assert "--oversubscribe" in dry_run(capsys, "-np", "9", "-H", "n1:4,n2:4", "python", "t.py")  # -H decides

@@ -46,6 +46,11 @@ def train(local=False, rank0_only=False):
     return model, lambda *more: model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks + list(more))
 
 
+def rest(model):
+    """Every weight of ``model`` but the moving mean, flat."""
+    return np.concatenate([np.ravel(np.asarray(v)) for v in model.weights if v is not model.layers[1].moving_mean])
+
+
 model, fit = train()
 fit()
 bn = model.layers[1]
@@ -58,6 +63,6 @@ bn = model.layers[1]
 late, fit_late = train()  # kept local from its second fit on (SparseStrategy's step traced in the first)
 fit_late()
 fit_late(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[late.layers[1].moving_mean]))
-save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), late_mean=np.asarray(late.layers[1].moving_mean),
-            late_rest=np.concatenate([np.ravel(np.asarray(v)) for v in late.weights if v is not late.layers[1].moving_mean]), mismatch=error_of(train(True, rank0_only=True)[1]),
-            local_rest=np.concatenate([np.ravel(np.asarray(v)) for v in model.weights if v is not bn.moving_mean]))
+save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), local_rest=rest(model),
+            late_mean=np.asarray(late.layers[1].moving_mean), late_rest=rest(late),
+            mismatch=error_of(train(True, rank0_only=True)[1]))

@@ -60,12 +60,17 @@ def text_data(n=512, seq=20):
     return rng.integers(0, 5000, (n, seq)).astype(np.int32), rng.integers(0, 4, n)
 
 
+def text_model(dim):
+    """The text classifier: Embedding(5000, ``dim``) -> pooling -> Dense, 4 classes."""
+    return keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, dim),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+
+
 def text_case(algorithm, opt_name):
     x, y = text_data()
     keras.utils.set_random_seed(rank)  # different initial weights: the strategy starts them from rank 0
     with tfsparse.SparseStrategy(algorithm, 1.0 if algorithm == "dense" else 0.01):
-        model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 32),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+        model = text_model(32)
         opt = keras.optimizers.Adam(1e-3) if opt_name == "adam" else keras.optimizers.SGD(0.1)
         model.compile(opt, LOSS)
     model.fit(x, y, batch_size=32, epochs=3, verbose=0)
@@ -186,15 +191,13 @@ def optimizers_case(route):
         make = lambda: getattr(keras.optimizers, name)(**kwargs)  # noqa: E731
         algorithm = ("topk", "gtopk", "oktopk")[i % 3]
         keras.utils.set_random_seed(rank)
-        layers = lambda: [keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 16),  # noqa: E731
-                          keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)]
         if route == "strategy":
             with tfsparse.SparseStrategy(algorithm, 0.01):
-                model = keras.Sequential(layers())
+                model = text_model(16)
                 model.compile(make(), LOSS)
             callbacks = []
         else:
-            model = keras.Sequential(layers())
+            model = text_model(16)
             model.compile(tfsparse.keras.DistributedOptimizer(make(), algorithm, 0.01), LOSS)
             callbacks = [tfsparse.keras.callbacks.BroadcastInitialState()]
         model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
@@ -280,12 +283,10 @@ def diverge_case(route, validation=None):
     extra = {"validation_data": text_data(160)} if validation else {}
     if route == "strategy":
         with tfsparse.SparseStrategy("topk", 0.01):
-            model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 8),
-                                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+            model = text_model(8)
             model.compile(keras.optimizers.SGD(0.1), LOSS)
     else:
-        model = keras.Sequential([keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 8),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+        model = text_model(8)
         model.compile(tfsparse.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), "topk", 0.01), LOSS)
     try:
         model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[nudge], **extra)
@@ -310,19 +311,17 @@ def auto_case(route, choice):
             return auto.Decision(forced, d.compute_s, d.link, d.predictions)
         auto.decide = decide
     keras.utils.set_random_seed(rank)
-    layers = lambda: [keras.Input((20,), dtype="int32"), keras.layers.Embedding(5000, 16),  # noqa: E731
-                      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)]
     sgd = keras.optimizers.SGD(0.1, momentum=0.9)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
             if route == "strategy":
                 with tfsparse.SparseStrategy("auto"):
-                    model = keras.Sequential(layers())
+                    model = text_model(16)
                     sgd = keras.optimizers.SGD(0.1, momentum=0.9)
                     model.compile(sgd, LOSS)
             else:
-                model = keras.Sequential(layers())
+                model = text_model(16)
                 model.compile(tfsparse.keras.DistributedOptimizer(sgd, "auto"), LOSS)
             hist = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
                              callbacks=[tfsparse.keras.callbacks.CommunicationStats()])
