@@ -63,6 +63,9 @@ def test_bad_net_spec_stops_the_launcher_before_anything_starts():
     done = subprocess.run([sys.executable, "-m", "tfsparse.run", "-np", "2", "-H", "a,b", "--net", "1gbit",
                            sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--net with -H a,b" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "tfsparse.run", "-np", "2", "--net", "1gbit", "--hostfile",
+                           "hosts.txt", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--net with --hostfile hosts.txt" in done.stderr
 
 
 def test_the_subnet_avoids_every_network_in_use():

@@ -597,9 +597,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(own)
     try:
         spec = NetSpec.parse(args.net) if args.net is not None else None
-        if spec is not None and args.hosts and args.emulate_hosts is None:
-            raise ValueError(f"--net with -H {args.hosts}: the emulated network lives on this "
-                             "machine; accepted: one of them, or -H with --emulate-hosts")
+        hostfile = _flag_value(mpi_flags + shlex.split(args.mpi_args),
+                               ("hostfile", "machinefile", "default-hostfile"))
+        if spec is not None and args.emulate_hosts is None and (args.hosts or hostfile):
+            given = f"-H {args.hosts}" if args.hosts else f"--hostfile {hostfile}"
+            raise ValueError(f"--net with {given}: the emulated network lives on this "
+                             f"machine; accepted: one of them, or {given.split()[0]} with --emulate-hosts")
         if args.emulate_hosts is not None and not 1 <= args.emulate_hosts <= 64:
             raise ValueError(f"--emulate-hosts {args.emulate_hosts}: accepted: 1 to 64 hosts")
         cmd, env = build_command(args.np, command, args.mpi_args, args.hosts, mpi_flags=mpi_flags)
