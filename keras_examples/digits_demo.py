@@ -4,10 +4,11 @@
         [--wire float16] [--bucket-bytes 65536]
         [--memory momentum --warmup-epochs 2] [--chunk-size 64]
         [--pipeline 2 --wire int8 --dsync-epochs 1] [--lr 0.05 --momentum 0.9 --lr-schedule cosine]
-        [--json out.json] [--tensorboard results/tensorboard]
+        [--json out.json] [--tensorboard results/tensorboard] [--tiny]
 
 Every rank trains on its own shard with ``tfsparse.SparseStrategy``; rank 0 prints a table:
 algorithm, final test accuracy, bytes each rank sent per step, and the mean step time.
+``--tiny`` trains one epoch of each algorithm, a run of seconds.
 ``--json`` also holds, per run, rank 0's ``epoch_end_s`` (wall seconds from the start of ``fit``
 to each epoch's end, validation included) and ``train_s`` (the training batches alone, cumulative).
 
@@ -26,59 +27,57 @@ TensorBoard run per algorithm (``DIR/<algorithm>``): loss, accuracy, and what
 ``decode_ms``, ``wait_ms`` -- as epoch scalars (``tensorboard --logdir DIR``), e.g.
 ``--tensorboard results/tensorboard``.
 """
-import argparse
 import json
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-import numpy as np  # noqa: E402
-import keras  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-import tfsparse  # noqa: E402
-from tfsparse.memory import keeps_velocity  # noqa: E402
+from example_utils import argument_parser, fraction, non_negative_int, positive_float, positive_int, quiet_tensorflow
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Mean wall time of a training step, after the first epoch (tracing, warm-up)."""
+def timers(keras, skip_first_epoch=True):
+    """A StepTimer and an EpochClock (Keras callbacks; defined once Keras is imported).
+    ``skip_first_epoch``: the step timer leaves out the first epoch (tracing, warm-up)."""
 
-    def on_train_begin(self, logs=None):
-        self.times, self.epoch = [], 0
+    class StepTimer(keras.callbacks.Callback):
+        """Wall times of the training steps, after the first epoch unless it is the only one."""
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
+        def on_train_begin(self, logs=None):
+            self.times, self.epoch = [], 0
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self.t0 = time.perf_counter()
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.epoch > 0:
-            self.times.append(time.perf_counter() - self.t0)
-
-
-class EpochClock(keras.callbacks.Callback):
-    """Wall seconds from the start of ``fit`` to each epoch's end (after its validation), and
-    the training part alone (first batch to last batch of each epoch), cumulative."""
-
-    def on_train_begin(self, logs=None):
-        self.start, self.epoch_end_s, self.train_s, self.train = time.perf_counter(), [], [], 0.0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if batch == 0:
+        def on_train_batch_begin(self, batch, logs=None):
             self.t0 = time.perf_counter()
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.t1 = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.train += self.t1 - self.t0
-        self.train_s.append(self.train)
-        self.epoch_end_s.append(time.perf_counter() - self.start)
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch > 0 or not skip_first_epoch:
+                self.times.append(time.perf_counter() - self.t0)
 
 
-def build_model(seed=0):
+    class EpochClock(keras.callbacks.Callback):
+        """Wall seconds from the start of ``fit`` to each epoch's end (after its validation), and
+        the training part alone (first batch to last batch of each epoch), cumulative."""
+
+        def on_train_begin(self, logs=None):
+            self.start, self.epoch_end_s, self.train_s, self.train = time.perf_counter(), [], [], 0.0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.t1 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.train += self.t1 - self.t0
+            self.train_s.append(self.train)
+            self.epoch_end_s.append(time.perf_counter() - self.start)
+
+    return StepTimer(), EpochClock()
+
+
+def build_model(keras, seed=0):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((64,)),
@@ -88,7 +87,7 @@ def build_model(seed=0):
     ])
 
 
-def learning_rate(args, n_local):
+def learning_rate(keras, args, n_local):
     """``--lr``, or with ``--lr-schedule cosine`` a cosine decay from it to 0 over every step of the run."""
     if args.lr_schedule == "constant":
         return args.lr
@@ -96,17 +95,17 @@ def learning_rate(args, n_local):
     return keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=steps)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args():
+    parser = argument_parser(__doc__)
     parser.add_argument("--algorithms", default="dense,topk", help="comma-separated algorithm names")
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--density", type=fraction, default=0.01)
+    parser.add_argument("--epochs", type=positive_int, default=10)
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
                         help="constant, or cosine decay from --lr to 0 over the run")
     parser.add_argument("--wire", default="float32", help="wire_dtype: float32, float16, bfloat16 or int8")
-    parser.add_argument("--bucket-bytes", type=int, default=None,
+    parser.add_argument("--bucket-bytes", type=positive_int, default=None,
                         help="lazy-allreduce threshold in bytes (default: one fused bucket)")
     parser.add_argument("--memory", default="auto", help="auto (default: momentum correction under the SGD's momentum "
                         "for a sparse algorithm), residual (error feedback) or momentum / momentum_rows (correction, masking "
@@ -114,18 +113,33 @@ def main():
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--warmup-epochs", type=float, default=0.0, help="dense warm-up length (0: none)")
     parser.add_argument("--warmup-ramp", default="linear", help="linear (GradientFlow) or exponential (DGC)")
-    parser.add_argument("--chunk-size", type=int, default=None, help="CSC's chunk size (default 32768)")
+    parser.add_argument("--chunk-size", type=positive_int, default=None, help="CSC's chunk size (default 32768)")
     parser.add_argument("--csc-selection", default=None, help="CSC's chunk selection: current or previous")
     parser.add_argument("--selection", default=None,
                         help="cost_model: DRAGONN's per-tensor choice by Eq. 1 (default: every tensor compressed)")
-    parser.add_argument("--clip-norm", type=float, default=None, help="DGC's local gradient clipping (default: off)")
-    parser.add_argument("--pipeline", type=int, default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
-    parser.add_argument("--dsync-epochs", type=int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and shuffling (default 0)")
+    parser.add_argument("--clip-norm", type=positive_float, default=None, help="DGC's local gradient clipping (default: off)")
+    parser.add_argument("--pipeline", type=int, choices=[1, 2], default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
+    parser.add_argument("--dsync-epochs", type=non_negative_int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",
                         help="TensorBoard logs (rank 0): one run per algorithm under DIR")
+    parser.add_argument("--tiny", action="store_true", help="one epoch of each algorithm: a run of seconds")
     args = parser.parse_args()
+    if args.tiny:
+        args.epochs = 1
+    return args
+
+
+def main():
+    args = parse_args()  # before TensorFlow is imported: --help and bad arguments answer at once
+    quiet_tensorflow()
+    import numpy as np
+    import keras
+    from sklearn.datasets import load_digits
+
+    import tfsparse
+    from tfsparse.memory import keeps_velocity
 
     tfsparse.init()
     rank, size = tfsparse.rank(), tfsparse.size()
@@ -148,16 +162,16 @@ def main():
                                            momentum=args.momentum if correction else None,
                                            pipeline=args.pipeline, clip_norm=args.clip_norm, **options)
         with strategy.scope():
-            model = build_model(args.seed)
+            model = build_model(keras, args.seed)
             # momentum correction: the exchange applies the momentum, the optimizer must not
-            model.compile(optimizer=keras.optimizers.SGD(learning_rate(args, len(x_local)),
+            model.compile(optimizer=keras.optimizers.SGD(learning_rate(keras, args, len(x_local)),
                                                          momentum=0.0 if correction else args.momentum),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
         if rank == 0:
             print(f"\n== {algorithm} (density {strategy.density if algorithm != 'dense' else 1.0}) "
                   f"on {size} processes, {model.count_params()} parameters", flush=True)
-        timer, clock = StepTimer(), EpochClock()
+        timer, clock = timers(keras, skip_first_epoch=args.epochs > 1)
         callbacks = [tfsparse.keras.callbacks.CommunicationStats(), timer, clock]
         if args.warmup_epochs > 0 and algorithm != "dense":
             callbacks.insert(0, tfsparse.keras.callbacks.DensitySchedule(

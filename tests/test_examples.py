@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "keras_examples"
-NEW = ["conv_digits", "text_embedding", "custom_loop", "horovodrun_launch", "gradientflow_recipe",
+NEW = ["digits_demo", "conv_digits", "text_embedding", "custom_loop", "horovodrun_launch", "gradientflow_recipe",
        "pipesgd_recipe", "checkpoint_resume", "time_to_accuracy"]
 
 
