@@ -19,6 +19,32 @@ def test_replacing_renames_only_a_complete_file(tmp_path):
     assert path.read_bytes() == b"new" and sorted(p.name for p in path.parent.iterdir()) == ["result.json"]
 
 
+def test_a_failed_flush_leaves_the_old_file(tmp_path, monkeypatch):
+    """fsync's EIO or ENOSPC (a network file system may report a failed write-back only there)
+    keeps the old file and says so; a file system that cannot fsync (EINVAL) is not an error."""
+    import errno
+    import os
+
+    path = tmp_path / "latest.weights.h5"
+    files.write_bytes(path, b"good")
+    real = os.fsync
+    for code in (errno.EIO, errno.ENOSPC):
+        def failing(fd, code=code):
+            raise OSError(code, os.strerror(code))
+        monkeypatch.setattr(os, "fsync", failing)
+        with pytest.raises(OSError, match="may not be on disk") as info:
+            files.write_bytes(path, b"damaged")
+        assert info.value.errno == code
+        assert path.read_bytes() == b"good" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+    def unsupported(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(os, "fsync", unsupported)
+    files.write_bytes(path, b"new")
+    assert path.read_bytes() == b"new"
+    monkeypatch.setattr(os, "fsync", real)
+
+
 def test_the_temporary_file_keeps_the_destinations_suffixes(tmp_path):
     assert files.partial_path(tmp_path / "ckpt.weights.h5").name.endswith(".weights.h5")
     assert files.partial_path(tmp_path / "a.keras").parent == tmp_path

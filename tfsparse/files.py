@@ -16,6 +16,7 @@ found" for both).  Standard library only (h5py, where it imports, for
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import zipfile
 from pathlib import Path
@@ -38,12 +39,21 @@ def partial_path(path) -> Path:
     return path.with_name(PARTIAL + path.name)
 
 
+#: What ``fsync`` answers on a file system that cannot flush (some network mounts, a directory
+#: on some file systems): the write is not known to have failed, so the rename goes ahead.  Any
+#: other error (EIO, ENOSPC, EDQUOT: a network file system may report a failed write-back only
+#: here) means the content may not be on disk, so the destination is not replaced.
+_FSYNC_UNSUPPORTED = frozenset(e for e in (errno.EINVAL, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", None),
+                                           errno.EROFS, errno.EBADF) if e is not None)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # a file system without fsync (some network mounts): the rename still orders it
-        pass
+    except OSError as e:
+        if e.errno not in _FSYNC_UNSUPPORTED:
+            raise OSError(e.errno, f"{path} may not be on disk: fsync failed ({e.strerror})") from e
     finally:
         os.close(fd)
 
@@ -53,8 +63,10 @@ def replacing(path):
     """Yields the temporary path to write ``path``'s new content to, then renames it over ``path``.
 
     When the block ends without an exception, the temporary file is flushed to disk and renamed
-    over ``path`` (atomic), else removed and ``path`` is left as it was.  The directory is created
-    if needed.
+    over ``path`` (atomic), else removed and ``path`` is left as it was.  Should the flush fail
+    (an I/O error, a full disk or quota: a network file system may report a failed write only
+    then) the temporary file is removed and ``path`` is left as it was, and the error raised;
+    a file system that cannot flush at all is not an error.  The directory is created if needed.
 
     Args:
       path: the destination.
@@ -64,6 +76,7 @@ def replacing(path):
 
     Raises:
       FileNotFoundError: the block wrote nothing to the temporary path.
+      OSError: flushing the file (``path`` unchanged) or the directory (``path`` replaced) failed.
     """
     path = Path(path)
     if path.parent != Path(""):
@@ -79,8 +92,9 @@ def replacing(path):
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    with contextlib.suppress(OSError):  # the rename itself reaches the disk with the directory
-        _fsync(path.parent if path.parent != Path("") else Path("."))
+    # the rename itself reaches the disk with the directory (an error here: the new content is in
+    # place, but may not survive a crash of the machine)
+    _fsync(path.parent if path.parent != Path("") else Path("."))
 
 
 def write_text(path, text: str) -> None:
