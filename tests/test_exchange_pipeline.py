@@ -276,6 +276,31 @@ def test_restoring_a_file_without_every_ranks_state_warns():
     np.testing.assert_allclose(restored, own / 2, rtol=1e-6)  # spread evenly
 
 
+def test_restoring_on_another_number_of_ranks_shares_out_the_velocities_as_the_residuals():
+    """Momentum correction's velocity is each rank's pending update as the residual is: from a file of
+    one rank's state, each of two ranks takes half of it (every rank took rank 0's whole velocity)."""
+    def fn(comm):
+        ex = GradientExchange("topk", 0.1, communicator=comm, memory="momentum", momentum=0.9)
+        for step in range(2):
+            ex.exchange_numpy(grads_of(comm.rank, step))
+        entries = Checkpointer(ex).entries()  # no gather: this rank's row only
+        fresh = GradientExchange("topk", 0.1, communicator=comm, memory="momentum", momentum=0.9)
+        if comm.rank == 0:  # (the warnings module is not thread-safe: one rank of the in-process world)
+            with pytest.warns(RuntimeWarning, match=r"residuals \(and velocities\) are spread evenly"):
+                Checkpointer(fresh).restore(entries)
+        fresh.exchange_numpy([np.zeros_like(g) for g in grads_of(comm.rank, 0)])  # built: the pending state applied
+        saved, ex_state = fresh.get_state(), ex.get_state()
+        ex.close()
+        fresh.close()
+        return ex_state, saved
+
+    own, restored = InProcessWorld(2).run(fn)[0]  # rank 0's state before the save, and after the restore
+    kept = restored["velocity"] != 0
+    assert np.any(own["velocity"] != 0) and kept.sum() > 0.5 * kept.size
+    # after one round of zero gradients: the velocity 0.9 x (own / 2), zero where it was sent
+    np.testing.assert_allclose(restored["velocity"][kept], (0.9 * own["velocity"] / 2)[kept], rtol=1e-5)
+
+
 def test_gather_and_checkpoint_entries():
     P = 3
 

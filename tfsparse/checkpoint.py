@@ -106,9 +106,11 @@ class Checkpointer:
         """Restores :meth:`entries`; each rank takes its own row.
 
         A file without every rank's row (another number of ranks, or saved without
-        ``tfsparse.keras.callbacks.ModelCheckpoint``'s gather): the saved residuals are summed and
-        spread evenly over the ranks (the pending update they hold is kept) and every rank takes the
-        first row's aggregator state (so that all ranks keep one schedule); a warning says so.
+        ``tfsparse.keras.callbacks.ModelCheckpoint``'s gather): the saved residuals, and momentum
+        correction's velocities, are summed and spread evenly over the ranks (the pending update
+        they hold is kept: each rank's velocity adds its share to every later round) and every rank
+        takes the first row's aggregator state (so that all ranks keep one schedule); a warning
+        says so.
 
         Args:
           entries: a mapping, e.g. a Keras weights store.
@@ -126,11 +128,13 @@ class Checkpointer:
             state = {k: v[rank] for k, v in rows.items()}
         else:
             warnings.warn(f"the checkpoint holds the exchange state of ranks {ranks}, this job has {size} ranks: "
-                          f"the saved residuals are spread evenly and rank {ranks[0]}'s aggregator state is used on "
-                          f"every rank (save with tfsparse.keras.callbacks.ModelCheckpoint to keep every rank's)",
+                          f"the saved residuals (and velocities) are spread evenly and rank {ranks[0]}'s aggregator "
+                          f"state is used on every rank (save with tfsparse.keras.callbacks.ModelCheckpoint to keep "
+                          f"every rank's)",
                           RuntimeWarning, stacklevel=2)
             state = {k: v[0] for k, v in rows.items()}
-            if "residual" in rows:
-                state["residual"] = (rows["residual"].astype(np.float64).sum(axis=0) / size).astype(np.float32)
+            for key in ("residual", "velocity"):  # each rank's pending update: summed, then shared out
+                if key in rows:
+                    state[key] = (rows[key].astype(np.float64).sum(axis=0) / size).astype(np.float32)
         self.exchange.set_state(state)
         return True
