@@ -365,6 +365,7 @@ def test_batchnorm_moving_statistics_are_averaged_so_every_rank_predicts_alike(r
         # kept local from the second fit on (SparseStrategy's step was traced in the first)
         assert not np.array_equal(r["late_mean"], res[0]["late_mean"])
         np.testing.assert_array_equal(r["late_rest"], res[0]["late_rest"])
+    assert res[0]["saved_is_held"] is True  # the checkpoint (before MetricAverage) holds the ranks' mean
     for r in res:  # kept local on rank 0 only: every rank refuses before the first step
         assert r["mismatch"].startswith("ConfigurationMismatch: "), r["mismatch"]
         assert "local_variables" in r["mismatch"], r["mismatch"]

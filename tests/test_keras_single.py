@@ -573,6 +573,18 @@ def test_rank_zero_only_refuses_keras_backup_and_restore(tmp_path):
         tfsparse.keras.callbacks.rank_zero_only(keras.callbacks.BackupAndRestore(str(tmp_path)))
 
 
+def test_model_checkpoint_refuses_the_legacy_h5_format_that_would_lose_the_exchange_state(tmp_path):
+    import tfsparse.keras
+
+    for name in ("m.h5", "m.hdf5"):
+        with pytest.raises(ValueError, match=r"filepath='.*m\.h5?d?f?5?': .*legacy HDF5 format.*holds no exchange state"
+                                             r".*accepted: a path ending in '\.keras', or in '\.weights\.h5' with "
+                                             r"save_weights_only=True"):
+            tfsparse.keras.callbacks.ModelCheckpoint(str(tmp_path / name))
+    tfsparse.keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))
+    tfsparse.keras.callbacks.ModelCheckpoint(tmp_path / "m.weights.h5", save_weights_only=True)
+
+
 @pytest.mark.parametrize("route", ["strategy", "optimizer"])
 def test_a_model_and_its_exchange_are_freed_after_fit(route):
     """TensorFlow keeps, for the life of the process, the Python function of every

@@ -1,7 +1,9 @@
 """Worker: a BatchNormalization model trained on different data per rank.  argv: route
 (strategy | optimizer).  Every variable -- the moving statistics included -- must end equal; then
 the same with the moving mean kept local (Horovod's ``local_variables``): it must end each rank's
-own, the rest equal (also when kept from a second fit on); and kept local on rank 0 only: every rank refuses before the first step."""
+own, the rest equal (also when kept from a second fit on); kept local on rank 0 only: every rank refuses before the
+first step; and a ModelCheckpoint listed before MetricAverage saves the ranks' mean of the moving statistics."""
+import os
 import sys
 
 import numpy as np
@@ -63,6 +65,22 @@ bn = model.layers[1]
 late, fit_late = train()  # kept local from its second fit on (SparseStrategy's step traced in the first)
 fit_late()
 fit_late(hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[late.layers[1].moving_mean]))
+# a checkpoint listed before MetricAverage (the documented order: MetricAverage last) holds the ranks'
+# mean of the moving statistics, not rank 0's own: what every rank holds after fit's averaging
+saved, _ = train()
+path = os.path.join(os.environ["TFSPARSE_TEST_OUT"], "bn.weights.h5")
+saved.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+    tfsparse.keras.callbacks.ModelCheckpoint(path, save_weights_only=True),
+    *([tfsparse.keras.callbacks.MetricAverage()] if route == "optimizer" else [])])
+result["saved_is_held"] = None
+if rank == 0:
+    import h5py
+
+    found = []  # BatchNormalization's variables: gamma, beta, moving mean (2), moving variance
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.append(np.asarray(obj)) if isinstance(obj, h5py.Dataset)
+                     and "batch_normalization" in name and name.endswith("vars/2") else None)
+    result["saved_is_held"] = len(found) == 1 and np.array_equal(found[0], np.asarray(saved.layers[1].moving_mean))
 save_result(rank, **result, local_mean=np.asarray(bn.moving_mean), local_rest=rest(model),
             late_mean=np.asarray(late.layers[1].moving_mean), late_rest=rest(late),
             mismatch=error_of(train(True, rank0_only=True)[1]))

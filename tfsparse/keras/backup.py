@@ -15,7 +15,16 @@ from .. import _checks, files, runtime
 from .._tf_private import set_initial_epoch
 from ..collectives.agreement import ConfigurationMismatch
 from .ownership import checkpointer_of
-from .sync import run_on_model
+from .sync import average_moving_statistics_off_strategy, run_on_model
+
+
+def _complete(path) -> bool:
+    """Whether ``path`` exists and is a complete file (:func:`tfsparse.files.check_saved_file`)."""
+    try:
+        files.check_saved_file(path)
+    except (FileNotFoundError, files.TruncatedFile):
+        return False
+    return True
 
 
 class _BatchCount:
@@ -65,7 +74,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     training apart or waiting forever.
 
     >>> callbacks = [tfsparse.keras.callbacks.BackupAndRestore("/shared/run1/backup")]
-    >>> model.fit(x, y, epochs=20, callbacks=callbacks)   # relaunched: resumes after the last epoch saved
+    >>> model.fit(x, y, epochs=20, shuffle=False, callbacks=callbacks)  # relaunched: resumes after the last save
 
     Args:
       backup_dir: the directory of the backup (created when needed); it holds
@@ -83,8 +92,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     The model must be built before ``fit`` (a ``keras.Input`` layer, or a call on a batch) --
     Keras' condition; a model trained in a :class:`~tfsparse.SparseStrategy` is restored in that
-    strategy's scope.  The arguments and the data (order included: ``shuffle=False`` or a seeded
-    pipeline) must be the same in the relaunched job.
+    strategy's scope.  The arguments and the data must be the same in the relaunched job, and for
+    a bit-identical result each epoch must see its batches in the same order however many epochs
+    ran before it in the process: ``fit(..., shuffle=False)`` on arrays (Keras' shuffle draws a new
+    order each epoch from the process's random state), or a ``tf.data`` pipeline without
+    ``shuffle`` or with ``reshuffle_each_iteration=False``.  The other callbacks' own state
+    (``EarlyStopping``'s patience, ``ReduceLROnPlateau``'s) is not backed up, as with Keras' callback.
     """
 
     LATEST = "latest.weights.h5"
@@ -223,7 +236,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save()
 
     def _save(self) -> None:
-        """Collective (the exchange states are gathered); rank 0 writes the backup."""
+        """Collective (the exchange states are gathered; on the ``DistributedOptimizer`` route the
+        moving statistics averaged, so that the ranks resume from the state they all hold); rank 0
+        writes the backup."""
+        average_moving_statistics_off_strategy(self.model)
         checkpointer = checkpointer_of(self.model)
         if checkpointer is not None:
             checkpointer.gather()
@@ -241,8 +257,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.save_weights(str(tmp))
             with h5py.File(tmp, "a") as f:
                 f.attrs[self.ATTRIBUTE] = json.dumps(progress)
-            if self.double_checkpoint and os.path.exists(latest):
-                os.replace(latest, self._path(self.PREVIOUS))  # a crash now: the previous one is restored
+            if self.double_checkpoint and _complete(latest):  # a damaged one (the run resumed from the previous
+                os.replace(latest, self._path(self.PREVIOUS))  # one) does not replace it; a crash now: previous
 
     # -- the end of a successful fit ------------------------------------------
     def on_train_end(self, logs=None):

@@ -31,7 +31,8 @@ from ..wire import get_wire
 from .backup import _BatchCount
 from .ownership import checkpointer_of, exchange_of, require_exchange, sparse_strategy_of
 from .replicas import check_replicas
-from .sync import _assign, _float64, average_moving_statistics, broadcast_variables, run_on_model  # noqa: F401
+from .sync import (_assign, _float64, average_moving_statistics, average_moving_statistics_off_strategy,  # noqa: F401
+                   broadcast_variables, run_on_model)
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -398,16 +399,26 @@ class ModelCheckpoint(_RankZeroOnly):
 
     Each file is written whole or not at all: to a temporary file beside it, renamed into place
     when complete (:mod:`tfsparse.files`), so a crash during a save leaves the previous checkpoint
-    at that path loadable.
+    at that path loadable.  On the ``DistributedOptimizer`` route the moving statistics
+    (BatchNormalization's) are averaged over the ranks at each save point, wherever
+    ``MetricAverage`` stands, so the file holds their mean.
 
     Args:
-      filepath: where to save, as Keras' (``{epoch}`` and the logs' keys may be formatted in).
+      filepath: where to save, as Keras' (``{epoch}`` and the logs' keys may be formatted in):
+        ``.keras``, or ``.weights.h5`` with ``save_weights_only=True`` (a whole model in Keras'
+        legacy ``.h5`` format would lose the exchange state: ``ValueError``).
       save_freq: ``"epoch"`` or an integer N (every N batches), as Keras'.
       **kwargs: Keras' other arguments (``monitor``, ``save_best_only``, ``save_weights_only``,
         ``mode``, ``verbose``, ``initial_value_threshold``).
     """
 
     def __init__(self, filepath, save_freq="epoch", **kwargs):
+        path = os.fspath(filepath)
+        if not kwargs.get("save_weights_only", False) and path.endswith((".h5", ".hdf5")):
+            raise ValueError(f"filepath={path!r}: Keras writes a whole model to a .h5 file in its legacy HDF5 format, "
+                             f"which holds no exchange state (the residuals, auto's choice) -- a resumed run would "
+                             f"lose it; accepted: a path ending in '.keras', or in '.weights.h5' with "
+                             f"save_weights_only=True")
         super().__init__(keras.callbacks.ModelCheckpoint(filepath, save_freq=save_freq, **kwargs), runtime.rank())
         self.save_freq = save_freq
         self._count = _BatchCount(save_freq) if isinstance(save_freq, int) else None
@@ -420,6 +431,7 @@ class ModelCheckpoint(_RankZeroOnly):
             self.callback.set_model(_AtomicSaves(model))
 
     def _gather(self):
+        average_moving_statistics_off_strategy(self.model)  # the file holds the ranks' mean (collective)
         checkpointer = checkpointer_of(self.model)
         if checkpointer is not None:
             checkpointer.gather()

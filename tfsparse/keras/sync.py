@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from .. import runtime
 from ..collectives.agreement import check_agreement
-from .ownership import exchange_of, own_ids
+from .ownership import exchange_of, own_ids, sparse_strategy_of
 
 
 def broadcast_variables(variables, root_rank: int = 0, communicator=None) -> None:
@@ -84,6 +84,19 @@ def average_moving_statistics(model, communicator=None) -> int:
         flat = np.concatenate([x.reshape(-1) for x in values])
         _assign(weights, values, run_on_model(model, lambda c: c.allreduce(flat), comm) / comm.size)
     return len(weights)
+
+
+def average_moving_statistics_off_strategy(model) -> None:
+    """:func:`average_moving_statistics` where ``model`` trains outside a ``SparseStrategy`` (whose
+    step averages them already): before a checkpoint or backup is written, so that the file holds
+    the ranks' mean and every rank goes on from it.  Averaging values the ranks hold alike changes
+    no bit (their float64 sum divided by the ranks is each value).  Collective.
+
+    Args:
+      model: a Keras model.
+    """
+    if sparse_strategy_of(model) is None:
+        average_moving_statistics(model)
 
 
 def run_on_model(model, fn, communicator=None):
