@@ -3,7 +3,8 @@ on real ranks under ``mpirun`` and ``horovodrun`` (P = 2 and the non-power-of-tw
 process queries, ``allreduce`` (every op, the scale factors, fp16 compression, integers,
 IndexedSlices), ``allgather`` (ranks of different lengths), ``broadcast``, ``broadcast_variables``
 (eagerly and in a ``tf.function``), Horovod's gradients of the three collectives, collectives of a
-``tf.function`` in the order written, each against its numpy reference, and a custom training
+``tf.function`` in the order written, ``broadcast_object`` and ``allgather_object``, the questions
+about the build (``mpi_built()``, ``nccl_built()``, ...), each against its numpy reference, and a custom training
 loop as Horovod's TF2 examples write it (``DistributedGradientTape``, ``broadcast_variables``
 after the first batch; an Embedding among the layers) (tests/workers/horovod_api.py);
 and the errors: before ``init``, after ``shutdown``, unsupported ops, process sets and names.
@@ -29,6 +30,15 @@ def _check(results, P, backend):
         assert res["failures"] == [], res["failures"]
         assert res["backend"] == backend
         assert res["queries"] == [r, P, r, P, 0, 1, True]  # one host: every rank local, one cross rank
+        b = res["built"]
+        assert b["is_homogeneous"] is True and b["mpi_built"] is True and b["mpi_enabled"] is (backend == "mpi")
+        assert isinstance(b["mpi_threads_supported"], bool) and b["cuda_built"] == "bool"
+        assert b["nccl_built"] == 0 and not any(b[k] for k in ("gloo_enabled", "gloo_built", "ddl_built", "ccl_built",
+                                                                "rocm_built"))
+        o = res["objects"]
+        assert o["broadcast"] == [8, 30]  # rank 1's epoch and its lambda (v * 3)
+        assert o["gathered"] == [{"rank": q, "rows": list(range(q + 1))} for q in range(P)]
+        assert "broadcast_object sends a Python object: call it eagerly" in o["in_function"], o["in_function"]
         np.testing.assert_array_equal(res["weights"], results[0]["weights"])  # rank 0's weights everywhere
         assert res["before_init"] == res["after_shutdown"] == \
             "ValueError: Horovod has not been initialized; use hvd.init()."
@@ -39,7 +49,7 @@ def _check(results, P, backend):
         assert f"root_rank={P} is not valid; accepted: an integer from 0 to {P - 1}" in e["root"]
         assert "process_set=" in e["process_set"] and "accepted: hvd.global_process_set" in e["process_set"]
         assert e["missing"].startswith("AttributeError: tfsparse.horovod.tensorflow does not provide "
-                                       "horovod.tensorflow.mpi_threads_supported; provided: init, shutdown")
+                                       "horovod.tensorflow.join; provided: init, shutdown")
         assert "rank >= 1" in e["scalar"]
         assert "accepted: num_groups=0, groups=None" in e["groups"]
         shapes = ", ".join(f"(2, {q + 1})" for q in range(P))

@@ -108,7 +108,8 @@ def reject_xla(what: str) -> None:
         raise ValueError(
             f"jit_compile=True is not supported with tfsparse: {what} runs MPI from Python "
             f"(tf.numpy_function), which XLA cannot compile. Use model.compile(..., jit_compile=False) "
-            f"(the default under a distribution strategy and on CPU).")
+            f"(Keras' jit_compile='auto' turns XLA on where TensorFlow sees a GPU and no distribution "
+            f"strategy is in use, as with DistributedOptimizer alone; under SparseStrategy, and on CPU, it is off).")
 
 
 def _caller_frames(max_depth: int):

@@ -25,6 +25,16 @@ hvd.init()  # idempotent
 r, P = hvd.rank(), hvd.size()
 queries = [hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
            hvd.is_initialized()]
+# Horovod's questions about the build and the job
+built = {name: getattr(hvd, name)() for name in ("is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+                                                  "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+                                                  "rocm_built")}
+built["cuda_built"] = type(hvd.cuda_built()).__name__
+# Python objects: rank 1's dict (a lambda inside: cloudpickle's) everywhere; every rank's, in rank order
+sent = hvd.broadcast_object({"epoch": 7 + r, "scale": lambda v, k=r + 2: v * k} if r == 1 else None, root_rank=1)
+objects = {"broadcast": [sent["epoch"], sent["scale"](10)],
+           "gathered": hvd.allgather_object({"rank": r, "rows": list(range(r + 1))}),
+           "in_function": error_of(lambda: tf.function(lambda: hvd.broadcast_object(1) or tf.constant(0))())}
 
 
 def data(q, dtype=np.float32):
@@ -160,7 +170,7 @@ errors = {
     "both": error_of(lambda: hvd.allreduce(mine, op=hvd.Sum, average=True)),
     "root": error_of(lambda: hvd.broadcast(mine, root_rank=P)),
     "process_set": error_of(lambda: hvd.allreduce(mine, process_set=object())),
-    "missing": error_of(lambda: hvd.mpi_threads_supported()),
+    "missing": error_of(lambda: hvd.join()),
     "scalar": error_of(lambda: hvd.allgather(tf.constant(1.0))),
     "groups": error_of(lambda: hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)),
 }
@@ -181,6 +191,7 @@ errors["shapes_graph"] = shapes_error()
 errors["after_shapes"] = hvd.allgather(tf.constant([float(r)])).numpy().tolist()  # still in step
 hvd.shutdown()
 after_shutdown = error_of(hvd.size)
-save_result(r, queries=queries, failures=failures, weights=flat, errors=errors, before_init=before_init,
+save_result(r, queries=queries, built=built, objects=objects, failures=failures, weights=flat, errors=errors,
+            before_init=before_init,
             losses=losses, loop_weights=loop_weights, tape_error=tape_error,
             after_shutdown=after_shutdown, backend=__import__("tfsparse").runtime.backend())

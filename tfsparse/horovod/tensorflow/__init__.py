@@ -12,7 +12,11 @@ Each call has Horovod's meaning, eagerly and inside ``tf.function`` (where the c
 function run in the order they were written, on every rank), with Horovod's gradients
 (``allreduce``'s is the allreduce of the gradient; ``allgather``'s the average of the gradient's
 rows of this rank; ``broadcast``'s the average on the root rank, zero elsewhere).  Every rank
-must make the same calls in the same order, as under Horovod.
+must make the same calls in the same order: unlike Horovod, which matches the ranks' tensors by
+name and says when their shapes differ, tfsparse matches them by order (``allgather`` checks the
+shapes; ``allreduce`` and ``broadcast`` do not).  Python objects travel with
+``broadcast_object`` and ``allgather_object``; Horovod's questions about the build
+(``mpi_built()``, ``nccl_built()``, ...) are answered for tfsparse (:mod:`.basics`).
 
 What differs from Horovod: there are no process sets (``process_set=`` accepts the global one
 only), no Adasum or Product reduction, and ``device_dense``/``device_sparse`` are accepted and
@@ -161,7 +165,8 @@ def _topology(world) -> dict:
     me = world.rank
     cross = [r for r in range(len(hosts)) if local_of[r] == local_of[me]]
     return {"local_rank": local_of[me], "local_size": hosts.count(hosts[me]),
-            "cross_rank": cross.index(me), "cross_size": len(cross)}
+            "cross_rank": cross.index(me), "cross_size": len(cross),
+            "homogeneous": len({hosts.count(h) for h in hosts}) == 1}
 
 
 def shutdown() -> None:
@@ -668,11 +673,17 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         **tfsparse_settings)
 
 
+from .basics import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,  # noqa: E402
+                     mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from .basics import NAMES as _BASICS  # noqa: E402
+from .functions import allgather_object, broadcast_object  # noqa: E402
+from .functions import NAMES as _FUNCTIONS  # noqa: E402
+
 _PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-             "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", "DistributedGradientTape",
-             "DistributedOptimizer",
+             "cross_size", "allreduce", "allgather", "broadcast", "broadcast_variables", *_FUNCTIONS,
+             "DistributedGradientTape", "DistributedOptimizer",
              "Compression",
-             "Average", "Sum", "Min", "Max", "global_process_set")
+             "Average", "Sum", "Min", "Max", "global_process_set", *_BASICS)
 
 
 def __getattr__(name):

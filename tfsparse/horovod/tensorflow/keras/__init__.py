@@ -23,8 +23,10 @@ is not a subclass of the wrapped optimizer's class but a ``keras.optimizers.Loss
 wrapping it (``opt.inner_optimizer``), so ``model.save`` stores the wrapper and
 ``keras.models.load_model`` restores it; at the end of ``fit`` the BatchNormalization moving
 statistics are averaged over the ranks and the replicas compared
-(:class:`tfsparse.keras.DistributedOptimizer`).  Names not provided raise an ``AttributeError``
-naming them.
+(:class:`tfsparse.keras.DistributedOptimizer`).  On a GPU, compile with ``jit_compile=False``:
+Keras 3 turns XLA on there by default when no distribution strategy is in use (tf.keras did not),
+and XLA cannot compile the exchange, which runs from Python (a ``ValueError`` at the first step
+says so).  Names not provided raise an ``AttributeError`` naming them.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ from ....keras.optimizer import _sparse_strategy
 from ....tf_glue import on_values
 from .. import (Average, Compression, Sum, _check_process_set, _resolve_op, cross_rank, cross_size,
                 global_process_set, init, is_initialized, local_rank, local_size, rank, shutdown, size)
+from ..basics import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,  # noqa: F401
+                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from ..basics import NAMES as _BASICS
 from .. import allgather as _allgather
 from .. import allreduce as _allreduce
 from .. import broadcast as _broadcast
@@ -299,7 +304,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 
 _PROVIDED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
              "cross_size", "allreduce", "allgather", "broadcast", "DistributedOptimizer", "Compression", "Average",
-             "Sum", "callbacks", "global_process_set")
+             "Sum", "callbacks", "global_process_set", *_BASICS)
 
 
 def __getattr__(name):
