@@ -1,6 +1,6 @@
 """Identical replicas on the models users write, under real mpirun (P = 2 and 3): every weight and
 optimizer variable bit for bit equal across ranks after training, for every algorithm, Adam and
-SGD (and eight other Keras optimizers), a Transformer under mixed precision, transfer learning and refits on both routes, a GAN's two
+SGD (and eight other Keras optimizers), a model with variables the loss never reaches, a Transformer under mixed precision, transfer learning and refits on both routes, a GAN's two
 optimizers; and a rank that drifts apart is named, never silent.
 
 One launch per world size runs every case one after another (tests/workers/replicas.py): a
@@ -17,7 +17,7 @@ CASES = {
                                                  "auto-strategy-measured", "auto-optimizer-gtopk"],
     3: ["text-topk-adam", "text-gtopk-adam", "text-oktopk-adam", "text-dragonn-adam", "text-oktopk-sgd",
         "transformer-float32", "transformer-mixed_bfloat16", "finetune-strategy", "finetune-optimizer",
-        "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "optimizers-strategy", "optimizers-optimizer", "gan-strategy",
+        "refit-strategy", "refit-optimizer", "refit-strategy-2", "refit-optimizer-2", "optimizers-strategy", "optimizers-optimizer", "unused-strategy", "unused-optimizer", "gan-strategy",
         "gan-optimizer", "diverge-strategy", "diverge-optimizer", "diverge-strategy-validation", "auto-strategy-measured",
         "auto-optimizer-measured", "auto-strategy-oktopk"],
 }
@@ -56,6 +56,11 @@ def test_every_rank_ends_with_the_same_bits(nproc, case):
     algorithms on both routes (P = 3), and a GAN whose two optimizers each
     get an exchange of their own (under SparseStrategy, or each a DistributedOptimizer)."""
     same_bits(launched(nproc), case.replace("-", "_"))
+    if case.startswith("unused"):  # a head without gradients: skipped with Keras' warning, the rest trained
+        for res in launched(nproc):
+            info = res[case.replace("-", "_") + "_info"]
+            assert info["warned"] and info["loss"][1] < info["loss"][0], info
+            assert info["spare_kept"] in (True, None), info
     if case.startswith("optimizers"):  # only the recent optimizers may be missing (an older Keras)
         for res in launched(nproc):
             assert set(res[case.replace("-", "_") + "_info"]["missing"]) <= {"Muon", "ScheduleFreeAdamW"}

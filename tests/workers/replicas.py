@@ -14,6 +14,9 @@ argv[1:]: the cases, run one after another in this one launch (a launch costs mo
   fit -- under SparseStrategy, or through a new DistributedOptimizer per compile;
 * ``refit-<strategy|optimizer>[-2]``: a model whose trainable set changes between fits (a layer
   frozen, then unfrozen) and a second fit with another optimizer (``-2``: Pipe-SGD's pipeline=2);
+* ``unused-<strategy|optimizer>``: a model with a head the loss never reaches (its variables' gradients
+  are None), Adam over gTop-k (``<case>_info``: Keras' warning seen, the head's weights unchanged under
+  SparseStrategy, the losses);
 * ``gan-<strategy|optimizer>``: a generator and a discriminator, each with its own optimizer, in
   one custom ``train_step`` under SparseStrategy (or each a DistributedOptimizer);
 * ``diverge-<strategy|optimizer>[-validation]``: rank 1 alone nudges a weight during the first
@@ -205,6 +208,45 @@ def optimizers_case(route):
     return np.concatenate(parts), {"missing": missing}
 
 
+class TwoHeads(keras.Model):
+    """The text classifier with a second head that the loss never reaches: its kernel and bias get no
+    gradient (None), as in a multi-task model trained on one task."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = text_model(16)
+        self.spare = keras.layers.Dense(3, name="spare_head")
+
+    def call(self, x):
+        logits = self.body(x)
+        self.spare(logits)  # built and called, but not in the output: no gradient reaches it
+        return logits
+
+
+def unused_case(route):
+    """A model of which two variables get no gradient (None): Keras skips them with a warning; they
+    are not exchanged, stay as rank 0 started them, and the rest trains identically (Adam, gTop-k)."""
+    x, y = text_data(256)
+    keras.utils.set_random_seed(rank)
+    strategy = tfsparse.SparseStrategy("gtopk", 0.01) if route == "strategy" else None
+    with strategy.scope() if strategy else _nothing():
+        model = TwoHeads()
+        model(x[:1])
+        opt = keras.optimizers.Adam(1e-3)
+        model.compile(opt if strategy else tfsparse.keras.DistributedOptimizer(opt, "gtopk", 0.01), LOSS)
+    start = [v.numpy().copy() for v in model.spare.weights]
+    callbacks = [] if strategy else [tfsparse.keras.callbacks.BroadcastInitialState()]
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hist = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=callbacks)
+    kept = all(np.array_equal(a, v.numpy()) for a, v in zip(start, model.spare.weights)) if strategy else None
+    warned = any("Gradients do not exist for variables" in str(w.message) and "spare_head" in str(w.message)
+                 for w in caught)
+    return bits(model, model.optimizer), {"warned": warned, "spare_kept": kept,
+                                          "loss": [float(v) for v in hist.history["loss"]]}
+
+
 class GAN(keras.Model):
     def __init__(self, generator, discriminator):
         super().__init__()
@@ -348,7 +390,7 @@ class _nothing:
 def run(case: str) -> np.ndarray:
     kind, *args = case.split("-")
     return {"text": text_case, "transformer": transformer_case, "finetune": finetune_case,
-            "refit": refit_case, "optimizers": optimizers_case, "gan": gan_case, "diverge": diverge_case, "auto": auto_case}[kind](*args)
+            "refit": refit_case, "optimizers": optimizers_case, "unused": unused_case, "gan": gan_case, "diverge": diverge_case, "auto": auto_case}[kind](*args)
 
 
 results = {}

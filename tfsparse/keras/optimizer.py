@@ -27,6 +27,8 @@ halve the loss scale, together.
 """
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -159,7 +161,9 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
         divided by the world size) on this route; under a ``SparseStrategy``, the strategy's all-reduce
         exchanges them and Keras averages.  With ``loss_scale`` on, the step is applied, or skipped with the
         scale halved, by whether the exchanged gradients are finite: the same decision on every rank.  A
-        missing (None) gradient raises ValueError.
+        missing (None) gradient -- a variable the loss does not reach -- is left out of the exchange and the
+        variable is not updated, with Keras' warning (as Keras and Horovod do): which gradients are missing
+        is the traced model's, the same on every rank.
 
         Args:
           grads: the gradients, one per variable.
@@ -169,12 +173,16 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = trainable_variables if trainable_variables is not None else optimizer_variables(self)
+        variables = list(trainable_variables if trainable_variables is not None else optimizer_variables(self))
+        grads = list(grads)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        if len(pairs) != len(list(variables)):
+        if not pairs:
+            raise ValueError("No gradients provided for any variable.")
+        if len(pairs) != len(variables):
             missing = [getattr(v, "path", v.name) for g, v in zip(grads, variables) if g is None]
-            raise ValueError(f"gradients are missing for {missing}: every rank must send the same "
-                             f"gradients each step; mark unused variables trainable=False")
+            warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss: they are "
+                          f"not exchanged and not updated", stacklevel=2)
+            grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
         if _sparse_strategy() is not None:
             # under SparseStrategy its all-reduce runs this optimizer's exchange (adopted by the
             # strategy when this wrapper was built), and Keras scales the loss by 1/P; with loss
