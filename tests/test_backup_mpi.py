@@ -167,6 +167,12 @@ def test_double_checkpoint_restores_the_previous_backup_when_the_latest_is_damag
     latest, previous = backup / BackupAndRestore.LATEST, backup / BackupAndRestore.PREVIOUS
     assert _progress(latest)["epoch"] == 2 and _progress(previous)["epoch"] == 1
     latest.write_bytes(latest.read_bytes()[:2000])  # cut short
+    # resumed from the previous one, and stopped again after its first epoch's backup: the damaged
+    # latest one is replaced, not moved over the good previous one
+    callback, _, _ = _one_process_fit(backup, 2, double_checkpoint=True)
+    assert callback.restored["file"] == BackupAndRestore.PREVIOUS and callback.restored["epoch"] == 1
+    assert _progress(latest)["epoch"] == 2 and _progress(previous)["epoch"] == 1
+    latest.write_bytes(latest.read_bytes()[:2000])
     callback, _, epochs_run = _one_process_fit(backup, double_checkpoint=True)
     assert callback.restored["file"] == BackupAndRestore.PREVIOUS and callback.restored["epoch"] == 1
     assert epochs_run == 3 and not backup.exists()  # epochs 1 to 3, then deleted

@@ -2,6 +2,9 @@
 its numpy reference (every rank knows what every rank holds), eagerly, inside a tf.function
 and through their gradients; its errors; for tests/test_horovod_api_mpi.py.  Launched by
 mpirun or horovodrun."""
+import functools
+import operator
+
 import numpy as np
 import keras
 import tensorflow as tf
@@ -30,8 +33,14 @@ built = {name: getattr(hvd, name)() for name in ("is_homogeneous", "mpi_threads_
                                                   "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
                                                   "rocm_built")}
 built["cuda_built"] = type(hvd.cuda_built()).__name__
-# Python objects: rank 1's dict (a lambda inside: cloudpickle's) everywhere; every rank's, in rank order
-sent = hvd.broadcast_object({"epoch": 7 + r, "scale": lambda v, k=r + 2: v * k} if r == 1 else None, root_rank=1)
+# Python objects: rank 1's dict everywhere (a lambda inside where cloudpickle is installed, as with
+# Horovod; else a partial, which the standard pickle takes); every rank's, in rank order
+try:
+    import cloudpickle  # noqa: F401
+    scale = lambda v, k=r + 2: v * k  # noqa: E731
+except ImportError:
+    scale = functools.partial(operator.mul, r + 2)
+sent = hvd.broadcast_object({"epoch": 7 + r, "scale": scale} if r == 1 else None, root_rank=1)
 objects = {"broadcast": [sent["epoch"], sent["scale"](10)],
            "gathered": hvd.allgather_object({"rank": r, "rows": list(range(r + 1))}),
            "in_function": error_of(lambda: tf.function(lambda: hvd.broadcast_object(1) or tf.constant(0))())}
