@@ -71,24 +71,6 @@ def mpi_built() -> bool:
     return True
 
 
-def gloo_enabled() -> bool:
-    """Whether Gloo runs the collectives: never here.
-
-    Returns:
-      False.
-    """
-    return False
-
-
-def gloo_built() -> bool:
-    """Whether Gloo is built in: not in tfsparse.
-
-    Returns:
-      False.
-    """
-    return False
-
-
 def nccl_built() -> int:
     """NCCL's version code where it is built in, else 0: tfsparse has no NCCL collectives (its
     GPU path copies the sparse payload to the host for MPI).
@@ -97,24 +79,6 @@ def nccl_built() -> int:
       0.
     """
     return 0
-
-
-def ddl_built() -> bool:
-    """Whether IBM DDL is built in: not in tfsparse.
-
-    Returns:
-      False.
-    """
-    return False
-
-
-def ccl_built() -> bool:
-    """Whether oneCCL is built in: not in tfsparse.
-
-    Returns:
-      False.
-    """
-    return False
 
 
 def cuda_built() -> bool:
@@ -133,14 +97,21 @@ def cuda_built() -> bool:
         return False
 
 
-def rocm_built() -> bool:
-    """Whether ROCm is built in: not in tfsparse.
+def _never(name: str, what: str):
+    """A query of Horovod's about a part tfsparse does not have: it answers False."""
+    def query() -> bool:
+        return False
 
-    Returns:
-      False.
-    """
-    return False
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = f"Whether {what}: never in tfsparse.\n\nReturns:\n  False.\n"
+    return query
 
+
+gloo_enabled = _never("gloo_enabled", "Gloo runs the collectives")
+gloo_built = _never("gloo_built", "Gloo is built in")
+ddl_built = _never("ddl_built", "IBM DDL is built in")
+ccl_built = _never("ccl_built", "oneCCL is built in")
+rocm_built = _never("rocm_built", "ROCm is built in")
 
 NAMES = ("is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
          "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built")
