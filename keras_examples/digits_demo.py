@@ -117,9 +117,11 @@ def parse_args():
     parser.add_argument("--csc-selection", default=None, help="CSC's chunk selection: current or previous")
     parser.add_argument("--selection", default=None,
                         help="cost_model: DRAGONN's per-tensor choice by Eq. 1 (default: every tensor compressed)")
-    parser.add_argument("--clip-norm", type=positive_float, default=None, help="DGC's local gradient clipping (default: off)")
+    parser.add_argument("--clip-norm", type=positive_float, default=None,
+                        help="DGC's local gradient clipping (default: off)")
     parser.add_argument("--pipeline", type=int, choices=[1, 2], default=1, help="1 (synchronous) or 2 (Pipe-SGD)")
-    parser.add_argument("--dsync-epochs", type=non_negative_int, default=0, help="Pipe-SGD's synchronous float32 warm-up epochs")
+    parser.add_argument("--dsync-epochs", type=non_negative_int, default=0,
+                        help="Pipe-SGD's synchronous float32 warm-up epochs")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="initial weights and shuffling (default 0)")
     parser.add_argument("--json", default=None, help="write every run's per-epoch history here (rank 0)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",

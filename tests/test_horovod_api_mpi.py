@@ -31,7 +31,7 @@ def _check(results, P, backend):
         assert res["backend"] == backend
         assert res["queries"] == [r, P, r, P, 0, 1, True]  # one host: every rank local, one cross rank
         b = res["built"]
-        assert b["is_homogeneous"] is True and b["mpi_built"] is True and b["mpi_enabled"] is (backend == "mpi")
+        assert b["is_homogeneous"] is True and b["mpi_built"] is True and b["mpi_enabled"] is True  # (Horovod: MPI)
         assert isinstance(b["mpi_threads_supported"], bool) and b["cuda_built"] == "bool"
         assert b["nccl_built"] == 0 and not any(b[k] for k in ("gloo_enabled", "gloo_built", "ddl_built", "ccl_built",
                                                                 "rocm_built"))
@@ -109,6 +109,8 @@ def _check_keras(results, P, backend):
             assert u[key] < lossless, (key, u)
         assert u["fp16"] < 2e-3, u
         assert res["passes"] == [True, 2, True, 2]  # no update after the first pass; iterations count both
+        # a None gradient in every pass: left out, the other exchanged once after both (the mean of 3 (q + 1))
+        assert res["accumulate_none"] == [[0.0] * 3, [-1.5 * (P + 1)] * 3, [1.0, 1.0]], res["accumulate_none"]
         # staircase schedule, 0.1 * 0.5 ** (epoch - 1) from epoch 1 to 2: 0.1, 0.1, 0.05, then left at 0.05
         np.testing.assert_allclose(res["schedule_lrs"], [0.1] * 4 + [0.05] * 4, rtol=1e-6)
         assert res["correction"] < 1e-6

@@ -58,6 +58,21 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+#: What a failed write-back looks like: the data may not be on disk.
+_WRITE_FAILED = frozenset(e for e in (errno.EIO, errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Flushes the rename into ``directory`` to disk.  The new file is in place already: only a
+    failed write-back (EIO, ENOSPC, EDQUOT) is an error; a directory this process cannot open, or a
+    file system that cannot flush one, is not."""
+    try:
+        _fsync(directory)
+    except OSError as e:
+        if e.errno in _WRITE_FAILED:
+            raise
+
+
 @contextlib.contextmanager
 def replacing(path):
     """Yields the temporary path to write ``path``'s new content to, then renames it over ``path``.
@@ -76,7 +91,8 @@ def replacing(path):
 
     Raises:
       FileNotFoundError: the block wrote nothing to the temporary path.
-      OSError: flushing the file (``path`` unchanged) or the directory (``path`` replaced) failed.
+      OSError: flushing the file failed (``path`` unchanged), or the directory's write-back failed
+        (``path`` replaced, but the rename may not survive a crash of the machine).
     """
     path = Path(path)
     if path.parent != Path(""):
@@ -92,9 +108,7 @@ def replacing(path):
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    # the rename itself reaches the disk with the directory (an error here: the new content is in
-    # place, but may not survive a crash of the machine)
-    _fsync(path.parent if path.parent != Path("") else Path("."))
+    _fsync_directory(path.parent if path.parent != Path("") else Path("."))
 
 
 def write_text(path, text: str) -> None:

@@ -5,6 +5,8 @@ gradients, accumulation over backward passes, fp16 compression, the learning-rat
 rates and momentum correction, a sparse algorithm one keyword away, a variable kept local (a
 BatchNormalization statistic too), and the errors; for tests/test_horovod_api_mpi.py.  Launched by
 mpirun or horovodrun."""
+import warnings
+
 import numpy as np
 import keras
 import tensorflow as tf
@@ -124,6 +126,17 @@ step, own_g, unchanged2, iterations2 = one_update([(xb, yb), (xb2, yb2)], passes
 updates["passes averaged"] = relative(step, everyones_mean(own_g) / 2)
 passes = [unchanged, iterations, unchanged2, iterations2]
 
+# accumulation with a variable the loss does not reach (its gradient None in every pass): it is left out
+# as Horovod leaves it, and the other is accumulated over both passes and exchanged once
+used, spare = keras.Variable(np.zeros(3, np.float32)), keras.Variable(np.ones(2, np.float32))
+opt3 = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Keras' "Gradients do not exist for variables"
+    opt3.apply([tf.constant(np.full(3, r + 1.0, np.float32)), None], [used, spare])
+    after_one = used.numpy().tolist()
+    opt3.apply([tf.constant(np.full(3, 2.0 * (r + 1), np.float32)), None], [used, spare])
+accumulate_none = [after_one, used.numpy().tolist(), spare.numpy().tolist()]
+
 # accumulation through fit: the broadcast after batch 0 leaves each rank's own partial sum, and a
 # window still open at the end (3 batches, 2 passes each) is no divergence at fit's replica check
 net = build(7)
@@ -195,7 +208,8 @@ errors = {
     "missing": error_of(lambda: hvd.callbacks.BestModelCheckpoint),
     "load_model": error_of(lambda: hvd.load_model),
 }
-save_result(r, history=history, fit_weights=fit_weights, metric_error=metric_error, lr_error=lr_error,
+save_result(r, accumulate_none=accumulate_none, history=history, fit_weights=fit_weights, metric_error=metric_error,
+            lr_error=lr_error,
             lrs=seen.lrs, updates=updates, passes=passes, schedule_lrs=schedule_lrs, correction=correction,
             schedule_weights=schedule_weights, sparse_losses=sparse_losses, sparse_weights=sparse_weights,
             local_head=local_head, local_rest=local_rest, local_mean=local_mean,

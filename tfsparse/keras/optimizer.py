@@ -173,8 +173,10 @@ class DistributedOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = list(trainable_variables if trainable_variables is not None else optimizer_variables(self))
         grads = list(grads)
+        if not grads:
+            return  # as Keras: nothing to apply
+        variables = list(trainable_variables if trainable_variables is not None else optimizer_variables(self))
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable.")

@@ -46,16 +46,21 @@ def mpi_threads_supported() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """Whether the job's collectives run over MPI (not Horovod's, under ``horovodrun``).
+    """Whether the job's collectives run over MPI: on tfsparse's MPI backend, yes; under
+    ``horovodrun`` (Horovod's collectives), Horovod's own answer.
 
     Returns:
-      True on tfsparse's MPI backend.
+      True when MPI carries the collectives.
 
     Raises:
       ValueError: before :func:`~tfsparse.horovod.tensorflow.init`.
     """
     _world()
-    return runtime.backend() == "mpi"
+    if runtime.backend() == "mpi":
+        return True
+    import horovod.tensorflow as horovod
+
+    return bool(horovod.mpi_enabled())
 
 
 def mpi_built() -> bool:

@@ -179,7 +179,8 @@ class HorovodOptimizer(_SparseOptimizer):
         (:meth:`tfsparse.keras.DistributedOptimizer.apply`) -- or, with ``backward_passes_per_step=N > 1``,
         added to this rank's accumulators, whose sum every ``N``-th call exchanges (divided by ``N`` with
         ``average_aggregated_gradients``), applies and zeroes; the calls in between only advance
-        ``iterations``.  A missing (None) gradient takes the first way, which names it in a ValueError.
+        ``iterations``.  A missing (None) gradient -- a variable the loss does not reach -- is left out, as
+        Horovod leaves it: not accumulated, not exchanged, not updated (with Keras' warning).
 
         Args:
           grads: the gradients, one per variable.
@@ -188,8 +189,8 @@ class HorovodOptimizer(_SparseOptimizer):
         grads = list(grads)
         if self.gradient_predivide_factor != 1.0:
             grads = [_scaled(g, 1.0 / self.gradient_predivide_factor) for g in grads]
-        if self.backward_passes_per_step == 1 or any(g is None for g in grads):
-            return super().apply(grads, trainable_variables)  # (the wrapper names missing gradients)
+        if self.backward_passes_per_step == 1:
+            return super().apply(grads, trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -197,15 +198,17 @@ class HorovodOptimizer(_SparseOptimizer):
         variables = trainable_variables if trainable_variables is not None else optimizer_variables(self)
         self._start_from_root(list(variables))
         local = self._local
+        present = [g is not None for g in grads]  # the traced model's: the same in every pass and on every rank
         for total, g in zip(local.sums, grads):
-            total.assign_add(tf.convert_to_tensor(g))
+            if g is not None:
+                total.assign_add(tf.convert_to_tensor(g))
         local.passes.assign_add(1)
         n = self.backward_passes_per_step
 
         def exchange_and_apply():
-            summed = [tf.identity(t) for t in local.sums]
+            summed = [tf.identity(t) if p else None for t, p in zip(local.sums, present)]
             if self.average_aggregated_gradients:
-                summed = [s / tf.cast(n, s.dtype) for s in summed]
+                summed = [None if s is None else s / tf.cast(n, s.dtype) for s in summed]
             _SparseOptimizer.apply(self, summed, trainable_variables)
             for total in local.sums:
                 total.assign(tf.zeros_like(total))
