@@ -3,11 +3,14 @@ shows examples, and launchers are found next to the running Python (a venv need 
 
 Building a command line needs no MPI job; one real launch (under the MPI lock) checks that a
 ``-x`` given to tfsparse-run reaches every rank."""
+import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -204,6 +207,26 @@ def test_run_with_restarts_relaunches_a_failed_job_up_to_n_times(capsys, codes, 
 def test_an_interrupted_job_is_not_relaunched(capsys):
     assert run.run_with_restarts(lambda: 130, 5, interrupted=lambda: True) == 130
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("banner", ["once", "all"])
+def test_a_signal_while_a_restart_starts_ends_the_new_job(monkeypatch, banner):
+    """Ctrl-C (here SIGTERM) after the previous job ended, while the next one starts: passed on to
+    the new job as soon as it runs, which ends at once (before, it ran to its end unsignalled)."""
+    job = run._Launcher()
+    job.child = subprocess.Popen(["true"])  # the previous job, ended
+    job.child.wait()
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):  # the signal lands after run()'s check, before the new child exists
+        job._forward(signal.SIGTERM, None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run.subprocess, "Popen", popen)
+    start = time.monotonic()
+    code = job.run(["sleep", "60"], {**os.environ, "TFSPARSE_TF_BANNER": banner})
+    assert code == 128 + signal.SIGTERM and time.monotonic() - start < 30
+    assert job.interrupted and job.run(["sleep", "60"], dict(os.environ)) == 130  # no restart
 
 
 def _failing_mpirun(folder, fails):

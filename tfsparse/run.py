@@ -449,13 +449,32 @@ class _Launcher:
     def __init__(self):
         self.child: subprocess.Popen | None = None
         self.interrupted = False
+        self._signal = signal.SIGINT  # the last signal that came
+        self._told: subprocess.Popen | None = None  # the last child a signal was passed on to
+        self._starting = False
 
     def _forward(self, signum, _frame):
-        self.interrupted = True
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)
-        elif self.child is None:
+        self.interrupted, self._signal = True, signum
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+            self._told = child
+        elif child is None and not self._starting:
             raise KeyboardInterrupt
+
+    def _start(self, cmd: list[str], env: dict, **kwargs) -> subprocess.Popen:
+        """Starts ``cmd``; a signal that came while it started (the previous job ended, this one
+        not yet running) is passed on to it at once, so that a Ctrl-C between two restarts ends
+        the new job rather than being lost."""
+        self._starting = True
+        try:
+            self.child = child = subprocess.Popen(cmd, env=env, **kwargs)
+        finally:
+            self._starting = False
+        if self.interrupted and self._told is not child:
+            child.send_signal(self._signal)
+            self._told = child
+        return child
 
     def __enter__(self):
         self._previous = {sig: signal.signal(sig, self._forward) for sig in _FORWARDED}
@@ -471,12 +490,11 @@ class _Launcher:
         if self.interrupted:
             return 130
         if not filtered_stderr(env):
-            self.child = subprocess.Popen(cmd, env=env)
-            code = wait_for_launcher(self.child)
+            code = wait_for_launcher(self._start(cmd, env))
             return 128 - code if code < 0 else code
         read, write = os.pipe()
         try:
-            self.child = subprocess.Popen(cmd, env=env, stderr=write)
+            self._start(cmd, env, stderr=write)
         except BaseException:
             os.close(read)
             raise
