@@ -57,6 +57,15 @@ def _check(results, P, backend):
                f"got shapes [{shapes}]")
         assert e["shapes"] == f"ValueError: {why}"
         assert e["shapes_graph"].startswith("InvalidArgumentError: ") and why in e["shapes_graph"], e["shapes_graph"]
+        ranks = ", ".join(f"rank {q}: float32 [{q + 1}]" for q in range(P))
+        assert e["reduce_shapes"] == f"ValueError: allreduce: every rank's tensor must have the same shape and " \
+                                     f"dtype; got {ranks}"
+        assert e["reduce_dtypes"].endswith("got rank 0: float64 [2], " +
+                                           ", ".join(f"rank {q}: float32 [2]" for q in range(1, P))), e["reduce_dtypes"]
+        assert e["gather_dtypes"] == "ValueError: allgather: every rank's tensor must have the same dtype; got " + \
+            ", ".join(f"rank {q}: {'int32' if q == 1 else 'int64'}" for q in range(P))
+        assert e["bcast_shapes"].startswith("ValueError: broadcast: ") and f"rank {P - 1}: float32 [1, {P}]" in \
+            e["bcast_shapes"], e["bcast_shapes"]
         assert e["after_shapes"] == [float(q) for q in range(P)]
         # the custom loop (DistributedGradientTape, variables broadcast after the first batch):
         # the same weights and optimizer state on every rank, the loss falling, the tape's

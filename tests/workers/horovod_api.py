@@ -197,6 +197,10 @@ def shapes_error() -> str:
 
 errors["shapes"] = error_of(lambda: hvd.allgather(tf.zeros([2, r + 1])))  # eagerly: the ValueError itself
 errors["shapes_graph"] = shapes_error()
+errors["reduce_shapes"] = error_of(lambda: hvd.allreduce(tf.zeros([r + 1])))
+errors["reduce_dtypes"] = error_of(lambda: hvd.allreduce(tf.zeros([2], tf.float64 if r == 0 else tf.float32)))
+errors["gather_dtypes"] = error_of(lambda: hvd.allgather(tf.zeros([r + 1], tf.int32 if r == 1 else tf.int64)))
+errors["bcast_shapes"] = error_of(lambda: hvd.broadcast(tf.zeros([1, r + 1]), root_rank=0))
 errors["after_shapes"] = hvd.allgather(tf.constant([float(r)])).numpy().tolist()  # still in step
 hvd.shutdown()
 after_shutdown = error_of(hvd.size)

@@ -13,8 +13,9 @@ function run in the order they were written, on every rank), with Horovod's grad
 (``allreduce``'s is the allreduce of the gradient; ``allgather``'s the average of the gradient's
 rows of this rank; ``broadcast``'s the average on the root rank, zero elsewhere).  Every rank
 must make the same calls in the same order: unlike Horovod, which matches the ranks' tensors by
-name and says when their shapes differ, tfsparse matches them by order (``allgather`` checks the
-shapes; ``allreduce`` and ``broadcast`` do not).  Python objects travel with
+name, tfsparse matches them by order; as Horovod, each collective first checks that the ranks'
+tensors agree in dtype and shape (``allgather``'s after the first dimension) and raises the same
+``ValueError`` on every rank where they do not.  Python objects travel with
 ``broadcast_object`` and ``allgather_object``; Horovod's questions about the build
 (``mpi_built()``, ``nccl_built()``, ...) are answered for tfsparse (:mod:`.basics`).
 
@@ -309,9 +310,24 @@ def _ordered(fn, inputs, dtypes):
     return out
 
 
+def _check_same(what: str, x: np.ndarray, shape: bool = True) -> None:
+    """Collective: the same ValueError on every rank when the ranks' tensors differ in dtype (or
+    in shape, with ``shape``), as Horovod's "Mismatched ..." errors, before a collective that
+    would mix them up (MPI would truncate, read past the end, or wait forever)."""
+    comm = runtime.communicator()
+    if comm.size == 1:
+        return
+    mine = np.frombuffer((x.dtype.name + (f" {list(x.shape)}" if shape else "")).encode(), np.uint8)
+    theirs = [bytes(np.asarray(p, np.uint8)).decode() for p in comm.allgather(mine)]
+    if len(set(theirs)) > 1:
+        raise ValueError(f"{what}: every rank's tensor must have the same {'shape and dtype' if shape else 'dtype'}; "
+                         "got " + ", ".join(f"rank {q}: {t}" for q, t in enumerate(theirs)))
+
+
 def _np_allreduce(x: np.ndarray, op: int, prescale: float, postscale: float) -> np.ndarray:
     comm = runtime.communicator()
     x = np.asarray(x)
+    _check_same("allreduce", x)
     dtype = x.dtype
     # float16 is summed in float32 (MPI has no float16 type) and rounded once
     work = x.astype(np.float32) if dtype == np.float16 else x
@@ -366,7 +382,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
     Raises:
       ValueError: an op not provided (Adasum, Product), ``op`` and ``average`` both given, or
-        a ``tf.IndexedSlices`` with Min, Max or a scale factor; before :func:`init`.
+        a ``tf.IndexedSlices`` with Min, Max or a scale factor; before :func:`init`; ranks whose
+        tensors differ in shape or dtype (on every rank, naming every rank's; inside a
+        ``tf.function`` TensorFlow raises it as a ``tf.errors.InvalidArgumentError``).
     """
     op = _resolve_op(op, average)
     _check_process_set(process_set)
@@ -390,6 +408,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 def _np_allgather(x: np.ndarray):
     comm = runtime.communicator()
     x = np.asarray(x)
+    _check_same("allgather", x, shape=False)  # its first dimension may differ
     shapes = comm.allgather(np.array(x.shape, np.int64))
     rest = [tuple(int(d) for d in s[1:]) for s in shapes]
     if len({len(s) for s in shapes}) != 1 or len(set(rest)) != 1:
@@ -445,6 +464,7 @@ def _gather(tensor):
 def _np_broadcast(x: np.ndarray, root: int) -> np.ndarray:
     comm = runtime.communicator()
     x = np.asarray(x)
+    _check_same("broadcast", x)
     return np.asarray(comm.bcast(x if comm.rank == root else None, root=root, shape=x.shape, dtype=x.dtype))
 
 
@@ -464,7 +484,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
       ``root_rank``'s tensor.
 
     Raises:
-      ValueError: ``root_rank`` not a rank of the job; before :func:`init`.
+      ValueError: ``root_rank`` not a rank of the job; before :func:`init`; ranks whose tensors
+        differ in shape or dtype (on every rank, naming every rank's; inside a ``tf.function``
+        TensorFlow raises it as a ``tf.errors.InvalidArgumentError``).
     """
     _check_process_set(process_set)
     root = _check_root(root_rank)
@@ -506,7 +528,9 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
       None eagerly; inside a ``tf.function``, the group of assignments (an op to run).
 
     Raises:
-      ValueError: ``root_rank`` not a rank of the job; before :func:`init`.
+      ValueError: ``root_rank`` not a rank of the job; before :func:`init`; ranks whose variables
+        differ in shape or dtype (on every rank: eagerly a ``tfsparse.ConfigurationMismatch``,
+        inside a ``tf.function`` TensorFlow's ``tf.errors.InvalidArgumentError``).
     """
     _check_process_set(process_set)
     root = _check_root(root_rank)
