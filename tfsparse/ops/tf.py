@@ -31,14 +31,29 @@ _PATH: list = [None]  # chosen lazily (first exchange built), or by set_path
 PATHS = ("cpu", "cuda")
 
 
-def _default_path() -> str:
-    if not tf.config.list_logical_devices("GPU"):
-        return "cpu"
+def cuda_usable() -> bool:
+    """Whether the ``"cuda"`` path can run here: the machine has a GPU TensorFlow can use and
+    ``numba.cuda`` imports and finds one (a driver that fails to load counts as none).  It asks
+    for the physical devices, which does not initialize TensorFlow's runtime (a script may still
+    set memory growth or the visible devices after it).
+
+    Returns:
+      True when the CUDA kernels can run on a GPU here.
+    """
+    if not tf.config.list_physical_devices("GPU"):
+        return False
     try:
         from numba import cuda
     except ImportError:
-        return "cpu"
-    return "cuda" if cuda.is_available() else "cpu"
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # a driver that fails to load: no GPU for the kernels
+        return False
+
+
+def _default_path() -> str:
+    return "cuda" if tf.config.list_logical_devices("GPU") and cuda_usable() else "cpu"
 
 
 def set_path(path: str | None) -> None:

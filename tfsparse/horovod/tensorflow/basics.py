@@ -87,19 +87,15 @@ def nccl_built() -> int:
 
 
 def cuda_built() -> bool:
-    """Whether tfsparse can run its kernels on a CUDA GPU here (numba-cuda imports and sees a GPU).
+    """Whether tfsparse can run its kernels on a CUDA GPU here: TensorFlow sees a GPU and numba-cuda
+    imports and finds one (:func:`tfsparse.ops.tf.cuda_usable`, the test behind the default path).
 
     Returns:
       True when the CUDA kernels can run.
     """
-    try:
-        from numba import cuda
-    except ImportError:
-        return False
-    try:
-        return bool(cuda.is_available())
-    except Exception:  # a driver that fails to load: no GPU for the kernels
-        return False
+    from ...ops import tf as ops_tf
+
+    return ops_tf.cuda_usable()
 
 
 def _never(name: str, what: str):
