@@ -18,11 +18,28 @@ from .ownership import checkpointer_of
 from .sync import average_moving_statistics_off_strategy, run_on_model
 
 
-def _complete(path) -> bool:
-    """Whether ``path`` exists and is a complete file (:func:`tfsparse.files.check_saved_file`)."""
+_ATTRIBUTE = "tfsparse.backup"  # the HDF5 attribute of a backup file that holds the progress (JSON)
+
+
+def _progress(path) -> dict:
+    """The training progress a backup file holds: the file complete
+    (:func:`tfsparse.files.check_saved_file`) and its progress attribute readable.
+
+    Raises:
+      OSError, ValueError or KeyError: a missing, truncated or unreadable file, or no progress in it.
+    """
+    files.check_saved_file(path)
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs[_ATTRIBUTE])
+
+
+def _usable(path) -> bool:
+    """Whether ``path`` is a backup a restart could resume from (:func:`_progress` reads it)."""
     try:
-        files.check_saved_file(path)
-    except (FileNotFoundError, files.TruncatedFile):
+        _progress(path)
+    except (OSError, ValueError, KeyError):
         return False
     return True
 
@@ -102,7 +119,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     LATEST = "latest.weights.h5"
     PREVIOUS = "previous.weights.h5"
-    ATTRIBUTE = "tfsparse.backup"
+    ATTRIBUTE = _ATTRIBUTE
     """The HDF5 attribute of the backup file that holds the training progress (JSON)."""
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True,
@@ -143,11 +160,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if not os.path.exists(path):
                 continue
             try:
-                files.check_saved_file(path)
-                import h5py
-
-                with h5py.File(path, "r") as f:
-                    progress = json.loads(f.attrs[self.ATTRIBUTE])
+                progress = _progress(path)
             except (OSError, ValueError, KeyError) as e:
                 errors.append(f"{path}: {e}")
                 continue
@@ -257,7 +270,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.save_weights(str(tmp))
             with h5py.File(tmp, "a") as f:
                 f.attrs[self.ATTRIBUTE] = json.dumps(progress)
-            if self.double_checkpoint and _complete(latest):  # a damaged one (the run resumed from the previous
+            if self.double_checkpoint and _usable(latest):  # a damaged one (the run resumed from the previous
                 os.replace(latest, self._path(self.PREVIOUS))  # one) does not replace it; a crash now: previous
 
     # -- the end of a successful fit ------------------------------------------
